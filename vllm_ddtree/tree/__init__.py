@@ -1,0 +1,34 @@
+"""Draft-tree core: build, score, budget, compile, verify. Pure PyTorch, batched, device-agnostic.
+
+No vLLM imports here: the same code serves the reference decoder, the CPU engine and the GPU path.
+"""
+
+from .budget import (
+    PROFILES,
+    BudgetPlan,
+    CostModel,
+    DeviceProfile,
+    ModelShape,
+    allocate_batch,
+    batch_estimate,
+    choose_budgets,
+    get_profile,
+    node_gains,
+    roofline_seconds,
+)
+from .build import NO_PARENT, DraftTree, PrefixScorer, build_tree, build_tree_reference, check_draft_inputs, topk_per_depth
+from .compile import (
+    FlashInferTreeMask,
+    KVCompaction,
+    TreeBatch,
+    ancestor_mask,
+    apply_compaction_,
+    compaction_plan,
+    compile_tree,
+    dense_attention_mask,
+    flashinfer_tree_mask,
+)
+from .ngram import NGramCounts, NGramModel, NGramScorer, build_corpus_ngram, entropy_adaptive_lambda, windows_of
+from .verify import WalkResult, greedy_tokens, sample_tokens, walk_tree
+
+__all__ = [name for name in dir() if not name.startswith("_")]

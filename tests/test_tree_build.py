@@ -1,0 +1,201 @@
+"""The tree builder: optimality against brute force, identical implementations, prefix-closure."""
+
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm_ddtree.tree import NGramModel, build_tree, build_tree_reference, topk_per_depth
+from vllm_ddtree.tree.build import NO_PARENT
+
+
+def brute_force(top_logp, top_ids, budget, scorer=None, tail=None, lam=0.0, row=0):
+    """All prefixes of one request, scored in float32 like the builders, ordered by the documented key."""
+    _, depth, k = top_logp.shape
+    nodes = []  # (neg_score, depth, nested_key, path, q)
+
+    def expand(path, score, q, key, hist, d):
+        if d == depth:
+            return
+        tok = top_logp[row, d]
+        if scorer is not None:
+            h = torch.tensor(hist).view(1, 1, -1)
+            rho = scorer.log_rho(h, top_ids[row, d].view(1, 1, k), torch.tensor([row])).view(k)
+            tok = tok + torch.tensor(lam, dtype=torch.float32) * rho
+        child = score + tok
+        for j in range(k):
+            s = float(child[j])
+            if not math.isfinite(s):
+                continue
+            t = int(top_ids[row, d, j])
+            ck = (-s, key, j)
+            p = path + (t,)
+            nodes.append((-s, d + 1, ck, p))
+            expand(p, child[j], None, ck, (hist + [t])[len(hist) and 1 :] if scorer else [], d + 1)
+
+    expand((), torch.zeros((), dtype=torch.float32), None, (), tail[row].tolist() if tail is not None else [], 0)
+    nodes.sort(key=lambda x: (x[0], x[1], x[2]))
+    return [p for _, _, _, p in nodes[:budget]]
+
+
+def tree_paths(tree, row):
+    paths = []
+    for i in range(int(tree.num_nodes[row])):
+        p = int(tree.parents[row, i])
+        paths.append((paths[p] if p != NO_PARENT else ()) + (int(tree.tokens[row, i]),))
+    return paths
+
+
+def marginals(seed, r, depth, vocab, ties=False):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(r, depth, vocab, generator=g) * 2
+    if ties:  # coarse logits: many exactly equal scores, to exercise tie-breaking
+        logits = logits.round()
+    return topk_per_depth(logits, vocab)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    depth=st.integers(1, 4),
+    vocab=st.integers(1, 5),
+    budget=st.integers(1, 40),
+    ties=st.booleans(),
+)
+def test_builders_equal_brute_force(seed, depth, vocab, budget, ties):
+    lp, ids = marginals(seed, 2, depth, vocab, ties)
+    fast = build_tree(lp, ids, budget)
+    ref = build_tree_reference(lp, ids, budget)
+    for name in ("tokens", "parents", "depths", "valid", "num_nodes"):
+        assert torch.equal(getattr(fast, name), getattr(ref, name)), name
+    for row in range(2):
+        assert tree_paths(fast, row) == brute_force(lp, ids, budget, row=row)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    depth=st.integers(1, 4),
+    vocab=st.integers(2, 5),
+    budget=st.integers(1, 30),
+    lam=st.sampled_from([0.0, 0.2, 1.0, 3.0]),
+    ties=st.booleans(),
+)
+def test_builders_equal_brute_force_with_ngram_scores(seed, depth, vocab, budget, lam, ties):
+    lp, ids = marginals(seed, 2, depth, vocab, ties)
+    g = torch.Generator().manual_seed(seed + 1)
+    model = NGramModel(vocab, order=3)
+    for slot in (3, 7):
+        model.observe(slot, torch.randint(0, vocab, (12,), generator=g))
+    scorer = model.scorer([3, 7])
+    tail = model.context_tail([3, 7])
+    fast = build_tree(lp, ids, budget, scorer=scorer, context_tail=tail, lam=lam)
+    ref = build_tree_reference(lp, ids, budget, scorer=scorer, context_tail=tail, lam=lam)
+    for name in ("tokens", "parents", "depths", "valid"):
+        assert torch.equal(getattr(fast, name), getattr(ref, name)), name
+    for row in range(2):
+        assert tree_paths(fast, row) == brute_force(lp, ids, budget, scorer, tail, lam, row=row)
+
+
+def test_ngram_rescoring_changes_the_tree_towards_the_context():
+    # Drafter slightly prefers token 1 after the root; the request has repeated "0 2" many times.
+    lp = torch.log(torch.tensor([[[0.3, 0.4, 0.3], [0.34, 0.33, 0.33]]]))
+    ids = torch.arange(3).expand(1, 2, 3).contiguous()
+    lp, order = lp.sort(dim=-1, descending=True)
+    ids = ids.gather(-1, order)
+    model = NGramModel(3, order=3)
+    model.observe(0, [0, 2] * 10 + [0])  # after "... 2 0" comes 2
+    scorer, tail = model.scorer([0]), model.context_tail([0])
+    plain = build_tree(lp, ids, 1)
+    rescored = build_tree(lp, ids, 1, scorer=scorer, context_tail=tail, lam=1.0)
+    assert int(plain.tokens[0, 0]) == 1
+    assert int(rescored.tokens[0, 0]) == 2
+
+
+@pytest.mark.parametrize("budget", [1, 7, 64])
+def test_tree_is_prefix_closed_best_first_and_nested(budget):
+    lp, ids = marginals(0, 4, 6, 50)
+    tree = build_tree(lp, ids, budget)
+    for row in range(4):
+        n = int(tree.num_nodes[row])
+        assert n == min(budget, 50 + 50**2 * 6)
+        assert tree.valid[row, :n].all() and not tree.valid[row, n:].any()
+        for i in range(n):
+            p = int(tree.parents[row, i])
+            assert p < i  # parent before child
+            assert int(tree.depths[row, i]) == (1 if p == NO_PARENT else int(tree.depths[row, p]) + 1)
+        s = tree.scores[row, :n]
+        assert (s[1:] <= s[:-1]).all()  # best-first
+    smaller = build_tree(lp, ids, max(1, budget // 2))
+    m = smaller.max_nodes
+    assert torch.equal(smaller.tokens, tree.tokens[:, :m]) and torch.equal(smaller.parents, tree.parents[:, :m])
+
+
+def test_per_request_budgets_and_static_width():
+    lp, ids = marginals(1, 3, 5, 20)
+    budgets = torch.tensor([1, 9, 30])
+    tree = build_tree(lp, ids, budgets, max_budget=32)
+    assert tree.max_nodes == 32
+    assert tree.num_nodes.tolist() == [1, 9, 30]
+    full = build_tree(lp, ids, 32)
+    for row, b in enumerate(budgets.tolist()):
+        assert torch.equal(tree.tokens[row, :b], full.tokens[row, :b])
+
+
+def test_fewer_prefixes_than_budget_pads():
+    lp, ids = marginals(2, 1, 2, 2)  # only 2 + 4 prefixes exist
+    tree = build_tree(lp, ids, 10)
+    assert tree.max_nodes == 10 and int(tree.num_nodes[0]) == 6
+    ref = build_tree_reference(lp, ids, 10)
+    assert torch.equal(tree.tokens, ref.tokens)
+
+
+def test_zero_probability_tokens_never_enter_the_tree():
+    lp = torch.log(torch.tensor([[[1.0, 0.0, 0.0]]]))
+    ids = torch.tensor([[[0, 1, 2]]])
+    tree = build_tree(lp, ids, 3)
+    assert int(tree.num_nodes[0]) == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(budgets=0), "budget must be >= 1"),
+        (dict(budgets=torch.tensor([1, 2, 3])), r"budgets must have shape \[2\]"),
+        (dict(lam=-0.1, scorer="ngram"), "lambda must be >= 0"),
+        (dict(nan=True), "NaN"),
+        (dict(all_neg_inf=True), "all candidates are -inf"),
+        (dict(logits=True), "log-probabilities"),
+        (dict(ids_shape=True), "must equal top_logp shape"),
+        (dict(scorer="ngram", no_tail=True), "context_tail"),
+    ],
+)
+def test_bad_input_raises_clear_errors(kwargs, match):
+    lp, ids = marginals(3, 2, 3, 4)
+    budgets = kwargs.get("budgets", 4)
+    if kwargs.get("nan"):
+        lp[0, 1, 2] = float("nan")
+    if kwargs.get("all_neg_inf"):
+        lp[1, 2, :] = -math.inf
+    if kwargs.get("logits"):
+        lp = lp + 5
+    if kwargs.get("ids_shape"):
+        ids = ids[:, :2]
+    scorer = tail = None
+    if kwargs.get("scorer"):
+        model = NGramModel(4)
+        scorer = model.scorer([0, 1])
+        tail = None if kwargs.get("no_tail") else model.context_tail([0, 1])
+    for fn in (build_tree, build_tree_reference):
+        with pytest.raises(ValueError, match=match):
+            fn(lp, ids, budgets, scorer=scorer, context_tail=tail, lam=kwargs.get("lam", 0.2))
+
+
+def test_topk_rejects_bad_k_and_empty_vocab():
+    with pytest.raises(ValueError, match="top-k"):
+        topk_per_depth(torch.zeros(1, 2, 5), 6)
+    with pytest.raises(ValueError, match="empty vocabulary"):
+        topk_per_depth(torch.zeros(1, 2, 0), 1)

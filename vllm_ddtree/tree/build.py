@@ -1,0 +1,404 @@
+"""Optimal draft-tree construction from per-depth drafter marginals (DDTree, Algorithm 1).
+
+A DFlash drafter gives, for each depth d = 1..L after the root, a distribution q_d over the vocabulary.
+Under the drafter's factorised model the expected accepted length of a prefix-closed tree is the sum
+of its nodes' prefix probabilities, so the best tree of B nodes is the set of the B highest-scoring
+prefixes. With prefix-aligned rescoring (PRESTO) the score of a token is
+
+    s_d(t | path) = log q_d(t) + lambda_d * log rho(t | last n-1 tokens of the path)
+
+and a prefix scores the sum of its tokens' scores. Every token score is <= 0, so a child never
+outscores its parent and the top-B set stays prefix-closed.
+
+Two implementations return identical trees:
+- `build_tree_reference`: the readable best-first heap of Algorithm 1 (one request at a time, host).
+- `build_tree`: batched depth-wise exact expansion on any device, no host synchronisation.
+  The depth-d members of the global top-B are children of depth-(d-1) members and rank within the
+  top B of the children of the kept depth-(d-1) set; so keeping the best B per depth and then the
+  best B overall is exact, with static shapes.
+
+Candidates: each depth's candidate tokens are the drafter's top-K at that depth (`topk_per_depth`);
+the tree is exact over prefixes built from those candidates (K >= B makes it exact over all prefixes
+when there is no rescoring, since only the top-B tokens of a depth can appear in a top-B tree).
+
+Order and ties (identical in both implementations): nodes are returned best-first, i.e. sorted by
+    (-score, depth, within-depth key)   with   within-depth key(x) = (-score(x), key(parent(x)), k(x))
+where k is the token's candidate rank at its depth. Best-first order is parent-before-child, and the
+first N nodes of a tree of budget B are exactly the tree of budget N.
+
+Parent convention: `parents[r, i] == -1` means node i hangs off the root (the token committed last);
+otherwise it is the index of the parent node in the same row.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+NO_PARENT = -1
+
+
+class PrefixScorer(Protocol):
+    """A prefix-conditioned token model rho used to rescore draft tokens (see `ngram.py`)."""
+
+    order: int  # n: rho conditions on the n-1 previous tokens
+
+    def log_rho(self, history: Tensor, tokens: Tensor, rows: Tensor | None = None) -> Tensor:
+        """history [R', F, n-1] (oldest first, -1 = no token), tokens [R', F, K] -> log rho [R', F, K], <= 0.
+
+        rows [R']: which of the batch's requests these are (default: all R, in order).
+        """
+        ...
+
+
+@dataclass
+class DraftTree:
+    """A batch of draft trees, nodes best-first (parent before child), padded to the largest budget.
+
+    tokens      [R, B] int64  token id of each node (0 where not valid)
+    parents     [R, B] int64  index of the parent node, NO_PARENT (-1) for children of the root
+    depths      [R, B] int64  1..L (the root, depth 0, is not a node)
+    scores      [R, B] float  cumulative tree score (drafter log-prob + weighted n-gram term)
+    draft_logp  [R, B] float  cumulative drafter log-probability of the prefix (no rescoring)
+    valid       [R, B] bool   node exists (within the request's budget and of finite score)
+    num_nodes   [R]    int64  number of valid nodes; valid nodes are exactly the first num_nodes
+    """
+
+    tokens: Tensor
+    parents: Tensor
+    depths: Tensor
+    scores: Tensor
+    draft_logp: Tensor
+    valid: Tensor
+    num_nodes: Tensor
+    max_depth: int
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def max_nodes(self) -> int:
+        return self.tokens.shape[1]
+
+    def truncate(self, budgets: Tensor | int) -> "DraftTree":
+        """The best-`budgets[r]` subtree of each request (a prefix of the best-first order)."""
+        budgets = _budget_tensor(budgets, self.batch_size, self.tokens.device)
+        keep = self.valid & (torch.arange(self.max_nodes, device=self.tokens.device)[None, :] < budgets[:, None])
+        return DraftTree(
+            tokens=torch.where(keep, self.tokens, 0),
+            parents=torch.where(keep, self.parents, NO_PARENT),
+            depths=torch.where(keep, self.depths, 0),
+            scores=torch.where(keep, self.scores, -math.inf),
+            draft_logp=torch.where(keep, self.draft_logp, -math.inf),
+            valid=keep,
+            num_nodes=keep.sum(dim=1),
+            max_depth=self.max_depth,
+        )
+
+
+def topk_per_depth(logits: Tensor, k: int, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+    """Drafter logits [R, L, V] -> (log-probs [R, L, k] sorted descending, token ids [R, L, k]).
+
+    The candidates of each depth for `build_tree`. Runs on the logits' device.
+    """
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be [requests, depths, vocab], got shape {tuple(logits.shape)}")
+    vocab = logits.shape[-1]
+    if vocab == 0:
+        raise ValueError("logits have an empty vocabulary dimension")
+    if not 1 <= k <= vocab:
+        raise ValueError(f"top-k must be in [1, vocab={vocab}], got {k}")
+    if temperature <= 0:
+        raise ValueError(f"drafter temperature must be > 0, got {temperature}")
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    top_logp, top_ids = torch.topk(logp, k, dim=-1, sorted=True)
+    return top_logp, top_ids
+
+
+def _budget_tensor(budgets: Tensor | int, num_requests: int, device: torch.device) -> Tensor:
+    if isinstance(budgets, int):
+        return torch.full((num_requests,), budgets, dtype=torch.int64, device=device)
+    budgets = torch.as_tensor(budgets, device=device).to(torch.int64)
+    if budgets.shape != (num_requests,):
+        raise ValueError(f"budgets must have shape [{num_requests}], got {tuple(budgets.shape)}")
+    return budgets
+
+
+def _lambda_tensor(lam: float | Tensor, num_requests: int, depth: int, device: torch.device) -> Tensor:
+    if isinstance(lam, (int, float)):
+        if lam < 0 or math.isnan(lam):
+            raise ValueError(f"n-gram weight lambda must be >= 0, got {lam}")
+        return torch.full((num_requests, depth), float(lam), device=device)
+    lam = torch.as_tensor(lam, device=device, dtype=torch.float32)
+    if lam.dim() == 1 and lam.shape[0] == depth:
+        lam = lam[None, :].expand(num_requests, depth)
+    if lam.shape != (num_requests, depth):
+        raise ValueError(f"lambda must be a float, [depths] or [requests, depths]; got {tuple(lam.shape)}")
+    return lam
+
+
+def check_draft_inputs(
+    top_logp: Tensor,
+    top_ids: Tensor,
+    budgets: Tensor | int,
+    context_tail: Tensor | None = None,
+    scorer: PrefixScorer | None = None,
+    lam: float | Tensor = 0.0,
+    check_values: bool = True,
+) -> None:
+    """Raise ValueError naming what to change if the builder's inputs are malformed.
+
+    Shape checks are free; `check_values` also inspects values (NaN, all -inf rows, budget < 1,
+    lambda < 0), which needs a device-to-host copy: the engine's hot path skips it because its
+    inputs come from log_softmax of the drafter.
+    """
+    if top_logp.dim() != 3:
+        raise ValueError(f"top_logp must be [requests, depths, k], got shape {tuple(top_logp.shape)}")
+    if top_ids.shape != top_logp.shape:
+        raise ValueError(f"top_ids shape {tuple(top_ids.shape)} must equal top_logp shape {tuple(top_logp.shape)}")
+    if top_logp.shape[1] == 0 or top_logp.shape[2] == 0:
+        raise ValueError(f"need at least one depth and one candidate per depth, got shape {tuple(top_logp.shape)}")
+    if top_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"top_ids must be an integer tensor, got {top_ids.dtype}")
+    r = top_logp.shape[0]
+    b = _budget_tensor(budgets, r, top_logp.device)
+    if scorer is not None:
+        if context_tail is None:
+            raise ValueError("a prefix scorer needs context_tail: the last n-1 committed tokens (root last)")
+        if context_tail.shape != (r, scorer.order - 1):
+            raise ValueError(
+                f"context_tail must be [requests={r}, n-1={scorer.order - 1}], got {tuple(context_tail.shape)}"
+            )
+    lam_t = _lambda_tensor(lam, r, top_logp.shape[1], top_logp.device)
+    if not check_values:
+        return
+    if bool((b < 1).any()):
+        raise ValueError(f"every tree budget must be >= 1, got {b.tolist()}")
+    if bool(torch.isnan(top_logp).any()):
+        raise ValueError("drafter log-probabilities contain NaN; check the drafter's logits")
+    if bool((top_logp > 1e-4).any()):
+        raise ValueError("top_logp must be log-probabilities (<= 0); pass log_softmax output, not logits")
+    dead = torch.isneginf(top_logp).all(dim=-1)
+    if bool(dead.any()):
+        rows = dead.nonzero().tolist()
+        raise ValueError(f"all candidates are -inf at (request, depth) {rows[:4]}; the drafter gave no usable token")
+    if bool((lam_t < 0).any()) or bool(torch.isnan(lam_t).any()):
+        raise ValueError("n-gram weight lambda must be >= 0 everywhere")
+
+
+def build_tree(
+    top_logp: Tensor,
+    top_ids: Tensor,
+    budgets: Tensor | int,
+    *,
+    max_budget: int | None = None,
+    scorer: PrefixScorer | None = None,
+    context_tail: Tensor | None = None,
+    lam: float | Tensor = 0.0,
+    validate: bool = True,
+) -> DraftTree:
+    """Best `budgets[r]` prefixes per request, batched and on device (no host synchronisation).
+
+    top_logp, top_ids: [R, L, K] from `topk_per_depth` (log-probs sorted descending per depth).
+    budgets: int or [R]; `max_budget` (static, defaults to the int budget or K*L-bounded max) fixes
+      the padded width B so shapes do not depend on values; pass it in the engine to avoid a sync.
+    scorer, context_tail [R, n-1], lam (float, [L] or [R, L]): optional prefix-aligned rescoring.
+    validate: check inputs (see `check_draft_inputs`; value checks synchronise).
+    """
+    check_draft_inputs(top_logp, top_ids, budgets, context_tail, scorer, lam, check_values=validate)
+    device = top_logp.device
+    r, depth, k = top_logp.shape
+    budgets_t = _budget_tensor(budgets, r, device)
+    if max_budget is None:
+        max_budget = budgets if isinstance(budgets, int) else int(budgets_t.max())
+    b = max_budget
+    lam_t = _lambda_tensor(lam, r, depth, device) if scorer is not None else None
+    hist_len = scorer.order - 1 if scorer is not None else 0
+    top_logp = top_logp.float()
+    top_ids = top_ids.long()
+
+    # The kept frontier at the previous depth; depth 0 is the root alone.
+    front_score = torch.zeros(r, 1, device=device)
+    front_q = torch.zeros(r, 1, device=device)
+    front_hist = context_tail.long()[:, None, :] if scorer is not None else None  # [R, F, n-1]
+
+    per_depth = []  # (score, q, token, parent-within-previous-depth), each [R, F_d]
+    for d in range(depth):
+        f = front_score.shape[1]
+        tok_score = top_logp[:, d, None, :].expand(r, f, k)
+        if scorer is not None:
+            cand_tokens = top_ids[:, d, None, :].expand(r, f, k)
+            rho = scorer.log_rho(front_hist, cand_tokens)
+            tok_score = tok_score + lam_t[:, d, None, None] * rho
+        cand_score = (front_score[:, :, None] + tok_score).reshape(r, f * k)
+        cand_q = (front_q[:, :, None] + top_logp[:, d, None, :]).reshape(r, f * k)
+        keep = min(b, f * k)
+        # Stable sort: equal scores keep (parent order, candidate rank) order -> defined tie-breaking.
+        order = torch.sort(cand_score, dim=1, descending=True, stable=True).indices[:, :keep]
+        score = cand_score.gather(1, order)
+        q = cand_q.gather(1, order)
+        parent = torch.div(order, k, rounding_mode="floor")
+        rank = order - parent * k
+        token = top_ids[:, d, :].gather(1, rank)
+        per_depth.append((score, q, token, parent))
+        front_score, front_q = score, q
+        if scorer is not None and hist_len > 0:
+            parent_hist = front_hist.gather(1, parent[:, :, None].expand(r, keep, hist_len))
+            front_hist = torch.cat([parent_hist[:, :, 1:], token[:, :, None]], dim=2)
+
+    # Global best-first selection over all depths (concatenated in depth order; the stable sort
+    # resolves equal scores by depth, then by within-depth order).
+    all_score = torch.cat([s for s, _, _, _ in per_depth], dim=1)
+    all_q = torch.cat([q for _, q, _, _ in per_depth], dim=1)
+    all_token = torch.cat([t for _, _, t, _ in per_depth], dim=1)
+    offsets, parent_cols, depth_cols = [], [], []
+    off = 0
+    for d, (s, _, _, p) in enumerate(per_depth):
+        offsets.append(off)
+        parent_cols.append(torch.full_like(p, NO_PARENT) if d == 0 else p + offsets[d - 1])
+        depth_cols.append(torch.full_like(p, d + 1))
+        off += s.shape[1]
+    all_parent = torch.cat(parent_cols, dim=1)  # index into the concatenation, -1 = root
+    all_depth = torch.cat(depth_cols, dim=1)
+    total = all_score.shape[1]
+    width = min(b, total)
+    sel = torch.sort(all_score, dim=1, descending=True, stable=True).indices[:, :width]
+
+    final_pos = torch.full((r, total), NO_PARENT, dtype=torch.int64, device=device)
+    final_pos.scatter_(1, sel, torch.arange(width, device=device).expand(r, width))
+    sel_parent = all_parent.gather(1, sel)
+    parents = torch.where(sel_parent >= 0, final_pos.gather(1, sel_parent.clamp(min=0)), NO_PARENT)
+    scores = all_score.gather(1, sel)
+    valid = torch.isfinite(scores) & (torch.arange(width, device=device)[None, :] < budgets_t[:, None])
+    tree = DraftTree(
+        tokens=torch.where(valid, all_token.gather(1, sel), 0),
+        parents=torch.where(valid, parents, NO_PARENT),
+        depths=torch.where(valid, all_depth.gather(1, sel), 0),
+        scores=torch.where(valid, scores, -math.inf),
+        draft_logp=torch.where(valid, all_q.gather(1, sel), -math.inf),
+        valid=valid,
+        num_nodes=valid.sum(dim=1),
+        max_depth=depth,
+    )
+    if width < b:  # fewer candidate prefixes than the budget: pad to the static width
+        tree = _pad_tree(tree, b)
+    return tree
+
+
+def _pad_tree(tree: DraftTree, width: int) -> DraftTree:
+    extra = width - tree.max_nodes
+
+    def pad(x: Tensor, value: float | int | bool) -> Tensor:
+        return torch.cat([x, torch.full((x.shape[0], extra), value, dtype=x.dtype, device=x.device)], dim=1)
+
+    return DraftTree(
+        tokens=pad(tree.tokens, 0),
+        parents=pad(tree.parents, NO_PARENT),
+        depths=pad(tree.depths, 0),
+        scores=pad(tree.scores, -math.inf),
+        draft_logp=pad(tree.draft_logp, -math.inf),
+        valid=pad(tree.valid, False),
+        num_nodes=tree.num_nodes,
+        max_depth=tree.max_depth,
+    )
+
+
+def build_tree_reference(
+    top_logp: Tensor,
+    top_ids: Tensor,
+    budgets: Tensor | int,
+    *,
+    max_budget: int | None = None,
+    scorer: PrefixScorer | None = None,
+    context_tail: Tensor | None = None,
+    lam: float | Tensor = 0.0,
+) -> DraftTree:
+    """DDTree Algorithm 1 as a best-first heap, one request at a time; same result as `build_tree`.
+
+    Popping a prefix pushes its next sibling (its parent's next child in score order) and its
+    first child. Children of a node are sorted by (score desc, candidate rank), which is the
+    candidate rank itself when there is no rescoring.
+    """
+    check_draft_inputs(top_logp, top_ids, budgets, context_tail, scorer, lam, check_values=True)
+    r, depth, k = top_logp.shape
+    device = top_logp.device
+    budgets_t = _budget_tensor(budgets, r, device)
+    b = max_budget if max_budget is not None else int(budgets_t.max())
+    lam_t = _lambda_tensor(lam, r, depth, device) if scorer is not None else None
+    top_logp = top_logp.float().cpu()
+    top_ids = top_ids.long().cpu()
+    hist_len = scorer.order - 1 if scorer is not None else 0
+
+    out = {name: [] for name in ("tokens", "parents", "depths", "scores", "q")}
+    for row in range(r):
+        budget = int(budgets_t[row])
+        logp_row, ids_row = top_logp[row], top_ids[row]
+
+        def children(score: Tensor, q: Tensor, d: int, hist: list[int]) -> list[tuple]:
+            """Children of a node at depth d (0 = root), sorted best first: (score, q, rank) tensors."""
+            if d >= depth:
+                return []
+            tok_score = logp_row[d]
+            if scorer is not None:
+                h = torch.tensor(hist, dtype=torch.int64, device=device).view(1, 1, hist_len)
+                rows = torch.tensor([row], device=device)
+                rho = scorer.log_rho(h, ids_row[d].to(device).view(1, 1, k), rows).view(k).float().cpu()
+                tok_score = tok_score + lam_t[row, d].cpu() * rho
+            child_score = score + tok_score  # float32, same op order as the batched builder
+            child_q = q + logp_row[d]
+            kids = [(float(child_score[j]), j) for j in range(k) if math.isfinite(float(child_score[j]))]
+            kids.sort(key=lambda sj: (-sj[0], sj[1]))
+            return [(child_score[j], child_q[j], j) for _, j in kids]
+
+        root_hist = context_tail[row].tolist() if scorer is not None else []
+        zero = torch.zeros((), dtype=torch.float32)
+        # Heap entries: (-score, depth, within-depth key, node payload). The payload holds the
+        # sibling list it came from and its position there, so popping it can push the next sibling.
+        heap: list = []
+        tokens, parents, depths, scores, qs = [], [], [], [], []
+
+        def push(siblings: list, pos: int, parent_idx: int, parent_key: tuple, d: int, parent_hist: list[int]):
+            if pos >= len(siblings):
+                return
+            s, q, rank = siblings[pos]
+            key = (-float(s), parent_key, rank)
+            heapq.heappush(heap, (-float(s), d, key, (siblings, pos, parent_idx, parent_key, parent_hist, s, q, rank)))
+
+        push(children(zero, zero, 0, root_hist), 0, NO_PARENT, (), 1, root_hist)
+        while heap and len(tokens) < min(budget, b):
+            _, d, key, (siblings, pos, parent_idx, parent_key, parent_hist, s, q, rank) = heapq.heappop(heap)
+            token = int(ids_row[d - 1, rank])
+            idx = len(tokens)
+            tokens.append(token)
+            parents.append(parent_idx)
+            depths.append(d)
+            scores.append(float(s))
+            qs.append(float(q))
+            push(siblings, pos + 1, parent_idx, parent_key, d, parent_hist)
+            hist = (parent_hist + [token])[-hist_len:] if hist_len else []
+            push(children(s, q, d, hist), 0, idx, key, d + 1, hist)
+        pad = b - len(tokens)
+        out["tokens"].append(tokens + [0] * pad)
+        out["parents"].append(parents + [NO_PARENT] * pad)
+        out["depths"].append(depths + [0] * pad)
+        out["scores"].append(scores + [-math.inf] * pad)
+        out["q"].append(qs + [-math.inf] * pad)
+
+    tokens = torch.tensor(out["tokens"], dtype=torch.int64, device=device).view(r, b)
+    depths = torch.tensor(out["depths"], dtype=torch.int64, device=device).view(r, b)
+    return DraftTree(
+        tokens=tokens,
+        parents=torch.tensor(out["parents"], dtype=torch.int64, device=device).view(r, b),
+        depths=depths,
+        scores=torch.tensor(out["scores"], dtype=torch.float32, device=device).view(r, b),
+        draft_logp=torch.tensor(out["q"], dtype=torch.float32, device=device).view(r, b),
+        valid=depths > 0,
+        num_nodes=(depths > 0).sum(dim=1),
+        max_depth=depth,
+    )

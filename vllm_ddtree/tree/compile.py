@@ -1,0 +1,198 @@
+"""Turn draft trees into what a verify forward needs: tokens, positions, masks, KV moves.
+
+Row layout per request (the "verify rows"): row 0 is the root (the token committed last, not yet
+in the KV cache), rows 1..B are the tree's nodes in best-first order. Row i+1 is node i. All rows
+are written to consecutive KV slots context_len + i; attention follows the tree, positions follow
+depth, and after the walk the accepted rows' K/V are moved to consecutive slots (compaction).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .build import NO_PARENT, DraftTree
+
+
+@dataclass
+class TreeBatch:
+    """A batch of compiled trees, padded to 1 + B rows.
+
+    tokens      [R, N] int64  row 0 the root token, then the tree's nodes
+    parents     [R, N] int64  parent row, -1 for the root (and for padding rows)
+    depths      [R, N] int64  0 for the root
+    positions   [R, N] int64  context_len + depth (RoPE positions of the rows)
+    valid       [R, N] bool   row exists; valid rows are exactly the first num_rows
+    num_rows    [R]    int64  1 + number of nodes
+    context_lens [R]   int64  tokens already in the KV cache before the root
+    ancestors   [R, N, N] bool  ancestors[r, i, j]: row i may attend to row j (j is i or an ancestor).
+                Padding rows see only the root and themselves, so no softmax row is empty.
+    max_depth   int          deepest possible node (the drafter's depth count L)
+    """
+
+    tokens: Tensor
+    parents: Tensor
+    depths: Tensor
+    positions: Tensor
+    valid: Tensor
+    num_rows: Tensor
+    context_lens: Tensor
+    ancestors: Tensor
+    max_depth: int
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def max_rows(self) -> int:
+        return self.tokens.shape[1]
+
+
+def compile_tree(tree: DraftTree, root_tokens: Tensor, context_lens: Tensor) -> TreeBatch:
+    """Verify rows for `tree`: root first, positions = context + depth, ancestor-only mask.
+
+    root_tokens [R]: the last committed token of each request; context_lens [R]: tokens before it
+    in the KV cache (so the root's position is context_lens[r]). On device, no host synchronisation.
+    """
+    r, b = tree.tokens.shape
+    if root_tokens.shape != (r,) or context_lens.shape != (r,):
+        raise ValueError(
+            f"root_tokens and context_lens must be [{r}], got {tuple(root_tokens.shape)} and {tuple(context_lens.shape)}"
+        )
+    device = tree.tokens.device
+    n = b + 1
+    ones = torch.ones(r, 1, dtype=torch.bool, device=device)
+    tokens = torch.cat([root_tokens.long().view(r, 1), tree.tokens], dim=1)
+    node_parents = torch.where(tree.valid, tree.parents + 1, NO_PARENT)  # node parent -1 (root) -> row 0
+    parents = torch.cat([torch.full((r, 1), NO_PARENT, dtype=torch.int64, device=device), node_parents], dim=1)
+    depths = torch.cat([torch.zeros(r, 1, dtype=torch.int64, device=device), tree.depths], dim=1)
+    valid = torch.cat([ones, tree.valid], dim=1)
+    positions = context_lens.long().view(r, 1) + depths
+    return TreeBatch(
+        tokens=tokens,
+        parents=parents,
+        depths=depths,
+        positions=positions,
+        valid=valid,
+        num_rows=tree.num_nodes + 1,
+        context_lens=context_lens.long(),
+        ancestors=ancestor_mask(parents, tree.max_depth),
+        max_depth=tree.max_depth,
+    )
+
+
+def ancestor_mask(parents: Tensor, max_depth: int) -> Tensor:
+    """[R, N] parent rows (-1 = none) -> [R, N, N] bool: row i sees itself, its ancestors and row 0.
+
+    Chases parent pointers max_depth times (one gather each) and scatters once: O(R * N * depth)
+    work instead of a closure over N x N.
+    """
+    r, n = parents.shape
+    device = parents.device
+    rows = torch.arange(n, device=device).expand(r, n)
+    chain = [rows]
+    cur = rows
+    for _ in range(max_depth):
+        nxt = parents.gather(1, cur.clamp(min=0))
+        cur = torch.where((cur >= 0) & (nxt >= 0), nxt, -1)
+        chain.append(torch.where(cur >= 0, cur, rows))  # past the root: repeat self (already set)
+    chain.append(torch.zeros_like(rows))  # the root is everyone's ancestor (keeps padding rows non-empty)
+    idx = torch.stack(chain, dim=2)  # [R, N, depth + 2]
+    mask = torch.zeros(r, n, n, dtype=torch.bool, device=device)
+    mask.scatter_(2, idx, True)
+    return mask
+
+
+@dataclass
+class FlashInferTreeMask:
+    """The custom mask `BatchPrefillWithPagedKVCacheWrapper.plan(custom_mask=...)` takes.
+
+    custom_mask  [sum_r qo_len_r * kv_len_r] bool, per request row-major [qo_len, kv_len]
+    mask_indptr  [R + 1] int64  start of each request's block in custom_mask
+    qo_indptr    [R + 1] int64  query rows per request (cumulative), qo_len = num_rows
+    kv_lens      [R]     int64  context_len + qo_len: the full KV length each request attends over
+    Prefix (context) columns are True; the tree part is the ancestor mask. Pass the bool mask, not
+    `packed_custom_mask` (design notes §5: its indptr is element-based and misreads later requests).
+    """
+
+    custom_mask: Tensor
+    mask_indptr: Tensor
+    qo_indptr: Tensor
+    kv_lens: Tensor
+
+
+def flashinfer_tree_mask(batch: TreeBatch) -> FlashInferTreeMask:
+    """Flatten a TreeBatch's masks in FlashInfer's custom-mask layout.
+
+    Sizes depend on values (context lengths), so this reads them on the host: it belongs to the
+    attention metadata build, which FlashInfer's `plan()` already runs on the host once per step.
+    """
+    num_rows = batch.num_rows.cpu()
+    ctx = batch.context_lens.cpu()
+    blocks = []
+    for r in range(batch.batch_size):
+        q, c = int(num_rows[r]), int(ctx[r])
+        tree_part = batch.ancestors[r, :q, :q]
+        prefix = torch.ones(q, c, dtype=torch.bool, device=tree_part.device)
+        blocks.append(torch.cat([prefix, tree_part], dim=1).reshape(-1))
+    sizes = num_rows * (ctx + num_rows)
+    zero = torch.zeros(1, dtype=torch.int64)
+    return FlashInferTreeMask(
+        custom_mask=torch.cat(blocks),
+        mask_indptr=torch.cat([zero, torch.cumsum(sizes, 0)]),
+        qo_indptr=torch.cat([zero, torch.cumsum(num_rows, 0)]),
+        kv_lens=ctx + num_rows,
+    )
+
+
+def dense_attention_mask(batch: TreeBatch, kv_len: int) -> Tensor:
+    """[R, N, kv_len] bool for SDPA over a padded KV of `kv_len` positions (context then rows).
+
+    Row i of request r sees positions < context_len[r] and the rows of its ancestors (stored at
+    context_len[r] + j). Used by the CPU backend and the reference decoder.
+    """
+    r, n = batch.tokens.shape
+    device = batch.tokens.device
+    cols = torch.arange(kv_len, device=device)
+    ctx = batch.context_lens.view(r, 1, 1)
+    prefix = cols.view(1, 1, kv_len) < ctx
+    rel = cols.view(1, 1, kv_len) - ctx  # row index a KV column holds, if in the tree part
+    in_tree = (rel >= 0) & (rel < n)
+    tree_part = batch.ancestors.gather(2, rel.clamp(0, n - 1).expand(r, n, kv_len))
+    return prefix | (in_tree & tree_part)
+
+
+@dataclass
+class KVCompaction:
+    """Logical KV positions to move after a walk: position src -> dst, gather all, then scatter.
+
+    src, dst [R, L]: for accepted depth j (1..k): src = ctx + row(j), dst = ctx + j. Entries past
+    the accepted length are no-ops that copy the root's position onto itself (never a destination),
+    so shapes are static and no mask is needed. Sources are never before destinations.
+    """
+
+    src: Tensor
+    dst: Tensor
+
+
+def compaction_plan(batch: TreeBatch, path_rows: Tensor) -> KVCompaction:
+    """KV moves that make the accepted path contiguous. path_rows [R, L+1] from `walk_tree` (-1 pad)."""
+    r = batch.batch_size
+    ctx = batch.context_lens.view(r, 1)
+    rows = path_rows[:, 1:]
+    depth = torch.arange(1, rows.shape[1] + 1, device=rows.device).view(1, -1)
+    accepted = rows >= 0
+    src = torch.where(accepted, ctx + rows, ctx)
+    dst = torch.where(accepted, ctx + depth, ctx)
+    return KVCompaction(src=src, dst=dst)
+
+
+def apply_compaction_(cache: Tensor, src_slots: Tensor, dst_slots: Tensor) -> None:
+    """Move entries of a flat-slot cache [num_slots, ...] in place: cache[dst] = cache[src] (gather first)."""
+    src = src_slots.reshape(-1)
+    dst = dst_slots.reshape(-1)
+    moved = cache.index_select(0, src)
+    cache.index_copy_(0, dst, moved)

@@ -1,0 +1,332 @@
+"""Prefix-aligned scoring (PRESTO): an n-gram model rho that rescores draft tokens by their path.
+
+The drafter's marginals q_d are blind to which tokens precede a node; rho(t | previous n-1 tokens)
+is not. Token score = log q_d(t) + lambda_d * log rho(t | c), lambda default 0.2, n default 3.
+
+Counts live on the device as sorted int64 keys, so a lookup for a whole [R, F, K] candidate block is
+one `searchsorted` per order with no host synchronisation. Keys pack (namespace, context tokens,
+token) in mixed radix (vocab + 1); when that exceeds 63 bits (n >= 4 with a large vocabulary) it
+wraps and acts as a hash, which only perturbs scores, never the target's output.
+
+Two sources, mixed: an online table per request (namespace = the request's slot), fed with the
+prompt and every committed token, which catches the repetition typical of code and quoting; and an
+optional corpus table (namespace 0) loaded from a file built by `build_corpus_ngram`.
+
+rho uses "stupid backoff" (Brants et al. 2007): the longest context seen with this token gives
+count(c, t) / count(c), each back-off step multiplies by `backoff`, and a floor keeps unseen tokens
+finite (log(floor)) so the rescoring never removes a candidate outright.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+PAD = -1  # "no token" (before the start of a sequence)
+
+
+def _pack(namespace: Tensor, tokens: Tensor, radix: int) -> Tensor:
+    """namespace [...], tokens [..., m] -> int64 keys [...] (mixed radix, wrapping)."""
+    key = namespace.long()
+    for i in range(tokens.shape[-1]):
+        key = key * radix + (tokens[..., i].long() + 1)
+    return key
+
+
+@dataclass
+class NGramCounts:
+    """Sorted n-gram count tables on one device, for orders 1..n (context lengths 0..n-1).
+
+    ngram_keys[m] / ngram_counts[m]: keys of (namespace, m context tokens, token), sorted.
+    context_keys[m] / context_counts[m]: keys of (namespace, m context tokens), sorted.
+    """
+
+    order: int
+    vocab_size: int
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    ngram_keys: list[Tensor] = field(default_factory=list)
+    ngram_counts: list[Tensor] = field(default_factory=list)
+    context_keys: list[Tensor] = field(default_factory=list)
+    context_counts: list[Tensor] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.order < 1:
+            raise ValueError(f"n-gram order must be >= 1, got {self.order}")
+        if self.vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {self.vocab_size}")
+        if not self.ngram_keys:
+            empty = lambda: torch.zeros(0, dtype=torch.int64, device=self.device)  # noqa: E731
+            self.ngram_keys = [empty() for _ in range(self.order)]
+            self.ngram_counts = [empty() for _ in range(self.order)]
+            self.context_keys = [empty() for _ in range(self.order)]
+            self.context_counts = [empty() for _ in range(self.order)]
+
+    @property
+    def radix(self) -> int:
+        return self.vocab_size + 1
+
+    def add(self, namespace: Tensor, windows: Tensor) -> None:
+        """Count n-grams. windows [N, n]: n-1 context tokens (PAD where none) then the token.
+
+        Merging needs `torch.unique`, which synchronises: this runs once per step, not per node.
+        """
+        if windows.dim() != 2 or windows.shape[1] != self.order:
+            raise ValueError(f"windows must be [N, order={self.order}], got {tuple(windows.shape)}")
+        windows = windows.to(self.device).long()
+        namespace = namespace.to(self.device).long().expand(windows.shape[0])
+        for m in range(self.order):  # m = context length
+            ctx = windows[:, self.order - 1 - m : self.order - 1]
+            # A context that reaches before the sequence start is not a real m-token context.
+            real = (ctx >= 0).all(dim=1) if m > 0 else torch.ones_like(namespace, dtype=torch.bool)
+            ng = _pack(namespace, windows[:, self.order - 1 - m :], self.radix)[real]
+            cx = _pack(namespace, ctx, self.radix)[real]
+            self.ngram_keys[m], self.ngram_counts[m] = _merge(self.ngram_keys[m], self.ngram_counts[m], ng)
+            self.context_keys[m], self.context_counts[m] = _merge(self.context_keys[m], self.context_counts[m], cx)
+
+    def drop_namespace(self, namespace: int) -> None:
+        """Forget every count of one namespace (a finished request's slot). Exact while keys don't wrap."""
+        for m in range(self.order):
+            span_ng = self.radix ** (m + 1)
+            span_cx = self.radix**m
+            self.ngram_keys[m], self.ngram_counts[m] = _drop(self.ngram_keys[m], self.ngram_counts[m], namespace, span_ng)
+            self.context_keys[m], self.context_counts[m] = _drop(
+                self.context_keys[m], self.context_counts[m], namespace, span_cx
+            )
+
+    def lookup(self, namespace: Tensor, history: Tensor, tokens: Tensor, m: int) -> tuple[Tensor, Tensor]:
+        """count(c_m, t) and count(c_m) for the last m tokens of history. Shapes: [R,F,K] each."""
+        r, f, k = tokens.shape
+        ns = namespace.to(self.device).long().view(r, 1, 1).expand(r, f, k)
+        ctx = history[:, :, history.shape[2] - m :] if m > 0 else history[:, :, :0]
+        ctx_full = ctx[:, :, None, :].expand(r, f, k, m)
+        ng_key = _pack(ns, torch.cat([ctx_full, tokens[..., None]], dim=-1), self.radix)
+        cx_key = _pack(ns, ctx_full, self.radix)
+        ng = _find(self.ngram_keys[m], self.ngram_counts[m], ng_key)
+        cx = _find(self.context_keys[m], self.context_counts[m], cx_key)
+        if m > 0:  # contexts reaching before the sequence start were never counted at this order
+            real = (ctx_full >= 0).all(dim=-1)
+            ng = torch.where(real, ng, 0)
+            cx = torch.where(real, cx, 0)
+        return ng, cx
+
+    def save(self, path: str | Path) -> None:
+        """Write the tables as safetensors (metadata: order, vocab_size)."""
+        from safetensors.torch import save_file
+
+        tensors = {}
+        for m in range(self.order):
+            tensors[f"ngram_keys.{m}"] = self.ngram_keys[m].cpu()
+            tensors[f"ngram_counts.{m}"] = self.ngram_counts[m].cpu()
+            tensors[f"context_keys.{m}"] = self.context_keys[m].cpu()
+            tensors[f"context_counts.{m}"] = self.context_counts[m].cpu()
+        save_file(tensors, str(path), metadata={"order": str(self.order), "vocab_size": str(self.vocab_size)})
+
+    @classmethod
+    def load(cls, path: str | Path, device: torch.device | str = "cpu") -> "NGramCounts":
+        """Read tables written by `save`."""
+        from safetensors import safe_open
+
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"corpus n-gram file {path} does not exist; build it with `vllm-ddtree build-ngram`")
+        with safe_open(str(path), framework="pt", device=str(device)) as f:
+            meta = f.metadata() or {}
+            if "order" not in meta or "vocab_size" not in meta:
+                raise ValueError(f"{path} is not an n-gram table written by vllm-ddtree (no order/vocab_size metadata)")
+            order, vocab = int(meta["order"]), int(meta["vocab_size"])
+            get = lambda name: f.get_tensor(name)  # noqa: E731
+            return cls(
+                order=order,
+                vocab_size=vocab,
+                device=torch.device(device),
+                ngram_keys=[get(f"ngram_keys.{m}") for m in range(order)],
+                ngram_counts=[get(f"ngram_counts.{m}") for m in range(order)],
+                context_keys=[get(f"context_keys.{m}") for m in range(order)],
+                context_counts=[get(f"context_counts.{m}") for m in range(order)],
+            )
+
+
+def _merge(keys: Tensor, counts: Tensor, new_keys: Tensor) -> tuple[Tensor, Tensor]:
+    if new_keys.numel() == 0:
+        return keys, counts
+    all_keys = torch.cat([keys, new_keys])
+    all_counts = torch.cat([counts, torch.ones_like(new_keys)])
+    uniq, inverse = torch.unique(all_keys, sorted=True, return_inverse=True)
+    merged = torch.zeros_like(uniq).scatter_add_(0, inverse, all_counts)
+    return uniq, merged
+
+
+def _drop(keys: Tensor, counts: Tensor, namespace: int, span: int) -> tuple[Tensor, Tensor]:
+    keep = torch.div(keys, span, rounding_mode="floor") != namespace
+    return keys[keep], counts[keep]
+
+
+def _find(keys: Tensor, counts: Tensor, query: Tensor) -> Tensor:
+    if keys.numel() == 0:
+        return torch.zeros_like(query)
+    query = query.contiguous()
+    idx = torch.searchsorted(keys, query.reshape(-1)).clamp(max=keys.numel() - 1)
+    hit = keys[idx] == query.reshape(-1)
+    return torch.where(hit, counts[idx], 0).view_as(query)
+
+
+def windows_of(tokens: Sequence[int] | Tensor, order: int, history: Sequence[int] | Tensor = ()) -> Tensor:
+    """Every n-gram window [N, n] ending at each of `tokens`, with `history` (earlier tokens) as context."""
+    tokens = torch.as_tensor(tokens, dtype=torch.int64).flatten()
+    hist = torch.as_tensor(history, dtype=torch.int64).flatten()[-(order - 1) :] if order > 1 else torch.zeros(0)
+    hist = hist.long()
+    pad = torch.full((order - 1 - hist.numel(),), PAD, dtype=torch.int64)
+    seq = torch.cat([pad, hist, tokens])
+    return seq.unfold(0, order, 1)[-tokens.numel() :] if tokens.numel() else torch.zeros(0, order, dtype=torch.int64)
+
+
+class NGramModel:
+    """Online per-request n-gram counts (+ optional corpus table) that score draft tokens.
+
+    One instance serves a whole engine: requests are addressed by slot (0 <= slot < max_slots).
+    `observe` feeds committed tokens; `scorer(slots)` gives the `PrefixScorer` for one build.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        order: int = 3,
+        *,
+        floor: float = 1e-4,
+        backoff: float = 0.4,
+        corpus: NGramCounts | str | Path | None = None,
+        corpus_weight: float = 0.5,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if order < 2:
+            raise ValueError(f"n-gram order must be >= 2 (a context of at least one token), got {order}")
+        if not 0 < floor <= 1:
+            raise ValueError(f"n-gram floor must be in (0, 1], got {floor}")
+        if not 0 < backoff <= 1:
+            raise ValueError(f"n-gram backoff must be in (0, 1], got {backoff}")
+        if not 0 <= corpus_weight <= 1:
+            raise ValueError(f"corpus_weight must be in [0, 1], got {corpus_weight}")
+        self.device = torch.device(device)
+        self.order = order
+        self.vocab_size = vocab_size
+        self.floor = floor
+        self.backoff = backoff
+        self.online = NGramCounts(order, vocab_size, self.device)
+        if isinstance(corpus, (str, Path)):
+            corpus = NGramCounts.load(corpus, self.device)
+        if corpus is not None:
+            if corpus.vocab_size != vocab_size:
+                raise ValueError(
+                    f"corpus n-gram table was built for vocab {corpus.vocab_size}, the model has {vocab_size}; "
+                    "rebuild it with the target's tokenizer"
+                )
+            if corpus.order < order:
+                raise ValueError(f"corpus n-gram table has order {corpus.order} < requested order {order}")
+        self.corpus = corpus
+        self.corpus_weight = corpus_weight if corpus is not None else 0.0
+        self._tails: dict[int, list[int]] = {}
+
+    def observe(self, slot: int, tokens: Sequence[int] | Tensor) -> None:
+        """Count the n-grams that `tokens` (appended to the slot's sequence so far) complete."""
+        tokens = torch.as_tensor(tokens, dtype=torch.int64).flatten()
+        if tokens.numel() == 0:
+            return
+        tail = self._tails.get(slot, [])
+        wins = windows_of(tokens, self.order, tail)
+        self.online.add(torch.tensor(slot), wins)
+        self._tails[slot] = (tail + tokens.tolist())[-(self.order - 1) :]
+
+    def release(self, slot: int) -> None:
+        """Forget a finished request's counts so its slot can be reused."""
+        self.online.drop_namespace(slot)
+        self._tails.pop(slot, None)
+
+    def context_tail(self, slots: Sequence[int]) -> Tensor:
+        """[R, n-1] last committed tokens per slot (PAD-filled on the left), for `build_tree`."""
+        rows = []
+        for s in slots:
+            tail = self._tails.get(s, [])
+            rows.append([PAD] * (self.order - 1 - len(tail)) + tail)
+        return torch.tensor(rows, dtype=torch.int64, device=self.device).view(len(rows), self.order - 1)
+
+    def log_rho(self, slots: Tensor, history: Tensor, tokens: Tensor) -> Tensor:
+        """log rho(t | history) [R, F, K] for the requests in `slots` [R]; no host synchronisation."""
+        rho = (1.0 - self.corpus_weight) * self._backoff(self.online, slots, history, tokens)
+        if self.corpus is not None:
+            zero = torch.zeros_like(slots)
+            rho = rho + self.corpus_weight * self._backoff(self.corpus, zero, history, tokens)
+        return torch.log(rho.clamp(min=self.floor))
+
+    def _backoff(self, counts: NGramCounts, slots: Tensor, history: Tensor, tokens: Tensor) -> Tensor:
+        # Longest context first: the first order with count(c, t) > 0 decides; each step down costs
+        # a factor `backoff`.
+        rho = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+        decided = torch.zeros(tokens.shape, dtype=torch.bool, device=tokens.device)
+        factor = 1.0
+        for m in range(self.order - 1, -1, -1):
+            ng, cx = counts.lookup(slots, history, tokens, m)
+            hit = (ng > 0) & ~decided
+            rho = torch.where(hit, factor * ng.float() / cx.clamp(min=1).float(), rho)
+            decided |= hit
+            factor *= self.backoff
+        return rho
+
+    def scorer(self, slots: Sequence[int] | Tensor) -> "NGramScorer":
+        """The `PrefixScorer` for a build over the requests in `slots` (row r = slots[r])."""
+        return NGramScorer(self, torch.as_tensor(slots, dtype=torch.int64, device=self.device))
+
+
+@dataclass
+class NGramScorer:
+    """`PrefixScorer` view of an `NGramModel` bound to one batch's slots."""
+
+    model: NGramModel
+    slots: Tensor
+
+    @property
+    def order(self) -> int:
+        return self.model.order
+
+    def log_rho(self, history: Tensor, tokens: Tensor, rows: Tensor | None = None) -> Tensor:
+        slots = self.slots if rows is None else self.slots[rows]
+        return self.model.log_rho(slots, history, tokens)
+
+
+def entropy_adaptive_lambda(log_probs: Tensor, beta: float = 0.4, c: float = 1.0) -> Tensor:
+    """PRESTO's entropy-adaptive weight lambda_d = beta * H_d / (H_d + c) per request and depth.
+
+    log_probs [R, L, V] (or the top-K slice, which gives a lower bound of the entropy) -> [R, L].
+    A confident drafter (low entropy) leans on its own marginal; an unsure one on the n-gram.
+    """
+    if beta < 0 or c <= 0:
+        raise ValueError(f"entropy-adaptive lambda needs beta >= 0 and c > 0, got beta={beta}, c={c}")
+    p = log_probs.float().exp()
+    ent = -(p * torch.where(p > 0, log_probs.float(), 0.0)).sum(dim=-1)
+    return beta * ent / (ent + c)
+
+
+def build_corpus_ngram(
+    texts: Iterable[str], tokenizer, order: int = 3, vocab_size: int | None = None, chunk: int = 256
+) -> NGramCounts:
+    """Count the n-grams of `texts` tokenized with the target's tokenizer into a corpus table."""
+    vocab_size = vocab_size or len(tokenizer)
+    table = NGramCounts(order, vocab_size)
+    batch: list[Tensor] = []
+    pending = 0
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not ids:
+            continue
+        batch.append(windows_of(ids, order))
+        pending += len(ids)
+        if pending >= chunk * 1024:
+            table.add(torch.tensor(0), torch.cat(batch))
+            batch, pending = [], 0
+    if batch:
+        table.add(torch.tensor(0), torch.cat(batch))
+    return table
+

@@ -1,0 +1,94 @@
+"""Lossless verification: walk the tree with the target's own token at every row.
+
+For every verify row the target gives the distribution of the next token after that row's path.
+Take one token per row — the argmax (greedy) or one draw from the target's processed distribution
+(sampling) — and walk from the root: while the row's token equals one of its children's tokens,
+accept that child and continue from it. The walk emits the target's token of every row it visits,
+so the first mismatch's token is the bonus. Each emitted token is a target sample given exactly
+its ancestors, so the output has the target's distribution (DDTree §4.4); drafter probabilities
+are never needed. All of it is gathers and scatters over [R, N] on the device; no host sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .compile import TreeBatch
+
+PAD_TOKEN = -1
+
+
+@dataclass
+class WalkResult:
+    """Result of walking a TreeBatch.
+
+    output_tokens [R, L+1] int64  emitted tokens (accepted path's target tokens, bonus last), -1 pad
+                                  (the [batch, max_spec_len + 1] layout vLLM's samplers return)
+    num_emitted   [R]      int64  accepted nodes + 1
+    path_rows     [R, L+1] int64  verify rows visited: 0 (root), then accepted nodes' rows; -1 pad
+    """
+
+    output_tokens: Tensor
+    num_emitted: Tensor
+    path_rows: Tensor
+
+    @property
+    def num_accepted(self) -> Tensor:
+        """Accepted draft nodes per request (emitted tokens minus the bonus)."""
+        return self.num_emitted - 1
+
+
+def greedy_tokens(logits: Tensor) -> Tensor:
+    """[R, N, V] target logits -> [R, N] argmax token per verify row."""
+    return logits.argmax(dim=-1)
+
+
+def sample_tokens(probs: Tensor, exponential_noise: Tensor | None = None, generator: torch.Generator | None = None) -> Tensor:
+    """[R, N, V] target probabilities (after temperature/top-k/top-p) -> [R, N], one draw per row.
+
+    Uses the exponential race argmax(p / E), E ~ Exp(1), which is an exact categorical draw with no
+    host synchronisation (the trick vLLM's samplers use). Pass `exponential_noise` to control the
+    randomness per request (e.g. per-request seeds).
+    """
+    if exponential_noise is None:
+        exponential_noise = torch.empty_like(probs, dtype=torch.float32).exponential_(generator=generator)
+    if exponential_noise.shape != probs.shape:
+        raise ValueError(f"noise shape {tuple(exponential_noise.shape)} must equal probs shape {tuple(probs.shape)}")
+    return (probs.float() / exponential_noise).argmax(dim=-1)
+
+
+def walk_tree(batch: TreeBatch, row_tokens: Tensor) -> WalkResult:
+    """Accept the longest path whose tokens the target produces; see the module docstring.
+
+    row_tokens [R, N]: the target's token for every verify row (`greedy_tokens` or `sample_tokens`).
+    """
+    r, n = batch.tokens.shape
+    if row_tokens.shape != (r, n):
+        raise ValueError(f"row_tokens must be [{r}, {n}] (one token per verify row), got {tuple(row_tokens.shape)}")
+    device = batch.tokens.device
+    row_tokens = row_tokens.long()
+    # next_row[r, p] = the child of row p whose token is the target's token at p, or -1.
+    # Siblings carry distinct tokens, so at most one child matches.
+    parent_target = row_tokens.gather(1, batch.parents.clamp(min=0))
+    matches = batch.valid & (batch.parents >= 0) & (batch.tokens == parent_target)
+    row_ids = torch.arange(n, device=device).expand(r, n)
+    next_row = torch.full((r, n), -1, dtype=torch.int64, device=device)
+    next_row.scatter_reduce_(1, batch.parents.clamp(min=0), torch.where(matches, row_ids, -1), reduce="amax")
+
+    steps = batch.max_depth + 1
+    path = torch.full((r, steps), -1, dtype=torch.int64, device=device)
+    out = torch.full((r, steps), PAD_TOKEN, dtype=torch.int64, device=device)
+    cur = torch.zeros(r, dtype=torch.int64, device=device)
+    alive = torch.ones(r, dtype=torch.bool, device=device)
+    path[:, 0] = 0
+    out[:, 0] = row_tokens[:, 0]
+    for step in range(1, steps):
+        nxt = next_row.gather(1, cur[:, None]).squeeze(1)
+        alive = alive & (nxt >= 0)
+        cur = torch.where(alive, nxt, cur)
+        path[:, step] = torch.where(alive, cur, -1)
+        out[:, step] = torch.where(alive, row_tokens.gather(1, cur[:, None]).squeeze(1), PAD_TOKEN)
+    return WalkResult(output_tokens=out, num_emitted=(path >= 0).sum(dim=1), path_rows=path)
