@@ -1,0 +1,1 @@
+"""Self-distillation data and DFlash training for the drafter."""

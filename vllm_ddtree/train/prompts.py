@@ -1,0 +1,90 @@
+"""Code-completion training prompts built from the Python standard library's own source.
+
+Each prompt is a function header plus its docstring (optionally with the module's imports),
+the same "complete this code" shape HumanEval uses, but from offline material that is not
+HumanEval. The sources are parsed with :mod:`ast`, never imported (no side effects).
+HumanEval entry-point names are excluded so that no HumanEval signature enters training data.
+"""
+
+from __future__ import annotations
+
+import ast
+import random
+import sysconfig
+import textwrap
+import zlib
+from pathlib import Path
+
+# Packages whose code is mostly tests, GUI or generated tables: poor prompts.
+_SKIP_DIRS = {"test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3", "site-packages",
+              "ensurepip", "__pycache__", "pydoc_data", "encodings", "config-3.11-x86_64-linux-gnu"}
+MAX_DOC_LINES = 30
+MIN_DOC_CHARS = 40
+
+
+def stdlib_files(root: str | None = None) -> list[Path]:
+    """All .py files of the standard library, skipping tests/GUI packages (sorted)."""
+    base = Path(root or sysconfig.get_paths()["stdlib"])
+    out = []
+    for p in sorted(base.rglob("*.py")):
+        rel = p.relative_to(base).parts
+        if any(part in _SKIP_DIRS for part in rel):
+            continue
+        out.append(p)
+    return out
+
+
+def _imports(tree: ast.Module, src_lines: list[str]) -> list[str]:
+    lines = []
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and node.end_lineno == node.lineno:
+            lines.append(src_lines[node.lineno - 1].strip())
+    return lines[:6]
+
+
+def _function_prompts(path: Path, exclude_names: set[str]) -> list[str]:
+    try:
+        src = path.read_text(encoding="utf-8")
+        tree = ast.parse(src)
+    except (SyntaxError, UnicodeDecodeError, ValueError):
+        return []
+    lines = src.splitlines()
+    imports = _imports(tree, lines)
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        if node.name.startswith("__") or node.name in exclude_names:
+            continue
+        doc = ast.get_docstring(node, clean=False)
+        if not doc or len(doc) < MIN_DOC_CHARS or doc.count("\n") > MAX_DOC_LINES:
+            continue
+        doc_node = node.body[0]
+        start = node.lineno - 1  # decorators are dropped on purpose
+        end = doc_node.end_lineno
+        seg = textwrap.dedent("\n".join(lines[start:end])) + "\n"
+        if seg.lstrip().startswith("def self") or "\t" in seg:
+            continue
+        # Methods lose their class; keep `self` so the prompt still reads as a method.
+        header = ""
+        if imports and zlib.crc32(seg.encode()) % 2 == 0:
+            header = "\n".join(imports) + "\n\n\n"
+        out.append(header + seg)
+    return out
+
+
+def stdlib_prompts(exclude_names: set[str] | None = None, seed: int = 0, root: str | None = None) -> list[str]:
+    """Deduplicated, shuffled code-completion prompts (function header + docstring)."""
+    if exclude_names is None:
+        from vllm_ddtree.data.humaneval import load_humaneval
+
+        exclude_names = {p["entry_point"] for p in load_humaneval()}
+    seen: set[str] = set()
+    prompts: list[str] = []
+    for path in stdlib_files(root):
+        for p in _function_prompts(path, exclude_names):
+            if p not in seen:
+                seen.add(p)
+                prompts.append(p)
+    random.Random(seed).shuffle(prompts)
+    return prompts
