@@ -1,0 +1,184 @@
+"""Budget controller (BASTION, batch-aware) and the online/corpus n-gram model (PRESTO)."""
+
+import math
+
+import pytest
+import torch
+
+from vllm_ddtree.tree import (
+    CostModel,
+    ModelShape,
+    NGramCounts,
+    NGramModel,
+    allocate_batch,
+    batch_estimate,
+    build_corpus_ngram,
+    build_tree,
+    choose_budgets,
+    entropy_adaptive_lambda,
+    get_profile,
+    node_gains,
+    roofline_seconds,
+    topk_per_depth,
+)
+
+QWEN3_8B = dict(
+    num_hidden_layers=36, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+    head_dim=128, intermediate_size=12288, vocab_size=151936,
+)
+
+
+def cost_model(device="h100", t_draft=2e-3):
+    return CostModel(ModelShape.from_hf_config(QWEN3_8B, "bfloat16"), get_profile(device), t_draft=t_draft)
+
+
+def draft_logp(seed, r, confidence, budget=256, depth=15, vocab=64):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(r, depth, vocab, generator=g) * torch.as_tensor(confidence).view(-1, 1, 1)
+    lp, ids = topk_per_depth(logits, vocab)
+    return build_tree(lp, ids, budget).draft_logp
+
+
+def test_roofline_matches_bastion_formulas_at_batch_one():
+    shape = ModelShape.from_hf_config(QWEN3_8B, "bfloat16")
+    prof = get_profile("h100")
+    s, c = 65, 1000
+    L, h, V, hq, hkv, hf, nq = 36, 4096, 151936, 4096, 1024, 12288, 32
+    flops = L * (4 * s * h * hq + 4 * s * h * hkv + 4 * s * (c + s) * hq + 6 * s * h * hf) + 2 * s * h * V
+    bytes_ = 2 * (2 * V * h + s * (h + V) + L * (2 * h * (hq + hkv) + 3 * h * hf + 2 * hkv * (c + 2 * s)
+                  + 4 * s * (h + hq + hf) + 2 * nq * s * (c + s)))
+    expect = max(flops / prof.peak_flops, bytes_ / prof.bandwidth)
+    assert roofline_seconds(shape, prof, s, s * (c + s), c) == pytest.approx(expect)
+    # An 8B model at batch 1 is memory bound on an H100: ~16 GB of weights / 3.35 TB/s ~ 5 ms.
+    assert 4e-3 < expect < 7e-3
+
+
+def test_chosen_budget_is_the_argmax_of_its_own_estimate():
+    cost = cost_model()
+    logp = draft_logp(0, 4, torch.tensor([0.5, 2.0, 4.0, 8.0]))
+    ctx = torch.tensor([100, 2000, 500, 30000])
+    plan = choose_budgets(logp, ctx, cost, min_budget=2, max_budget=200)
+    gains = node_gains(logp)
+    for r in range(4):
+        best, best_n = -1.0, None
+        for n in range(2, 201):
+            a = 1 + float(gains[r, :n].sum())
+            c = float(cost.step_seconds(n, int(ctx[r]), 1))
+            if a / c > best:
+                best, best_n = a / c, n
+        assert int(plan.budgets[r]) == best_n
+
+
+def test_confident_drafter_gets_a_bigger_tree():
+    cost = cost_model()
+    logp = draft_logp(1, 2, torch.tensor([0.3, 6.0]))
+    plan = choose_budgets(logp, torch.tensor([500, 500]), cost, max_budget=256)
+    assert plan.budgets[1] > plan.budgets[0]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_batch_allocation_never_worse_than_per_request(seed):
+    cost = cost_model("h100")
+    g = torch.Generator().manual_seed(seed)
+    r = 8
+    logp = draft_logp(seed, r, torch.rand(r, generator=g) * 6)
+    ctx = torch.randint(50, 4000, (r,), generator=g)
+    per_req = choose_budgets(logp, ctx, cost, max_budget=256)
+    joint = allocate_batch(logp, ctx, cost, max_budget=256)
+    assert float(joint.tokens_per_second) >= float(per_req.tokens_per_second) * (1 - 1e-6)
+    # allocate_batch's plan is evaluated with the same objective
+    again = batch_estimate(logp, joint.budgets, ctx, cost)
+    assert float(again.tokens_per_second) == pytest.approx(float(joint.tokens_per_second), rel=1e-5)
+
+
+def test_batch_allocation_strictly_better_on_a_skewed_batch():
+    # One request's drafter is confident, seven are guessing. Alone, each guesser still buys a
+    # large tree (at batch 1 the verify is memory bound, extra rows are nearly free); together the
+    # step turns compute bound and those rows cost real time, better spent on the confident request.
+    cost = cost_model("h100")
+    conf = torch.tensor([8.0] + [0.2] * 31)
+    logp = draft_logp(5, 32, conf)
+    ctx = torch.full((32,), 1000)
+    per_req = choose_budgets(logp, ctx, cost, max_budget=256)
+    joint = allocate_batch(logp, ctx, cost, max_budget=256)
+    assert float(joint.tokens_per_second) > 1.05 * float(per_req.tokens_per_second)
+    assert joint.budgets.sum() < per_req.budgets.sum()
+
+
+def test_calibration_and_ema():
+    cost = cost_model("cpu")
+    s = torch.tensor([2.0, 9.0, 17.0, 33.0, 65.0])
+    ctx = torch.full_like(s, 300.0)
+    raw = roofline_seconds(cost.shape, cost.profile, s, s * (ctx + s), ctx)
+    measured = 3.0 * raw + 0.01
+    cost.fit(s, s * (ctx + s), ctx, measured)
+    assert cost.slope == pytest.approx(3.0, rel=1e-4) and cost.intercept == pytest.approx(0.01, rel=1e-3)
+    before = cost.correction
+    for _ in range(50):
+        cost.observe(predicted=1.0, measured=2.0)
+    assert before == 1.0 and cost.correction > 1.9
+
+
+def test_budget_bad_input():
+    cost = cost_model()
+    logp = draft_logp(0, 2, torch.tensor([1.0, 1.0]), budget=16)
+    with pytest.raises(ValueError, match="min_budget must be >= 1"):
+        allocate_batch(logp, torch.tensor([1, 1]), cost, min_budget=0)
+    with pytest.raises(ValueError, match="max_budget"):
+        choose_budgets(logp, torch.tensor([1, 1]), cost, min_budget=4, max_budget=2)
+    with pytest.raises(ValueError, match="node slots"):
+        choose_budgets(logp, torch.tensor([1, 1]), cost, max_budget=64)
+    with pytest.raises(ValueError, match="unknown device profile"):
+        get_profile("tpu")
+    with pytest.raises(ValueError, match="slope"):
+        CostModel(cost.shape, cost.profile, slope=0.0)
+
+
+def test_ngram_backoff_floor_and_release():
+    model = NGramModel(10, order=3, floor=1e-3)
+    model.observe(0, [1, 2, 3, 1, 2, 3])
+    model.observe(1, [5, 5])
+    hist = torch.tensor([[[1, 2]], [[1, 2]]])
+    toks = torch.tensor([[[3, 4]], [[3, 5]]])
+    rho = model.log_rho(torch.tensor([0, 1]), hist, toks).exp()
+    assert rho[0, 0, 0] == pytest.approx(1.0)  # "1 2" was always followed by 3
+    assert rho[0, 0, 1] == pytest.approx(1e-3)  # never seen: the floor
+    assert rho[1, 0, 0] == pytest.approx(1e-3)  # slot 1 never saw 3: slots don't leak
+    assert rho[1, 0, 1] == pytest.approx(0.4 * 0.4 * 1.0)  # backs off twice to the unigram of 5
+    assert model.context_tail([0, 1, 2]).tolist() == [[2, 3], [5, 5], [-1, -1]]
+    model.release(0)
+    rho = model.log_rho(torch.tensor([0]), hist[:1], toks[:1]).exp()
+    assert torch.allclose(rho, torch.full_like(rho, 1e-3))
+
+
+def test_corpus_table_roundtrip_and_mixing(tmp_path):
+    class CharTokenizer:
+        def __len__(self):
+            return 128
+
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [ord(c) for c in text]}
+
+    table = build_corpus_ngram(["abcabc", "abd"], CharTokenizer(), order=3)
+    path = tmp_path / "corpus.safetensors"
+    table.save(path)
+    loaded = NGramCounts.load(path)
+    model = NGramModel(128, order=3, corpus=path, corpus_weight=1.0)
+    hist = torch.tensor([[[ord("a"), ord("b")]]])
+    toks = torch.tensor([[[ord("c"), ord("d")]]])
+    rho = model.log_rho(torch.tensor([4]), hist, toks).exp()
+    assert rho[0, 0].tolist() == pytest.approx([2 / 3, 1 / 3])
+    assert all(torch.equal(a, b) for a, b in zip(loaded.ngram_keys, table.ngram_keys))
+    with pytest.raises(ValueError, match="rebuild it with the target's tokenizer"):
+        NGramModel(100, order=3, corpus=path)
+    with pytest.raises(ValueError, match="does not exist"):
+        NGramModel(128, corpus=tmp_path / "missing.safetensors")
+
+
+def test_entropy_adaptive_lambda():
+    sharp = torch.log_softmax(torch.tensor([[[20.0, 0.0, 0.0, 0.0]]]), -1)
+    flat = torch.log_softmax(torch.zeros(1, 1, 4), -1)
+    lam_sharp = entropy_adaptive_lambda(sharp, beta=0.4, c=1.0)
+    lam_flat = entropy_adaptive_lambda(flat, beta=0.4, c=1.0)
+    assert float(lam_sharp) < 0.01
+    assert float(lam_flat) == pytest.approx(0.4 * math.log(4) / (math.log(4) + 1))
