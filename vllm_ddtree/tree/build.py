@@ -32,11 +32,13 @@ otherwise it is the index of the parent node in the same row.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -231,20 +233,30 @@ def build_tree(
     per_depth = []  # (score, q, token, parent-within-previous-depth), each [R, F_d]
     for d in range(depth):
         f = front_score.shape[1]
-        tok_score = top_logp[:, d, None, :].expand(r, f, k)
-        if scorer is not None:
+        if scorer is None:
+            # Frontier scores and candidate log-probs are both sorted, so child (f, k) is preceded
+            # (ties included) by the (f+1)(k+1) - 1 children (f' <= f, k' <= k): only the
+            # "staircase" (f+1)(k+1) <= B can reach the top B. ~B ln B candidates instead of F*K.
+            pf, pk = _staircase(f, k, b, device)
+            cand_logp = top_logp[:, d].index_select(1, pk)
+            cand_score = front_score.index_select(1, pf) + cand_logp
+            cand_q = front_q.index_select(1, pf) + cand_logp
+        else:
+            # Rescored children are no longer sorted per parent: expand the full F x K block.
+            tok_score = top_logp[:, d, None, :].expand(r, f, k)
             cand_tokens = top_ids[:, d, None, :].expand(r, f, k)
             rho = scorer.log_rho(front_hist, cand_tokens)
             tok_score = tok_score + lam_t[:, d, None, None] * rho
-        cand_score = (front_score[:, :, None] + tok_score).reshape(r, f * k)
-        cand_q = (front_q[:, :, None] + top_logp[:, d, None, :]).reshape(r, f * k)
-        keep = min(b, f * k)
-        # Stable sort: equal scores keep (parent order, candidate rank) order -> defined tie-breaking.
-        order = torch.sort(cand_score, dim=1, descending=True, stable=True).indices[:, :keep]
+            cand_score = (front_score[:, :, None] + tok_score).reshape(r, f * k)
+            cand_q = (front_q[:, :, None] + top_logp[:, d, None, :]).reshape(r, f * k)
+            pf, pk = _staircase(f, k, f * k, device)  # all pairs, in the same (parent, rank) order
+        keep = min(b, cand_score.shape[1])
+        # Equal scores keep (parent order, candidate rank) order -> the documented tie-breaking.
+        order = _top_scores(cand_score, keep)
         score = cand_score.gather(1, order)
         q = cand_q.gather(1, order)
-        parent = torch.div(order, k, rounding_mode="floor")
-        rank = order - parent * k
+        parent = pf.take(order)
+        rank = pk.take(order)
         token = top_ids[:, d, :].gather(1, rank)
         per_depth.append((score, q, token, parent))
         front_score, front_q = score, q
@@ -268,7 +280,7 @@ def build_tree(
     all_depth = torch.cat(depth_cols, dim=1)
     total = all_score.shape[1]
     width = min(b, total)
-    sel = torch.sort(all_score, dim=1, descending=True, stable=True).indices[:, :width]
+    sel = _top_scores(all_score, width)
 
     final_pos = torch.full((r, total), NO_PARENT, dtype=torch.int64, device=device)
     final_pos.scatter_(1, sel, torch.arange(width, device=device).expand(r, width))
@@ -289,6 +301,47 @@ def build_tree(
     if width < b:  # fewer candidate prefixes than the budget: pad to the static width
         tree = _pad_tree(tree, b)
     return tree
+
+
+def _top_scores(scores: Tensor, k: int) -> Tensor:
+    """Indices of the k best scores per row, best first; equal scores in index order.
+
+    Same result as a stable descending sort, ~5x faster on CPU: the float32 score is mapped to an
+    order-preserving integer and packed with the (reversed) index into one unique int64 key, so
+    `topk` has no ties to break arbitrarily. NaN never reaches here (inputs are validated).
+    """
+    bits = scores.float().contiguous().view(torch.int32).long()
+    mag = bits & 0x7FFFFFFF
+    key = torch.where(bits < 0, -mag, mag)  # -0.0 and +0.0 share key 0, as they compare equal
+    idx = torch.arange(scores.shape[1], device=scores.device)
+    packed = key * (1 << 32) + ((1 << 32) - 1 - idx)
+    return torch.topk(packed, k, dim=1, sorted=True).indices
+
+
+class _LazyChildren:
+    """The children of one node when they are already in score order: computed on demand."""
+
+    def __init__(self, score: np.float32, q: np.float32, logp: np.ndarray, n: int) -> None:
+        self.score, self.q, self.logp, self.n = score, q, logp, n
+
+    def __len__(self) -> int:
+        return self.n if np.isfinite(self.score) else 0
+
+    def __getitem__(self, j: int) -> tuple:
+        return self.score + self.logp[j], self.q + self.logp[j], j
+
+
+@functools.lru_cache(maxsize=64)
+def _staircase(f: int, k: int, b: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """(parent, rank) pairs with (parent+1)(rank+1) <= b, parent < f, rank < k, in (parent, rank) order."""
+    pf, pk = [], []
+    for i in range(f):
+        n = min(k, b // (i + 1))
+        if n == 0:
+            break
+        pf.append(torch.full((n,), i, dtype=torch.int64))
+        pk.append(torch.arange(n, dtype=torch.int64))
+    return torch.cat(pf).to(device), torch.cat(pk).to(device)
 
 
 def _pad_tree(tree: DraftTree, width: int) -> DraftTree:
@@ -338,26 +391,27 @@ def build_tree_reference(
     out = {name: [] for name in ("tokens", "parents", "depths", "scores", "q")}
     for row in range(r):
         budget = int(budgets_t[row])
-        logp_row, ids_row = top_logp[row], top_ids[row]
+        logp_row, ids_row = top_logp[row].numpy(), top_ids[row].numpy()
+        finite = np.isfinite(logp_row).sum(axis=1)  # sorted descending: finite entries come first
 
-        def children(score: Tensor, q: Tensor, d: int, hist: list[int]) -> list[tuple]:
-            """Children of a node at depth d (0 = root), sorted best first: (score, q, rank) tensors."""
+        def children(score: np.float32, q: np.float32, d: int, hist: list[int]) -> Sequence[tuple]:
+            """Children of a node at depth d (0 = root), best first, as (score, q, rank)."""
             if d >= depth:
                 return []
-            tok_score = logp_row[d]
-            if scorer is not None:
-                h = torch.tensor(hist, dtype=torch.int64, device=device).view(1, 1, hist_len)
-                rows = torch.tensor([row], device=device)
-                rho = scorer.log_rho(h, ids_row[d].to(device).view(1, 1, k), rows).view(k).float().cpu()
-                tok_score = tok_score + lam_t[row, d].cpu() * rho
-            child_score = score + tok_score  # float32, same op order as the batched builder
+            if scorer is None:  # already in score order: candidate log-probs are sorted
+                return _LazyChildren(score, q, logp_row[d], int(finite[d]))
+            h = torch.tensor(hist, dtype=torch.int64, device=device).view(1, 1, hist_len)
+            rows = torch.tensor([row], device=device)
+            rho = scorer.log_rho(h, torch.from_numpy(ids_row[d]).to(device).view(1, 1, k), rows)
+            rho = rho.view(k).float().cpu().numpy()
+            tok_score = logp_row[d] + lam_t[row, d].cpu().numpy() * rho  # same op order as build_tree
+            child_score = score + tok_score
             child_q = q + logp_row[d]
-            kids = [(float(child_score[j]), j) for j in range(k) if math.isfinite(float(child_score[j]))]
-            kids.sort(key=lambda sj: (-sj[0], sj[1]))
-            return [(child_score[j], child_q[j], j) for _, j in kids]
+            kids = sorted((j for j in range(k) if np.isfinite(child_score[j])), key=lambda j: (-child_score[j], j))
+            return [(child_score[j], child_q[j], j) for j in kids]
 
         root_hist = context_tail[row].tolist() if scorer is not None else []
-        zero = torch.zeros((), dtype=torch.float32)
+        zero = np.float32(0.0)
         # Heap entries: (-score, depth, within-depth key, node payload). The payload holds the
         # sibling list it came from and its position there, so popping it can push the next sibling.
         heap: list = []
