@@ -1,0 +1,384 @@
+"""DFlash training recipe on self-distilled data (records from :mod:`vllm_ddtree.train.datagen`).
+
+Per sequence, ``blocks_per_seq`` random anchors inside the response; each block is
+``[token@anchor, MASK × 15]`` at positions ``anchor .. anchor+15``. All blocks of a batch run in
+one forward: a boolean mask lets block b's queries see context columns ``< anchor_b`` and the
+16 keys of block b itself (bidirectionally), never another block. Loss: cross-entropy on slots
+1..15 against ``token[anchor + k]`` with weight ``exp(−(k−1)/γ)``, γ = 7 (slot 0 is the given
+root). Labels outside the draft vocabulary are ignored by the loss (and count as misses in
+accuracy).
+
+    python -m vllm_ddtree.train.dflash --data runs/data --out runs/train --minutes 50
+
+Resumable: ``--out`` holds ``state.pt`` (model, optimiser, step, elapsed time) written every
+``--ckpt-every`` steps; rerunning the same command continues. ``train_log.jsonl`` logs loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import time
+import zlib
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from vllm_ddtree.drafter.model import DFlashDrafter, DrafterConfig
+
+GAMMA = 7.0
+
+
+# ---------------------------------------------------------------------------------------------
+# data
+# ---------------------------------------------------------------------------------------------
+def load_records(data_dir: str | Path, limit_shards: int | None = None) -> list[dict]:
+    """All records of all shards (sorted by name)."""
+    shards = sorted(Path(data_dir).glob("shard_*.pt"))[:limit_shards]
+    recs: list[dict] = []
+    for s in shards:
+        recs.extend(torch.load(s, weights_only=False))
+    return recs
+
+
+def is_heldout(rec: dict, frac: float = 0.04) -> bool:
+    """Deterministic held-out split by prompt id."""
+    return (zlib.crc32(str(rec["prompt_id"]).encode()) % 10000) < frac * 10000
+
+
+def build_draft_vocab(records: list[dict], size: int, always: tuple[int, ...] = (2,)) -> torch.Tensor:
+    """The ``size`` most frequent response tokens (sorted target ids), plus ``always``."""
+    cnt: Counter = Counter()
+    for r in records:
+        cnt.update(r["tokens"][r["prompt_len"]:].tolist())
+    ids = [t for t in always]
+    for t, _ in cnt.most_common():
+        if len(ids) >= size:
+            break
+        if t not in ids:
+            ids.append(t)
+    # Fill up with low ids if the data has fewer distinct tokens than `size`.
+    t = 0
+    seen = set(ids)
+    while len(ids) < size:
+        if t not in seen:
+            ids.append(t)
+        t += 1
+    return torch.tensor(sorted(ids), dtype=torch.long)
+
+
+def coverage(records: list[dict], vocab: torch.Tensor) -> float:
+    """Fraction of response tokens whose id is in ``vocab``."""
+    inv = set(vocab.tolist())
+    tot = hit = 0
+    for r in records:
+        toks = r["tokens"][r["prompt_len"]:].tolist()
+        tot += len(toks)
+        hit += sum(t in inv for t in toks)
+    return hit / max(tot, 1)
+
+
+@dataclass
+class Batch:
+    """One training batch of blocks over several sequences."""
+
+    features: torch.Tensor  # [B, T, F, H] float32 (T = longest context with features)
+    ctx_positions: torch.Tensor  # [B, T]
+    block_ids: torch.Tensor  # [B, Q]  Q = nb * bs
+    block_positions: torch.Tensor  # [B, Q]
+    labels: torch.Tensor  # [B, Q] draft-vocab ids, -100 = ignore (also slot 0)
+    target_labels: torch.Tensor  # [B, Q] target ids, -1 = none (for accuracy)
+    slot: torch.Tensor  # [B, Q] slot index k in 0..bs-1
+    mask: torch.Tensor  # [B, Q, T + Q] bool
+
+
+def make_batch(
+    recs: list[dict], cfg: DrafterConfig, t2d: torch.Tensor, blocks_per_seq: int, rng: random.Random,
+    feature_index: list[int], all_anchors: bool = False,
+) -> Batch:
+    """Sample anchors and build the block mask. ``t2d`` maps target id → draft id (−100 if absent)."""
+    bs = cfg.block_size
+    anchors_per: list[list[int]] = []
+    for r in recs:
+        n, pl = len(r["tokens"]), r["prompt_len"]
+        cand = list(range(pl, n - 1))  # anchor needs at least one label after it
+        if all_anchors:
+            a = cand
+        else:
+            a = sorted(rng.sample(cand, min(blocks_per_seq, len(cand))))
+        anchors_per.append(a)
+    nb = max(len(a) for a in anchors_per)
+    T = max(len(r["tokens"]) - 1 for r in recs)
+    B, Q = len(recs), nb * bs
+    H = cfg.hidden_size
+    feats = torch.zeros((B, T, len(feature_index), H), dtype=torch.float32)
+    block_ids = torch.full((B, Q), cfg.mask_token_id, dtype=torch.long)
+    block_pos = torch.zeros((B, Q), dtype=torch.long)
+    labels = torch.full((B, Q), -100, dtype=torch.long)
+    tlabels = torch.full((B, Q), -1, dtype=torch.long)
+    slot = torch.arange(bs).repeat(nb)[None].expand(B, Q).clone()
+    mask = torch.zeros((B, Q, T + Q), dtype=torch.bool)
+    ar = torch.arange(bs)
+    for i, (r, anc) in enumerate(zip(recs, anchors_per)):
+        toks = r["tokens"].long()
+        f = r["features"]
+        feats[i, : f.shape[0]] = f[:, feature_index].float()
+        n = len(toks)
+        for b, a in enumerate(anc):
+            s = slice(b * bs, (b + 1) * bs)
+            block_ids[i, b * bs] = toks[a]
+            block_pos[i, s] = a + ar
+            idx = a + ar[1:]
+            ok = idx < n
+            tl = torch.full((bs - 1,), -1, dtype=torch.long)
+            tl[ok] = toks[idx[ok]]
+            tlabels[i, b * bs + 1 : (b + 1) * bs] = tl
+            dl = torch.where(tl >= 0, t2d[tl.clamp(min=0)], torch.full_like(tl, -100))
+            labels[i, b * bs + 1 : (b + 1) * bs] = dl
+            mask[i, s, :a] = True  # context strictly before the anchor
+            mask[i, s, T + b * bs : T + (b + 1) * bs] = True  # its own block, bidirectional
+        if len(anc) < nb:  # padding blocks: let them see one key so softmax stays finite
+            mask[i, len(anc) * bs :, T + len(anc) * bs :] = True
+    ctx_pos = torch.arange(T)[None].expand(B, T)
+    return Batch(feats, ctx_pos, block_ids, block_pos, labels, tlabels, slot, mask)
+
+
+def slot_weights(bs: int, gamma: float = GAMMA) -> torch.Tensor:
+    """Loss weight per slot: 0 for the root, exp(−(k−1)/γ) for k ≥ 1."""
+    k = torch.arange(bs, dtype=torch.float32)
+    w = torch.exp(-(k - 1) / gamma)
+    w[0] = 0.0
+    return w
+
+
+def forward_batch(model: DFlashDrafter, batch: Batch) -> torch.Tensor:
+    """Draft-vocabulary logits [B, Q, V_d] for a batch."""
+    fused = model.fuse_features(batch.features.flatten(-2))
+    kv = model.context_kv(fused, batch.ctx_positions)
+    return model.run_blocks(batch.block_ids, batch.block_positions, kv, batch.mask).logits
+
+
+def block_loss(logits: torch.Tensor, batch: Batch, weights: torch.Tensor) -> torch.Tensor:
+    """Weighted CE over slots 1..bs−1 (normalised by the total weight of valid slots)."""
+    w = weights[batch.slot] * (batch.labels >= 0)
+    ce = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten().clamp(min=0), reduction="none")
+    return (ce * w.flatten()).sum() / w.sum().clamp(min=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# init from the target (design notes §7b)
+# ---------------------------------------------------------------------------------------------
+def init_from_target(model: DFlashDrafter, target_sd: dict, draft_vocab: torch.Tensor) -> None:
+    """Copy the target's top layers into the drafter, make ``fc`` pass the top feature through,
+    and set the LM head to the target's (tied) embedding rows of the draft vocabulary."""
+    cfg = model.cfg
+    Lt = cfg.num_target_layers
+    top = cfg.target_layer_ids[-1]  # features = output of layer `top` = input of layer top+1
+    with torch.no_grad():
+        for i, layer in enumerate(model.layers):
+            src = min(top + 1 + i, Lt - 1)
+            p = f"model.layers.{src}."
+            a = layer.self_attn
+            for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                getattr(a, n).weight.copy_(target_sd[p + f"self_attn.{n}.weight"])
+            for n in ("gate_proj", "up_proj", "down_proj"):
+                getattr(layer.mlp, n).weight.copy_(target_sd[p + f"mlp.{n}.weight"])
+            layer.input_layernorm.weight.copy_(target_sd[p + "input_layernorm.weight"])
+            layer.post_attention_layernorm.weight.copy_(target_sd[p + "post_attention_layernorm.weight"])
+        H = cfg.hidden_size
+        model.fc.weight.zero_()
+        model.fc.weight[:, (cfg.num_features - 1) * H :] = torch.eye(H)
+        model.hidden_norm.weight.copy_(target_sd[f"model.layers.{min(top + 1, Lt - 1)}.input_layernorm.weight"])
+        model.norm.weight.copy_(target_sd["model.norm.weight"])
+        emb = target_sd["model.embed_tokens.weight"].float()
+        model.lm_head.weight.copy_(emb[draft_vocab])
+        model.d2t.copy_(draft_vocab - torch.arange(len(draft_vocab)))
+
+
+# ---------------------------------------------------------------------------------------------
+# evaluation
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class EvalResult:
+    """Held-out per-depth top-1 accuracy and the implied chain acceptance."""
+
+    per_depth_top1: list[float]  # depth k = 1..bs-1
+    mean_accepted: float  # mean run of consecutive correct slots from depth 1 (τ − 1 estimate)
+    tau_estimate: float
+    blocks: int
+    loss: float
+
+
+@torch.no_grad()
+def evaluate(model: DFlashDrafter, recs: list[dict], t2d: torch.Tensor, feature_index: list[int],
+             max_blocks_per_seq: int = 64, seed: int = 0) -> EvalResult:
+    """Top-1 accuracy per depth over held-out records (anchors sampled, fixed seed)."""
+    model.eval()
+    cfg = model.cfg
+    bs = cfg.block_size
+    rng = random.Random(seed)
+    w = slot_weights(bs)
+    correct = torch.zeros(bs)
+    count = torch.zeros(bs)
+    runs: list[int] = []
+    losses = []
+    d2t_full = model.draft_to_target
+    for i in range(0, len(recs), 2):
+        batch = make_batch(recs[i : i + 2], cfg, t2d, max_blocks_per_seq, rng, feature_index)
+        logits = forward_batch(model, batch)
+        losses.append(float(block_loss(logits, batch, w)))
+        pred = d2t_full[logits.argmax(-1)]  # target ids
+        ok = (pred == batch.target_labels) & (batch.target_labels >= 0)
+        valid = batch.target_labels >= 0
+        B, Q = pred.shape
+        okb = ok.view(B, Q // bs, bs)[..., 1:]
+        vb = valid.view(B, Q // bs, bs)[..., 1:]
+        correct[1:] += okb.sum((0, 1)).float()
+        count[1:] += vb.sum((0, 1)).float()
+        real = vb[..., 0]  # blocks that exist
+        run = okb.long().cumprod(-1).sum(-1)
+        runs.extend(run[real].tolist())
+    model.train()
+    acc = (correct[1:] / count[1:].clamp(min=1)).tolist()
+    mean_run = sum(runs) / max(len(runs), 1)
+    return EvalResult(acc, mean_run, 1 + mean_run, len(runs), sum(losses) / max(len(losses), 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# main loop
+# ---------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", default="runs/data")
+    ap.add_argument("--out", default="runs/train")
+    ap.add_argument("--minutes", type=float, default=50.0, help="training time budget (lr schedule spans it)")
+    ap.add_argument("--layers", type=int, default=1)
+    ap.add_argument("--target-layer-ids", default="1,8,14,20,27")
+    ap.add_argument("--draft-vocab", type=int, default=8192)
+    ap.add_argument("--batch-seqs", type=int, default=4)
+    ap.add_argument("--blocks-per-seq", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=4e-4)
+    ap.add_argument("--train-lm-head", action="store_true")
+    ap.add_argument("--ckpt-every", type=int, default=100)
+    ap.add_argument("--eval-every", type=int, default=500)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--export", default=None, help="after training, save the drafter here (bf16)")
+    args = ap.parse_args(argv)
+
+    from safetensors.torch import load_file
+    from tqdm import tqdm
+
+    from vllm_ddtree.drafter.io import save_drafter
+    from vllm_ddtree.models.target import prepare_target
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = json.loads((Path(args.data) / "meta.json").read_text())
+    stored_ids = list(meta["feature_layer_ids"])
+    layer_ids = [int(x) for x in args.target_layer_ids.split(",")]
+    feature_index = [stored_ids.index(i) for i in layer_ids]
+
+    records = load_records(args.data)
+    train_recs = [r for r in records if not is_heldout(r)]
+    held = [r for r in records if is_heldout(r)]
+    tdir = prepare_target()
+    target_sd = load_file(str(Path(tdir) / "model.safetensors"))
+    emb = target_sd["model.embed_tokens.weight"].float()
+
+    state_path = out / "state.pt"
+    resume = torch.load(state_path, weights_only=False) if state_path.exists() else None
+    draft_vocab = resume["draft_vocab"] if resume else build_draft_vocab(train_recs, args.draft_vocab)
+    cfg = DrafterConfig(num_hidden_layers=args.layers, target_layer_ids=layer_ids,
+                        draft_vocab_size=len(draft_vocab))
+    t2d = torch.full((cfg.vocab_size,), -100, dtype=torch.long)
+    t2d[draft_vocab] = torch.arange(len(draft_vocab))
+    model = DFlashDrafter(cfg, emb)
+    init_from_target(model, target_sd, draft_vocab)
+    model.lm_head.weight.requires_grad_(args.train_lm_head)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
+    step, elapsed = 0, 0.0
+    if resume:
+        model.load_state_dict(resume["model"])
+        opt.load_state_dict(resume["opt"])
+        step, elapsed = resume["step"], resume["elapsed"]
+    log = open(out / "train_log.jsonl", "a")
+    info = {"event": "start", "step": step, "train_seqs": len(train_recs), "heldout_seqs": len(held),
+            "train_resp_tokens": sum(len(r["tokens"]) - r["prompt_len"] for r in train_recs),
+            "draft_vocab": len(draft_vocab), "coverage_train": coverage(train_recs, draft_vocab),
+            "coverage_heldout": coverage(held, draft_vocab), "args": vars(args), "cfg": asdict(cfg)}
+    log.write(json.dumps(info) + "\n")
+    log.flush()
+    print(json.dumps({k: v for k, v in info.items() if k not in ("cfg",)}), flush=True)
+
+    weights = slot_weights(cfg.block_size)
+    rng = random.Random(args.seed * 1000 + step)
+    budget = args.minutes * 60
+    warmup = 50
+    order: list[int] = []
+    bar = tqdm(total=int(budget), unit="s", initial=int(elapsed), desc="train", mininterval=10)
+    ema = None
+    t_last = time.time()
+
+    def save_state() -> None:
+        tmp = out / "state.tmp"
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "elapsed": elapsed,
+                    "draft_vocab": draft_vocab, "args": vars(args)}, tmp)
+        os.replace(tmp, state_path)
+
+    while elapsed < budget:
+        if len(order) < args.batch_seqs:
+            order = list(range(len(train_recs)))
+            rng.shuffle(order)
+        idx, order = order[: args.batch_seqs], order[args.batch_seqs :]
+        frac = elapsed / budget
+        lr = args.lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        batch = make_batch([train_recs[i] for i in idx], cfg, t2d, args.blocks_per_seq, rng, feature_index)
+        loss = block_loss(forward_batch(model, batch), batch, weights)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        now = time.time()
+        elapsed += now - t_last
+        bar.update(int(elapsed) - bar.n)
+        t_last = now
+        ema = float(loss) if ema is None else 0.98 * ema + 0.02 * float(loss)
+        if step % 10 == 0:
+            log.write(json.dumps({"step": step, "elapsed": round(elapsed, 1), "loss": round(float(loss), 4),
+                                  "loss_ema": round(ema, 4), "lr": lr}) + "\n")
+            log.flush()
+            bar.set_postfix(step=step, loss=f"{ema:.3f}")
+        if step % args.ckpt_every == 0:
+            save_state()
+        if args.eval_every and step % args.eval_every == 0 and held:
+            t_ev = time.time()
+            ev = evaluate(model, held[:24], t2d, feature_index)
+            log.write(json.dumps({"step": step, "eval": asdict(ev)}) + "\n")
+            log.flush()
+            t_last += time.time() - t_ev  # evaluation time does not count against the budget
+    bar.close()
+    save_state()
+    ev = evaluate(model, held, t2d, feature_index)
+    final = {"event": "final", "step": step, "elapsed": elapsed, "eval": asdict(ev)}
+    log.write(json.dumps(final) + "\n")
+    log.flush()
+    print(json.dumps(final), flush=True)
+    if args.export:
+        save_drafter(model, args.export)
+
+
+if __name__ == "__main__":
+    main()
