@@ -1,0 +1,118 @@
+"""The reference decoder: every speculative method is token-identical to the target alone (float32).
+
+A tiny random Llama target with a 32-token vocabulary and a random DFlash drafter: a budget of 64
+covers every depth-1 token, so every step accepts a node (usually off the drafter's top-1 spine),
+and n-gram rescoring follows the target's short cycles to accept 3-4 deep paths: KV compaction
+runs on every step. (The real SmolLM2 pair is tested in the vLLM tests.)
+"""
+
+import pytest
+import torch
+from scipy.stats import chi2_contingency
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from vllm_ddtree.drafter import DFlashDrafter, DrafterConfig
+from vllm_ddtree.reference import ReferenceDecoder, SamplingConfig, SpecConfig
+
+VOCAB = 32
+SHARPEN = 4.0
+
+
+@pytest.fixture(scope="module")
+def pair():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+    )
+    target = LlamaForCausalLM(cfg).float().eval()
+    with torch.no_grad():  # sharper next-token distributions, like a real LM's
+        target.lm_head.weight.mul_(SHARPEN)
+    dcfg = DrafterConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=VOCAB, draft_vocab_size=VOCAB, block_size=8, target_layer_ids=[0, 2],
+        num_target_layers=4, mask_token_id=VOCAB - 1,
+    )
+    drafter = DFlashDrafter(dcfg, target.model.embed_tokens.weight.detach()).float().eval()
+    return target, drafter
+
+
+PROMPTS = [[1, 5, 9], [3] * 11, [7, 2, 30, 4, 4, 8, 1, 19, 22, 3, 5, 6, 0, 2, 2, 17, 9, 12]]
+SPECS = [
+    SpecConfig(method="dflash"),
+    SpecConfig(method="ddtree", budget=1),
+    SpecConfig(method="ddtree", budget=8),
+    SpecConfig(method="ddtree", budget=64),
+    SpecConfig(method="ddtree", budget=24, ngram_weight=1.0),
+    SpecConfig(method="ddtree", budget=64, adaptive=True, min_budget=2),
+]
+
+
+@pytest.fixture(scope="module")
+def decoder(pair):
+    target, drafter = pair
+    dec = ReferenceDecoder(target, drafter)
+    dec.calibrate(context=32, sizes=(1, 8, 32, 64), repeats=1)
+    return dec
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.method}-B{s.budget}-ng{s.ngram_weight}-ad{int(s.adaptive)}")
+def test_greedy_is_token_identical_to_target_alone(decoder, spec):
+    accepted_multi = 0
+    for prompt in PROMPTS:
+        for n in (1, 2, 7, 40):
+            ar = decoder.generate(prompt, n, SpecConfig(method="ar")).tokens
+            out = decoder.generate(prompt, n, spec)
+            assert out.tokens == ar, (prompt, n)
+            accepted_multi += sum(1 for a in out.accept_lengths if a > 1)
+    if spec.method == "ddtree" and spec.budget >= 8:
+        assert accepted_multi > 5  # trees were accepted beyond the bonus token: compaction ran
+
+
+def test_eos_inside_an_accepted_path_ends_at_that_token(pair, decoder):
+    target, drafter = pair
+    prompt = PROMPTS[2]
+    ar = decoder.generate(prompt, 40, SpecConfig(method="ar")).tokens
+    for eos in sorted(set(ar[2:]))[:6]:
+        stop = ReferenceDecoder(target, drafter, eos_token_ids=(eos,))
+        expect = ar[: ar.index(eos) + 1]
+        assert stop.generate(prompt, 40, SpecConfig(method="ar")).tokens == expect
+        assert stop.generate(prompt, 40, SpecConfig(method="ddtree", budget=64)).tokens == expect
+
+
+def test_compacted_cache_equals_a_fresh_prefill(pair, decoder):
+    target, _ = pair
+    prompt = PROMPTS[0]
+    # n-gram rescoring follows the target's short cycles: deep, off-spine paths get accepted
+    out = decoder.generate(prompt, 30, SpecConfig(method="ddtree", budget=64, ngram_weight=1.0), keep_cache=True)
+    assert any(a > 2 for a in out.accept_lengths)
+    committed = prompt + out.tokens[:-1]  # the last token is the next root: not in the cache yet
+    with torch.no_grad():
+        fresh = target(torch.tensor([committed]), use_cache=True).past_key_values
+    n = len(committed)  # the last step may hold one more row: its tokens were cut by max_new_tokens
+    assert out.cache.get_seq_length() >= n
+    for got, ref in zip(out.cache.layers, fresh.layers):
+        torch.testing.assert_close(got.keys[:, :, :n], ref.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got.values[:, :, :n], ref.values, atol=1e-5, rtol=1e-5)
+
+
+def test_sampling_matches_the_target_distribution(decoder):
+    # top_k=3 keeps the joint of the first three tokens to 27 outcomes; tokens 2 and 3 come from
+    # the first speculative step (the first token after prefill is never speculated).
+    sampling = lambda seed: SamplingConfig(temperature=1.0, top_k=3, seed=seed)  # noqa: E731
+    prompt = PROMPTS[1]
+    spec = SpecConfig(method="ddtree", budget=16)
+    ar = [tuple(decoder.generate(prompt, 3, SpecConfig(method="ar"), sampling(s)).tokens) for s in range(400)]
+    tree = [tuple(decoder.generate(prompt, 3, spec, sampling(10_000 + s)).tokens) for s in range(400)]
+    keys = sorted(set(ar) | set(tree))
+    table = [[ar.count(k) for k in keys], [tree.count(k) for k in keys]]
+    assert chi2_contingency(table).pvalue > 1e-3  # alpha = 1e-3, fixed seeds
+
+
+def test_bad_configs_raise(decoder):
+    with pytest.raises(ValueError, match="method must be one of"):
+        SpecConfig(method="medusa")
+    with pytest.raises(ValueError, match="min_budget"):
+        SpecConfig(budget=0)
+    with pytest.raises(ValueError, match="needs a drafter"):
+        ReferenceDecoder(decoder.target).generate([1], 3, SpecConfig(method="ddtree"))
