@@ -1,0 +1,202 @@
+"""ddtree's own options, as they appear in vLLM's ``--speculative-config``.
+
+A ddtree speculative config is vLLM's usual dict plus the keys below, all top-level::
+
+    {"method": "ddtree", "model": "<dflash drafter dir>",
+     "tree_budget": "auto", "min_tree_budget": 4, "max_tree_budget": 64,
+     "ngram_weight": 0.2, "ngram_order": 3, "ngram_corpus": "code.ngram.pt",
+     "device_profile": "cpu"}
+
+Two widths are kept apart on purpose (vLLM's ``num_speculative_tokens`` means both for a chain):
+
+* the **drafter width** — how many per-depth marginals the DFlash drafter proposes in one forward,
+  ``block_size - 1`` from the drafter's config (15 for the released b16 checkpoints);
+* the **verify width** — how many draft-tree nodes the target may verify per request and step,
+  the (maximum) tree budget. This is what vLLM's scheduler, KV lookahead and metrics see as
+  ``num_speculative_tokens``.
+
+No vLLM import here: the reference decoder, the CLI and tests use this module without vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+#: Device profiles of the budget cost model (see ``vllm_ddtree.tree.budget.PROFILES``).
+DEVICE_PROFILES: tuple[str, ...] = ("cpu", "h100", "h200")
+
+#: Default cap on the tree size when ``tree_budget="auto"`` and no ``max_tree_budget`` is given.
+DEFAULT_MAX_TREE_BUDGET = 64
+
+
+def _closest(key: str, choices: list[str]) -> str:
+    near = difflib.get_close_matches(key, choices, n=1)
+    return f" (did you mean {near[0]!r}?)" if near else ""
+
+
+@dataclass(frozen=True)
+class DDTreeConfig:
+    """Options of the ``ddtree`` speculative method (validated on construction).
+
+    Build it from a user mapping with :meth:`from_mapping`, which also rejects unknown keys.
+    All errors are ``ValueError``s that name the key and say what to change.
+    """
+
+    tree_budget: int | Literal["auto"] = 32
+    """Draft-tree nodes verified per request and step (the root is not counted), or ``"auto"``
+    to let the budget controller (BASTION cost model) pick it per step between
+    ``min_tree_budget`` and ``max_tree_budget``."""
+
+    min_tree_budget: int | None = None
+    """Smallest tree the budget controller may choose (``tree_budget="auto"`` only; default 1)."""
+
+    max_tree_budget: int | None = None
+    """Largest tree the budget controller may choose (``tree_budget="auto"`` only; default 64).
+    This is the verify width vLLM reserves query rows and KV slots for."""
+
+    ngram_weight: float = 0.2
+    """Weight λ of the prefix-aligned n-gram score added to the drafter's log-probabilities
+    (PRESTO). ``0`` disables n-gram rescoring."""
+
+    ngram_order: int = 3
+    """Order of the n-gram model (3 = two tokens of context). At least 2."""
+
+    ngram_corpus: str | None = None
+    """Optional path to a corpus n-gram table (``vllm-ddtree build-ngram``); without it the
+    n-gram model is built online from each request's prompt and output only."""
+
+    device_profile: str | None = None
+    """Hardware profile of the budget cost model: one of ``cpu``, ``h100``, ``h200``.
+    ``None`` picks it from the platform vLLM runs on."""
+
+    drafter_width: int | None = None
+    """Resolved from the drafter checkpoint (``block_size - 1``); not a user option."""
+
+    # ---- construction -----------------------------------------------------------------------
+
+    @classmethod
+    def user_keys(cls) -> list[str]:
+        """The keys a user may put in the speculative config for ddtree."""
+        return [f.name for f in dataclasses.fields(cls) if f.name != "drafter_width"]
+
+    @classmethod
+    def from_mapping(cls, options: Mapping[str, Any]) -> DDTreeConfig:
+        """Validate user options (ddtree keys only) and build the config."""
+        known = cls.user_keys()
+        for key in options:
+            if key not in known:
+                raise ValueError(
+                    f"speculative_config: unknown ddtree option {key!r}{_closest(key, known)}; "
+                    f"ddtree accepts {', '.join(known)}"
+                )
+        return cls(**dict(options))
+
+    def __post_init__(self) -> None:
+        tb = self.tree_budget
+        if isinstance(tb, str):
+            if tb != "auto":
+                raise ValueError(
+                    f"speculative_config: tree_budget={tb!r} is not valid; give a positive integer "
+                    "(a fixed tree size) or \"auto\" (the budget controller)"
+                )
+        elif isinstance(tb, bool) or not isinstance(tb, int):
+            raise ValueError(
+                f"speculative_config: tree_budget must be a positive integer or \"auto\", got {tb!r}"
+            )
+        elif tb < 1:
+            raise ValueError(f"speculative_config: tree_budget must be >= 1, got {tb}; use 1 or more nodes")
+        else:
+            for key in ("min_tree_budget", "max_tree_budget"):
+                if getattr(self, key) is not None:
+                    raise ValueError(
+                        f"speculative_config: {key} only applies with tree_budget=\"auto\"; "
+                        f"remove it, or set tree_budget=\"auto\" (tree_budget is fixed at {tb})"
+                    )
+        for key in ("min_tree_budget", "max_tree_budget", "ngram_order", "drafter_width"):
+            v = getattr(self, key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+                raise ValueError(f"speculative_config: {key} must be an integer, got {v!r}")
+        lo, hi = self.min_budget, self.max_budget
+        if lo < 1:
+            raise ValueError(f"speculative_config: min_tree_budget must be >= 1, got {lo}")
+        if hi < 1:
+            raise ValueError(f"speculative_config: max_tree_budget must be >= 1, got {hi}")
+        if lo > hi:
+            raise ValueError(
+                f"speculative_config: min_tree_budget ({lo}) is larger than max_tree_budget ({hi}); "
+                "lower min_tree_budget or raise max_tree_budget"
+            )
+        w = self.ngram_weight
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or w != w or w < 0:
+            raise ValueError(
+                f"speculative_config: ngram_weight must be a number >= 0 (0 disables n-gram rescoring), got {w!r}"
+            )
+        if self.ngram_order < 2:
+            raise ValueError(
+                f"speculative_config: ngram_order must be >= 2 (at least one token of context), got {self.ngram_order}"
+            )
+        if self.ngram_corpus is not None:
+            path = Path(self.ngram_corpus).expanduser()
+            if not path.is_file():
+                raise ValueError(
+                    f"speculative_config: ngram_corpus file {str(path)!r} does not exist; build one with "
+                    "`vllm-ddtree build-ngram` or remove ngram_corpus to use the online n-gram model only"
+                )
+            object.__setattr__(self, "ngram_corpus", str(path))
+        if self.device_profile is not None and self.device_profile not in DEVICE_PROFILES:
+            raise ValueError(
+                f"speculative_config: device_profile={self.device_profile!r} is unknown; "
+                f"choose one of {', '.join(DEVICE_PROFILES)} (or leave it out to detect it)"
+            )
+        if self.drafter_width is not None and self.drafter_width < 1:
+            raise ValueError(
+                f"ddtree drafter width (block_size - 1) must be >= 1, got {self.drafter_width}; "
+                "the drafter's config.json needs block_size >= 2"
+            )
+
+    # ---- derived ----------------------------------------------------------------------------
+
+    @property
+    def adaptive(self) -> bool:
+        """True when the budget controller picks the tree size per step."""
+        return self.tree_budget == "auto"
+
+    @property
+    def min_budget(self) -> int:
+        """Smallest tree size used (equals the fixed budget when not adaptive)."""
+        if not self.adaptive:
+            return int(self.tree_budget)
+        return 1 if self.min_tree_budget is None else self.min_tree_budget
+
+    @property
+    def max_budget(self) -> int:
+        """Largest tree size used: the verify width (``num_speculative_tokens`` in vLLM)."""
+        if not self.adaptive:
+            return int(self.tree_budget)
+        return DEFAULT_MAX_TREE_BUDGET if self.max_tree_budget is None else self.max_tree_budget
+
+    @property
+    def verify_width(self) -> int:
+        """Tree nodes per request the target verifies at most in one step."""
+        return self.max_budget
+
+    @property
+    def ngram_enabled(self) -> bool:
+        return self.ngram_weight > 0
+
+    def with_drafter(self, block_size: int) -> DDTreeConfig:
+        """A copy with ``drafter_width`` resolved from the drafter's ``block_size``."""
+        return dataclasses.replace(self, drafter_width=int(block_size) - 1)
+
+    def with_device_profile(self, name: str) -> DDTreeConfig:
+        """A copy with the cost-model profile filled in (when the user gave none)."""
+        return self if self.device_profile is not None else dataclasses.replace(self, device_profile=name)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of every field (for logs and the config hash)."""
+        return dataclasses.asdict(self)

