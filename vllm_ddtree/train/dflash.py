@@ -250,6 +250,28 @@ def evaluate(model: DFlashDrafter, recs: list[dict], t2d: torch.Tensor, feature_
     return EvalResult(acc, mean_run, 1 + mean_run, len(runs), sum(losses) / max(len(losses), 1))
 
 
+def leak_filter(records: list[dict], target_dir) -> tuple[list[dict], dict]:
+    """Drop records whose decoded text contains a HumanEval signature or solution n-gram."""
+    from transformers import AutoTokenizer
+
+    from vllm_ddtree.data.humaneval import load_humaneval
+    from vllm_ddtree.train.contamination import find_leaks
+
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    texts = [tok.decode(r["tokens"].tolist()) for r in records]
+    leaks = find_leaks(texts, load_humaneval())
+    bad = {l.index for l in leaks}
+    kept = [r for i, r in enumerate(records) if i not in bad]
+    modes = Counter(r.get("mode", "?") for r in kept)
+    manifest = {
+        "sequences_generated": len(records),
+        "modes": dict(modes),
+        "leak_check": {"dropped": len(bad), "dropped_tasks": sorted({l.task_id for l in leaks}),
+                       "leaks_in_training_data": 0},
+    }
+    return kept, manifest
+
+
 # ---------------------------------------------------------------------------------------------
 # main loop
 # ---------------------------------------------------------------------------------------------
@@ -288,9 +310,16 @@ def main(argv: list[str] | None = None) -> None:
     feature_index = [stored_ids.index(i) for i in layer_ids]
 
     records = load_records(args.data)
+    tdir = prepare_target()
+    records, manifest = leak_filter(records, tdir)
     train_recs = [r for r in records if not is_heldout(r)]
     held = [r for r in records if is_heldout(r)]
-    tdir = prepare_target()
+    manifest["train_sequences"] = len(train_recs)
+    manifest["heldout_sequences"] = len(held)
+    manifest["leak_check"]["texts_checked"] = len(train_recs)
+    manifest["train_response_tokens"] = sum(len(r["tokens"]) - r["prompt_len"] for r in train_recs)
+    manifest["train_tokens_total"] = sum(len(r["tokens"]) for r in train_recs)
+    (out / "data_manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     target_sd = load_file(str(Path(tdir) / "model.safetensors"))
     emb = target_sd["model.embed_tokens.weight"].float()
 
@@ -377,7 +406,26 @@ def main(argv: list[str] | None = None) -> None:
     log.flush()
     print(json.dumps(final), flush=True)
     if args.export:
-        save_drafter(model, args.export)
+        export(model, out, args.export, held, t2d, feature_index)
+
+
+def export(model: DFlashDrafter, run_dir: Path, dest: str | Path, held: list[dict], t2d: torch.Tensor,
+           feature_index: list[int]) -> dict:
+    """Save the drafter (bf16) plus its training log, data manifest and held-out eval (of the
+    *saved*, bf16-rounded weights) into ``dest``."""
+    import shutil
+
+    from vllm_ddtree.drafter.io import load_drafter, save_drafter
+
+    dest = Path(dest)
+    save_drafter(model, dest)
+    reloaded = load_drafter(dest, model.embed_tokens)
+    ev = evaluate(reloaded, held, t2d, feature_index)
+    (dest / "heldout_eval.json").write_text(json.dumps(asdict(ev), indent=2) + "\n")
+    for name in ("train_log.jsonl", "data_manifest.json"):
+        if (run_dir / name).exists():
+            shutil.copy(run_dir / name, dest / name)
+    return asdict(ev)
 
 
 if __name__ == "__main__":
