@@ -309,6 +309,7 @@ def _reject_chain_only(spec: Any) -> None:
             "speculative_config: method 'ddtree' needs model=<path to a DFlash drafter> "
             "(a directory with config.json declaring DFlashDraftModel)"
         )
+    _precheck_drafter(spec.model)
     for key, (bad, why) in CHAIN_ONLY_OPTIONS.items():
         value = getattr(spec, key, None)
         if bad(value):
@@ -321,6 +322,31 @@ def _reject_chain_only(spec: Any) -> None:
         )
 
 
+def _not_dflash(model: str, archs: Any) -> ValueError:
+    return ValueError(
+        f"drafter {model!r} is not a DFlash drafter (need architectures DFlashDraftModel, block_size and "
+        f"dflash_config in config.json; got architectures {archs}); method 'ddtree' builds on DFlash"
+    )
+
+
+def _precheck_drafter(model: str) -> None:
+    """For a local drafter directory, refuse a non-DFlash checkpoint before vLLM wraps it.
+
+    Without this, vLLM's DFlash branch renames e.g. ``LlamaForCausalLM`` to ``DFlashLlamaForCausalLM``
+    and fails with a list of every supported architecture. Hub ids are checked after loading.
+    """
+    import json
+    from pathlib import Path
+
+    cfg_file = Path(model).expanduser() / "config.json"
+    if not cfg_file.is_file():
+        return
+    cfg = json.loads(cfg_file.read_text())
+    archs = cfg.get("architectures") or []
+    if not any("DFlash" in a for a in archs) or "dflash_config" not in cfg or "block_size" not in cfg:
+        raise _not_dflash(model, archs)
+
+
 def _resolve_drafter(spec: Any, ddtree: DDTreeConfig) -> DDTreeConfig:
     """Check the drafter against the target; fill in drafter width and device profile."""
     draft = spec.draft_model_config
@@ -330,10 +356,7 @@ def _resolve_drafter(spec: Any, ddtree: DDTreeConfig) -> DDTreeConfig:
     dflash_cfg = getattr(hf, "dflash_config", None)
     block_size = getattr(hf, "block_size", None)
     if not any("DFlash" in a for a in archs) or not isinstance(dflash_cfg, dict) or block_size is None:
-        raise ValueError(
-            f"{where} is not a DFlash drafter (need architectures DFlashDraftModel, block_size and "
-            f"dflash_config in config.json; got architectures {archs}); method 'ddtree' builds on DFlash"
-        )
+        raise _not_dflash(spec.model, archs)
     if int(block_size) < 2:
         raise ValueError(f"{where}: block_size must be >= 2 (one root + at least one mask slot), got {block_size}")
     target = spec.target_model_config

