@@ -138,6 +138,18 @@ def test_auto_budget_and_small_fixed_budget(dirs, target_configs):
     assert small.compute_hash() != spec.compute_hash()
 
 
+def test_shallow_copy_presents_as_dflash(dirs, target_configs):
+    import copy
+
+    # vllm.config.utils.replace() cannot rebuild any resolved DFlash config (it re-validates
+    # prompt_lookup_* = 0 against ge=1), so a proposer that must look like DFlash uses a shallow copy.
+    spec = _spec(target_configs, method="ddtree", model=str(dirs["drafter"]), tree_budget=12)
+    view = copy.copy(spec)
+    view.method, view.num_speculative_tokens = "dflash", spec.ddtree.drafter_width
+    assert (view.method, view.num_speculative_tokens, view.max_num_new_slots_for_drafting) == ("dflash", 15, 15)
+    assert (spec.method, spec.num_speculative_tokens) == ("ddtree", 12)
+
+
 def test_dflash_in_drafter_path_stays_ddtree(dirs, target_configs, tmp_path):
     named = shutil.copytree(dirs["drafter"], tmp_path / "smollm2-dflash-b16")
     spec = _spec(target_configs, method="ddtree", model=str(named))
@@ -174,7 +186,7 @@ def test_ddtree_options_as_nested_dict(dirs, target_configs):
         ({"ngram_order": 1}, r"ngram_order must be >= 2"),
         ({"ngram_corpus": "/nonexistent/code.ngram.pt"}, r"ngram_corpus file '/nonexistent/code.ngram.pt' does not exist"),
         ({"device_profile": "tpu"}, r"device_profile='tpu' is unknown; choose one of cpu, h100, h200"),
-        ({"num_speculative_tokens": 15}, r"num_speculative_tokens is not used by method 'ddtree'"),
+        ({"num_speculative_tokens": 15}, r"num_speculative_tokens=15 is not used by method 'ddtree'.*here 32"),
         ({"rejection_sample_method": "synthetic", "synthetic_acceptance_length": 2.0},
          r"rejection_sample_method='synthetic' is not supported with method 'ddtree'"),
         ({"draft_sample_method": "probabilistic"}, r"draft_sample_method='probabilistic' is not supported"),

@@ -298,11 +298,13 @@ def _wrap_post_init(post_init: Callable) -> Callable:
 
 
 def _reject_chain_only(spec: Any) -> None:
-    if spec.num_speculative_tokens is not None:
+    # Equal values are accepted so that a resolved config survives vllm.config.utils.replace().
+    n, width = spec.num_speculative_tokens, spec.ddtree.verify_width
+    if n is not None and n != width:
         raise ValueError(
-            "speculative_config: num_speculative_tokens is not used by method 'ddtree': the verify width "
-            "is the tree budget (tree_budget / max_tree_budget) and the drafter width is block_size - 1 "
-            "from the drafter's config.json; remove num_speculative_tokens"
+            f"speculative_config: num_speculative_tokens={n} is not used by method 'ddtree': the verify "
+            f"width is the tree budget (tree_budget / max_tree_budget, here {width}) and the drafter width "
+            "is block_size - 1 from the drafter's config.json; remove num_speculative_tokens"
         )
     if spec.model is None:
         raise ValueError(
