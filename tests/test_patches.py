@@ -1,0 +1,133 @@
+"""The upstreamable diffs in patches/ still apply to the installed vLLM, compile, and work.
+
+Nothing here touches the installed files: each patch is applied to copies in a temporary directory.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import py_compile
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PATCHES = sorted((ROOT / "patches").glob("*.patch"))
+STUBS = Path(__file__).resolve().parent / "stubs"
+
+
+def _site_packages() -> Path:
+    import vllm
+
+    return Path(vllm.__file__).resolve().parents[1]
+
+
+def _touched(patch: Path) -> list[str]:
+    return re.findall(r"^\+\+\+ b/(\S+)", patch.read_text(), flags=re.M)
+
+
+def _apply_to_copy(patch: Path, dest: Path, dry_run: bool) -> subprocess.CompletedProcess:
+    site = _site_packages()
+    for rel in _touched(patch):
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(site / rel, dest / rel)
+    args = ["patch", "-p1", "--forward", "--batch", "-d", str(dest), "-i", str(patch)]
+    return subprocess.run(args + (["--dry-run"] if dry_run else []), capture_output=True, text=True)
+
+
+def test_patches_exist():
+    assert PATCHES, "patches/ has no *.patch"
+    assert (ROOT / "patches" / "README.md").is_file()
+
+
+@pytest.mark.skipif(shutil.which("patch") is None, reason="needs the patch tool")
+@pytest.mark.parametrize("patch", PATCHES, ids=[p.name for p in PATCHES])
+def test_patch_applies_and_compiles(patch, tmp_path):
+    dry = _apply_to_copy(patch, tmp_path / "dry", dry_run=True)
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    real = _apply_to_copy(patch, tmp_path / "real", dry_run=False)
+    assert real.returncode == 0, real.stdout + real.stderr
+    for rel in _touched(patch):
+        py_compile.compile(str(tmp_path / "real" / rel), doraise=True)
+
+
+# The registry patch, exercised: a plugin-style method built on dflash, in a fresh interpreter whose
+# `vllm.config.speculative` is the patched copy (and with vllm-ddtree's own runtime patches off).
+_REGISTRY_SCRIPT = textwrap.dedent(
+    """
+    import importlib.abc, importlib.util, sys
+    PATCHED, TARGET, DRAFTER = sys.argv[1:4]
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name == "vllm.config.speculative":
+                return importlib.util.spec_from_file_location(name, PATCHED)
+            return None
+
+    sys.meta_path.insert(0, Finder())
+    from vllm.config import ParallelConfig, SpeculativeConfig
+    from vllm.config.speculative import register_speculative_method
+    from vllm.engine.arg_utils import EngineArgs
+
+    def pre_init(spec):
+        spec.num_speculative_tokens = spec.method_options["width"]
+
+    seen = []
+    register_speculative_method("treetest", "dflash", pre_init=pre_init,
+                                post_init=lambda spec: seen.append(spec.draft_model_config.architectures))
+    target = EngineArgs(model=TARGET, dtype="float32", max_model_len=1024).create_model_config()
+    common = dict(target_model_config=target, target_parallel_config=ParallelConfig())
+    spec = SpeculativeConfig(method="treetest", model=DRAFTER, method_options={"width": 7}, **common)
+    assert spec.method == "treetest", spec.method
+    assert spec.num_speculative_tokens == 7 and spec.parallel_drafting
+    assert spec.use_dflash() and spec.use_eagle() and not spec.uses_draft_model()
+    assert seen == [["DFlashDraftModel"]], seen
+    for bad, msg in (({"method": "nope", "model": DRAFTER, "num_speculative_tokens": 3}, "registered by plugins: treetest"),
+                     ({"method": "dflash", "model": DRAFTER, "num_speculative_tokens": 3, "method_options": {}},
+                      "method_options is only valid")):
+        try:
+            SpeculativeConfig(**bad, **common)
+        except ValueError as e:
+            assert msg in str(e), str(e)
+        else:
+            raise AssertionError(bad)
+    plain = SpeculativeConfig(method="dflash", model=DRAFTER, num_speculative_tokens=15, **common)
+    assert plain.method == "dflash" and plain.use_dflash()
+    print("REGISTRY-OK")
+    """
+)
+
+
+@pytest.mark.skipif(shutil.which("patch") is None, reason="needs the patch tool")
+def test_registry_patch_works(tmp_path):
+    import torch
+
+    from vllm_ddtree.drafter import DFlashDrafter, DrafterConfig, save_drafter
+    from vllm_ddtree.models.target import prepare_target
+
+    patch = ROOT / "patches" / "0001-speculative-method-registry.patch"
+    assert _apply_to_copy(patch, tmp_path / "src", dry_run=False).returncode == 0
+    cfg = DrafterConfig(num_hidden_layers=1, intermediate_size=64, draft_vocab_size=256, target_layer_ids=[1, 15, 27])
+    # A path containing "dflash": the registered method must not be renamed by it.
+    drafter = save_drafter(DFlashDrafter(cfg, torch.zeros(cfg.vocab_size, cfg.hidden_size)),
+                           tmp_path / "toy-dflash", dtype=torch.float32)
+    script = tmp_path / "registry_check.py"
+    script.write_text(_REGISTRY_SCRIPT)
+    env = dict(os.environ, VLLM_PLUGINS="__none__")  # no general plugins: vllm-ddtree's patches stay off
+    try:
+        importlib.metadata.version("torchcodec")  # the broken CUDA build: hide it behind the stub
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(STUBS), env.get("PYTHONPATH")]))
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    out = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "src" / "vllm/config/speculative.py"), str(prepare_target()),
+         str(drafter)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    assert "REGISTRY-OK" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
