@@ -135,6 +135,24 @@ def test_engine_config_ddtree_widths(dirs):
     assert again.method == "ddtree" and again.ddtree == spec.ddtree
 
 
+def test_cli_flags_reach_ddtree(dirs):
+    """`vllm serve`/`vllm bench` parse --speculative-config as JSON and --spec-method with choices."""
+    import json
+
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())  # loads the general plugins first
+    spec = {"method": "ddtree", "model": str(dirs["drafter"]), "tree_budget": "auto", "max_tree_budget": 24}
+    args = parser.parse_args(["--model", str(dirs["target"]), "--dtype", "float32", "--max-model-len", "1024",
+                              "--speculative-config", json.dumps(spec)])
+    vc = EngineArgs.from_cli_args(args).create_engine_config()
+    assert vc.speculative_config.method == "ddtree" and vc.speculative_config.num_speculative_tokens == 24
+    args = parser.parse_args(["--model", str(dirs["target"]), "--spec-method", "ddtree",
+                              "--spec-model", str(dirs["drafter"])])
+    assert args.spec_method == "ddtree"
+
+
 def test_auto_budget_and_small_fixed_budget(dirs, target_configs):
     spec = _spec(target_configs, method="ddtree", model=str(dirs["drafter"]), tree_budget="auto",
                  min_tree_budget=4, max_tree_budget=48, ngram_weight=0.0, device_profile="h200")

@@ -141,7 +141,7 @@ class DDTreeConfig:
                 f"speculative_config: ngram_order must be >= 2 (at least one token of context), got {self.ngram_order}"
             )
         if self.ngram_corpus is not None:
-            path = Path(self.ngram_corpus).expanduser()
+            path = Path(self.ngram_corpus).expanduser().resolve()  # workers may not share the cwd
             if not path.is_file():
                 raise ValueError(
                     f"speculative_config: ngram_corpus file {str(path)!r} does not exist; build one with "
