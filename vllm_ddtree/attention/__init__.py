@@ -1,0 +1,1 @@
+"""Attention backends of vllm-ddtree (the CPU tree-mask backend; the GPU FlashInfer path comes later)."""

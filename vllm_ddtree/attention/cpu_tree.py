@@ -1,0 +1,285 @@
+"""A PyTorch (SDPA) attention backend for vLLM's CPU platform that also takes per-request tree masks.
+
+Why: vLLM 0.32's CPU_ATTN kernel takes no mask (only causal / per-request causal), returns no
+log-sum-exp and stores K in an ISA-dependent layout with no read-back helper (design notes §5), so
+a draft tree cannot be verified with it. This backend replaces it — registered over CPU_ATTN by
+`register()`, since the CPU platform always resolves CPU_ATTN — and serves every attention on the
+CPU: the target's prefill and decode rows (causal), the DFlash drafter's block (non-causal, its
+context K/V written through `do_kv_cache_update`), and the target's verify rows of a draft tree.
+
+Cache layout (the same logical LBHNC shape CPU_ATTN uses, plain contents): a layer's cache is
+[num_blocks, kv_heads, block_size, 2 * head_dim]; per (block, head) the storage is read as
+[2 * block_size, head_dim] with K in rows 0..block_size-1 and V in the rest, token-major.
+
+Per step the builder does everything that is the same for all layers once: the KV gather index
+(request, kv position) -> (block, offset), the padded query index, and the boolean mask
+[R, max_q, max_kv]. Each layer's forward is then one gather, one SDPA and one scatter.
+
+Tree masks: CommonAttentionMetadata has no field for a per-request mask (design notes §5), so the
+model runner hands them over through `set_step_tree_masks` before it builds attention metadata
+for a verify step; the builder of the layers named by `TreeStepMasks.layer_prefix` consumes them.
+A request's tree rows are the last `num_rows` query tokens of that request; its row i sees every
+context position and the rows j with `ancestors[i, j]` (compile.TreeBatch's mask, unchanged).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from vllm.logger import init_logger
+from vllm.v1.attention.backend import AttentionImpl, AttentionMetadataBuilder, AttentionType, CommonAttentionMetadata
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+# Under the "vllm" namespace so vLLM's log configuration (format, level) applies to our lines.
+logger = init_logger("vllm.ddtree.attention")
+
+
+@dataclass
+class TreeStepMasks:
+    """Tree masks for one verify step, by request row of the batch.
+
+    has_tree   [R] bool      which requests verify a tree this step
+    num_rows   [R] int64     tree rows (root + nodes) of each such request: its last query tokens
+    ancestors  [R, N, N] bool  `TreeBatch.ancestors` (row i may see row j)
+    layer_prefix str         only builders whose layer names start with this use the masks
+                             (the target's layers, not the drafter's)
+    """
+
+    has_tree: Tensor
+    num_rows: Tensor
+    ancestors: Tensor
+    layer_prefix: str = ""
+
+
+_step_tree_masks: TreeStepMasks | None = None
+
+
+def set_step_tree_masks(masks: TreeStepMasks | None) -> None:
+    """Hand the next metadata build its tree masks (None: plain causal attention)."""
+    global _step_tree_masks
+    _step_tree_masks = masks
+
+
+@dataclass
+class TreeAttentionMetadata:
+    """Per-step metadata shared by every layer of a KV-cache group."""
+
+    num_actual_tokens: int
+    query_start_loc: Tensor  # [R + 1]
+    seq_lens: Tensor  # [R] kv length after this step's tokens
+    slot_mapping: Tensor  # [T] where each new token's K/V is written
+    kv_block: Tensor  # [R, max_kv] block holding kv position p of request r
+    kv_offset: Tensor  # [R, max_kv] offset inside that block
+    query_index: Tensor  # [R, max_q] flat token index of query i of request r (0 where padding)
+    query_valid: Tensor  # [R, max_q]
+    mask: Tensor  # [R, 1, max_q, max_kv] bool, True = may attend
+    causal: bool | Tensor = True  # what the caller asked for (the DFlash drafter checks `causal is False`)
+    max_query_len: int = 0
+    max_seq_len: int = 0
+
+
+def build_attention_mask(
+    query_lens: Tensor, seq_lens: Tensor, causal: Tensor, max_q: int, max_kv: int, tree: TreeStepMasks | None = None
+) -> Tensor:
+    """[R, max_q, max_kv] bool: query i of request r may attend to kv position p.
+
+    causal [R] bool per request. Query i sits at position ctx + i with ctx = seq_len - q_len.
+    Tree requests: the last num_rows queries are tree rows; row a sees positions < ctx + q_len -
+    num_rows (the committed context) and the tree rows b with ancestors[a, b].
+    Padding queries see position 0 only, so no softmax row is empty (their output is discarded).
+    """
+    r = query_lens.shape[0]
+    dev = query_lens.device
+    i = torch.arange(max_q, device=dev).view(1, max_q, 1)
+    p = torch.arange(max_kv, device=dev).view(1, 1, max_kv)
+    ctx = (seq_lens - query_lens).view(r, 1, 1)
+    qlen = query_lens.view(r, 1, 1)
+    in_kv = p < seq_lens.view(r, 1, 1)
+    causal_ok = p <= ctx + i
+    mask = in_kv & torch.where(causal.view(r, 1, 1), causal_ok, True)
+    if tree is not None:
+        n = tree.ancestors.shape[1]
+        rows = tree.num_rows.view(r, 1, 1)
+        tree_start = ctx + qlen - rows  # position of the root row
+        a = i - (qlen - rows)  # tree row of query i
+        b = p - tree_start  # tree row stored at kv position p
+        in_tree_q = (a >= 0) & tree.has_tree.view(r, 1, 1)
+        seen = tree.ancestors.gather(
+            1, a.clamp(0, n - 1).expand(r, max_q, n)
+        ).gather(2, b.clamp(0, n - 1).expand(r, max_q, max_kv))
+        tree_ok = (p < tree_start) | ((b >= 0) & (b < rows) & seen)
+        mask = torch.where(in_tree_q, in_kv & tree_ok, mask)
+    valid_q = i < qlen
+    return torch.where(valid_q, mask, p == 0)
+
+
+class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadata]):
+    """Builds the gather indices and masks once per step for all layers of a KV-cache group."""
+
+    def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config, device: torch.device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.block_size = kv_cache_spec.block_size
+
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> TreeAttentionMetadata:
+        cm = common_attn_metadata
+        r = cm.num_reqs
+        qsl = cm.query_start_loc[: r + 1].long()
+        seq_lens = cm.seq_lens[:r].long()
+        query_lens = qsl[1:] - qsl[:-1]
+        max_q = max(int(cm.max_query_len), 1)
+        max_kv = max(int(cm.max_seq_len), 1)
+        causal = cm.causal
+        causal_t = causal.bool()[:r] if isinstance(causal, Tensor) else torch.full((r,), bool(causal))
+        tree = _step_tree_masks
+        if tree is not None and not all(name.startswith(tree.layer_prefix) for name in self.layer_names):
+            tree = None
+        if tree is not None and tree.has_tree.shape[0] != r:
+            raise ValueError(f"tree masks were set for {tree.has_tree.shape[0]} requests, the batch has {r}")
+        p = torch.arange(max_kv)
+        blocks = cm.block_table_tensor[:r].long()
+        kv_block = blocks.gather(1, (p // self.block_size).clamp(max=blocks.shape[1] - 1).expand(r, max_kv))
+        kv_offset = (p % self.block_size).expand(r, max_kv)
+        i = torch.arange(max_q)
+        query_valid = i.view(1, -1) < query_lens.view(-1, 1)
+        query_index = torch.where(query_valid, qsl[:-1].view(-1, 1) + i.view(1, -1), 0)
+        mask = build_attention_mask(query_lens, seq_lens, causal_t, max_q, max_kv, tree)
+        return TreeAttentionMetadata(
+            num_actual_tokens=cm.num_actual_tokens,
+            query_start_loc=qsl,
+            seq_lens=seq_lens,
+            slot_mapping=cm.slot_mapping,
+            kv_block=kv_block,
+            kv_offset=kv_offset,
+            query_index=query_index,
+            query_valid=query_valid,
+            mask=mask[:, None],
+            causal=causal,
+            max_query_len=max_q,
+            max_seq_len=max_kv,
+        )
+
+
+def split_kv_cache(kv_cache: Tensor) -> tuple[Tensor, Tensor]:
+    """[blocks, kv_heads, block_size, 2 * hd] -> K, V views [blocks, kv_heads, block_size, hd]."""
+    nb, h, bs, _ = kv_cache.shape
+    kv = kv_cache.view(nb, h, 2 * bs, -1)
+    return kv[:, :, :bs], kv[:, :, bs:]
+
+
+class TreeAttentionImpl(AttentionImpl):
+    """SDPA over the paged cache with the builder's mask; same constructor as CPU_ATTN's impl."""
+
+    layers_served = 0  # attention layers built in this process (observability, tests)
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        alibi_slopes: list[float] | None,
+        sliding_window: int | None,
+        kv_cache_dtype: str,
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        sinks: Tensor | None = None,
+    ) -> None:
+        unsupported = {
+            "ALiBi": alibi_slopes is not None,
+            "sliding window": sliding_window not in (None, -1),
+            "logits soft-cap": bool(logits_soft_cap),
+            "attention sinks": sinks is not None,
+            "a quantized KV cache": kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"),
+            f"attention type {attn_type}": attn_type != AttentionType.DECODER,
+        }
+        missing = [name for name, bad in unsupported.items() if bad]
+        if missing:
+            raise NotImplementedError(
+                f"vllm-ddtree's CPU tree attention does not support {', '.join(missing)}; "
+                "uninstall vllm-ddtree or set VLLM_DDTREE_CPU_ATTENTION=0 to use vLLM's CPU_ATTN for this model"
+            )
+        TreeAttentionImpl.layers_served += 1
+        if TreeAttentionImpl.layers_served == 1:
+            logger.info("vllm-ddtree: CPU tree attention (PyTorch SDPA with per-request tree masks) in use")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.attn_type = attn_type
+
+    def do_kv_cache_update(self, layer, key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
+        """Write new tokens' K/V [n, kv_heads, hd] at `slot_mapping` (block * block_size + offset)."""
+        k_cache, v_cache = split_kv_cache(kv_cache)
+        bs = k_cache.shape[2]
+        n = min(slot_mapping.shape[0], key.shape[0])
+        slots = slot_mapping[:n].long()
+        valid = slots >= 0  # padded tokens carry slot -1: drop them (a CPU-side filter is cheap here)
+        slots, key, value = slots[valid], key[:n][valid], value[:n][valid]
+        k_cache[slots // bs, :, slots % bs] = key.to(k_cache.dtype)
+        v_cache[slots // bs, :, slots % bs] = value.to(v_cache.dtype)
+
+    def forward(
+        self,
+        layer,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        kv_cache: Tensor,
+        attn_metadata: TreeAttentionMetadata | None,
+        output: Tensor,
+        output_scale: Tensor | None = None,
+        output_block_scale: Tensor | None = None,
+    ) -> Tensor:
+        """query [T, heads, hd] -> output [T, heads, hd] (or [T, heads * hd])."""
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("fused output quantization is not supported by the CPU tree attention")
+        if attn_metadata is None:  # profiling / warm-up run
+            return output
+        md = attn_metadata
+        k_cache, v_cache = split_kv_cache(kv_cache)
+        k = k_cache[md.kv_block, :, md.kv_offset]  # [R, max_kv, kv_heads, hd]
+        v = v_cache[md.kv_block, :, md.kv_offset]
+        q = query[md.query_index]  # [R, max_q, heads, hd]
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2).to(q.dtype),
+            v.transpose(1, 2).to(q.dtype),
+            attn_mask=md.mask,
+            scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        ).transpose(1, 2)  # [R, max_q, heads, hd]
+        flat = output.view(output.shape[0], self.num_heads, self.head_size)
+        flat[md.query_index[md.query_valid]] = out[md.query_valid].to(flat.dtype)
+        return output
+
+
+class TreeAttentionBackend(CPUAttentionBackend):
+    """CPU_ATTN's capabilities and cache shape, our impl and builder. Named CPU_ATTN on purpose:
+    `get_name()` must name an AttentionBackendEnum member and this backend is registered over it."""
+
+    @staticmethod
+    def get_impl_cls() -> type[TreeAttentionImpl]:
+        return TreeAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[TreeAttentionMetadataBuilder]:
+        return TreeAttentionMetadataBuilder
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+
+def register() -> None:
+    """Make the CPU platform's CPU_ATTN resolve to this backend (vllm.v1.attention.backends.registry)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum.CPU_ATTN, f"{__name__}.TreeAttentionBackend")
