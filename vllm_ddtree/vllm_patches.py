@@ -30,7 +30,7 @@ P4  ``SpeculativeConfig.use_eagle`` (:1944) and ``use_dflash`` (:1954) — True 
     listed at :data:`CALL_SITES`.
 P5  ``SpeculativeConfig.max_num_new_slots_for_drafting`` (:1888, property) — for ddtree, the drafter
     width (block_size − 1 mask queries per request), not ``num_speculative_tokens`` (= tree budget).
-P6  ``VllmConfig.num_lookahead_tokens`` (config/vllm.py:613, property) — for ddtree, KV slots past
+P6  ``VllmConfig.num_lookahead_tokens`` (config/vllm.py:615, property) — for ddtree, KV slots past
     the context for ``max(verify width, drafter width) + 1``: the target writes 1 + B tree rows, the
     drafter 1 + W block rows, into the same positions ahead of the context.
 P7  ``SpeculativeConfig.compute_hash`` (:612) — adds ddtree's options and the aux-hidden-states
