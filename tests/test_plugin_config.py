@@ -283,3 +283,19 @@ def test_ddtree_config_defaults_and_corpus(tmp_path):
     assert cfg.with_drafter(16).drafter_width == 15
     with pytest.raises(ValueError, match=r"unknown ddtree option 'drafter_width'"):
         DDTreeConfig.from_mapping({"drafter_width": 3})  # resolved from the checkpoint, not a user key
+
+
+def test_ddtree_engines_get_the_cpu_tree_attention(dirs):
+    # CPU_ATTN takes no mask: a ddtree config must resolve to the tree backend, others keep CPU_ATTN.
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    sel = AttentionSelectorConfig(head_size=64, dtype=torch.float32, kv_cache_dtype="auto", block_size=128)
+    ddtree = _engine_config(dirs["target"], {"method": "ddtree", "model": str(dirs["drafter"]), "tree_budget": 8})
+    with set_current_vllm_config(ddtree):
+        assert CpuPlatform.get_attn_backend_cls(None, sel).endswith("cpu_tree.TreeAttentionBackend")
+    plain = _engine_config(dirs["target"], None)
+    with set_current_vllm_config(plain):
+        assert CpuPlatform.get_attn_backend_cls(None, sel).endswith("cpu_attn.CPUAttentionBackend")

@@ -40,6 +40,9 @@ P8  ``SamplingParams._validate_spec_decode`` (sampling_params.py:1182, called fr
     requests with a clear error: vLLM's grammar validates drafts as one chain
     (v1/structured_output/__init__.py:315 ``strip_speculative_padding``), a tree is not one.
     Structured outputs are per request, so this is the earliest point they can be refused.
+P9  ``CpuPlatform.get_attn_backend_cls`` (platforms/cpu.py:143) — for a ddtree config, return
+    :mod:`vllm_ddtree.attention.cpu_tree`'s backend instead of CPU_ATTN, whose kernel takes no mask
+    (design notes §5). Other configs keep CPU_ATTN: the PyTorch backend is slower at decode.
 """
 
 from __future__ import annotations
@@ -171,6 +174,7 @@ def apply() -> None:
         _patch_speculative_config(SpeculativeConfig)
         _patch_vllm_config()
         _patch_sampling_params()
+        _patch_cpu_attention_selection()
         setattr(SpeculativeConfig, _MARK, True)
     _APPLIED = True
 
@@ -438,3 +442,24 @@ def _patch_sampling_params() -> None:
             )
 
     SamplingParams._validate_spec_decode = _validate_spec_decode
+
+
+# ---- P9: CPU attention backend selection ---------------------------------------------------------
+
+
+def _patch_cpu_attention_selection() -> None:
+    from vllm.platforms.cpu import CpuPlatform
+
+    select = CpuPlatform.get_attn_backend_cls.__func__
+
+    @functools.wraps(select)
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
+        path = select(cls, selected_backend, attn_selector_config, num_heads)
+        from vllm.config import get_current_vllm_config
+
+        spec = get_current_vllm_config().speculative_config
+        if spec is not None and spec.method == METHOD and path.endswith("CPUAttentionBackend"):
+            return "vllm_ddtree.attention.cpu_tree.TreeAttentionBackend"
+        return path
+
+    CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
