@@ -30,10 +30,15 @@ def compact_paged_kv_(kv_caches: list[Tensor], block_table: Tensor, plan: KVComp
     """
     src = positions_to_slots(block_table, plan.src, block_size).reshape(-1)
     dst = positions_to_slots(block_table, plan.dst, block_size).reshape(-1)
-    sb, so = torch.div(src, block_size, rounding_mode="floor"), src % block_size
-    db, do = torch.div(dst, block_size, rounding_mode="floor"), dst % block_size
+    move_slots_(kv_caches, src, dst)
+
+
+def move_slots_(kv_caches: list[Tensor], src_slots: Tensor, dst_slots: Tensor) -> None:
+    """cache[dst] = cache[src] for physical slots in every layer cache (CPU layout), gather first."""
     for cache in kv_caches:
         nb, h, bs, two_hd = cache.shape
         kv = cache.view(nb, h, 2, bs, two_hd // 2)  # [blocks, heads, K|V, offset, hd]
+        sb, so = torch.div(src_slots, bs, rounding_mode="floor"), src_slots % bs
+        db, do = torch.div(dst_slots, bs, rounding_mode="floor"), dst_slots % bs
         moved = kv[sb, :, :, so]  # [moves, heads, 2, hd]  (gather first)
         kv[db, :, :, do] = moved

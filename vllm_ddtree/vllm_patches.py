@@ -43,6 +43,18 @@ P8  ``SamplingParams._validate_spec_decode`` (sampling_params.py:1182, called fr
 P9  ``CpuPlatform.get_attn_backend_cls`` (platforms/cpu.py:143) — for a ddtree config, return
     :mod:`vllm_ddtree.attention.cpu_tree`'s backend instead of CPU_ATTN, whose kernel takes no mask
     (design notes §5). Other configs keep CPU_ATTN: the PyTorch backend is slower at decode.
+P10 ``DFlashProposer.__init__`` (v1/spec_decode/dflash.py:24) — for ddtree, called with the config
+    presented as DFlash of the drafter's width W (it asserts the method and sizes its buffers from
+    ``num_speculative_tokens``, which for ddtree is the verify width). ``GPUModelRunner.__init__``
+    (v1/worker/gpu_model_runner.py:638, the ``use_dflash()`` branch) — wrapped: for ddtree the
+    drafter becomes :class:`vllm_ddtree.engine.DDTreeProposer` (a DFlashProposer subclass).
+P11 ``GPUModelRunner._prepare_inputs`` (:1920) — wrapped: after it computed sequential positions and
+    slots, ddtree's verify rows get positions context + depth and the step's tree masks go to the
+    CPU tree attention (:func:`vllm_ddtree.engine.prepare_tree_step`).
+P12 ``GPUModelRunner._sample`` (:3437) — for ddtree steps, the tree walk replaces the chain-only
+    rejection sampler (:func:`vllm_ddtree.engine.sample_tree_step`; also compacts the target's KV and
+    puts each request's accepted path first for the drafter). ``sample_tokens`` (:4304) is wrapped
+    only to hand the step's aux hidden states to it.
 """
 
 from __future__ import annotations
@@ -175,6 +187,7 @@ def apply() -> None:
         _patch_vllm_config()
         _patch_sampling_params()
         _patch_cpu_attention_selection()
+        _patch_model_runner()
         setattr(SpeculativeConfig, _MARK, True)
     _APPLIED = True
 
@@ -463,3 +476,83 @@ def _patch_cpu_attention_selection() -> None:
         return path
 
     CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+
+
+# ---- P10–P12: the V1 model runner ----------------------------------------------------------------
+
+
+def _is_ddtree(vllm_config) -> bool:
+    spec = getattr(vllm_config, "speculative_config", None)
+    return spec is not None and spec.method == METHOD
+
+
+def _patch_model_runner() -> None:
+    from vllm.v1.spec_decode.dflash import DFlashProposer
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    dflash_init = DFlashProposer.__init__
+
+    @functools.wraps(dflash_init)
+    def proposer_init(self, vllm_config, device, runner=None):
+        if _is_ddtree(vllm_config):
+            from vllm_ddtree.engine import _present_as_dflash
+
+            vllm_config = _present_as_dflash(vllm_config, vllm_config.speculative_config.ddtree.drafter_width)
+        dflash_init(self, vllm_config, device, runner)
+
+    DFlashProposer.__init__ = proposer_init
+
+    runner_init = GPUModelRunner.__init__
+
+    @functools.wraps(runner_init)
+    def init(self, vllm_config, device, *args, **kwargs):
+        runner_init(self, vllm_config, device, *args, **kwargs)
+        self._ddtree_step = None
+        self._ddtree_aux = None
+        if _is_ddtree(vllm_config):
+            from vllm_ddtree.engine import DDTreeProposer
+
+            self.drafter = DDTreeProposer(vllm_config, self.device, self)
+            self.use_aux_hidden_state_outputs = True
+
+    GPUModelRunner.__init__ = init
+
+    prepare = GPUModelRunner._prepare_inputs
+
+    @functools.wraps(prepare)
+    def _prepare_inputs(self, scheduler_output, *args, **kwargs):
+        out = prepare(self, scheduler_output, *args, **kwargs)
+        if _is_ddtree(self.vllm_config):
+            from vllm_ddtree.engine import prepare_tree_step
+
+            self._ddtree_step = prepare_tree_step(self, out[1], scheduler_output.total_num_scheduled_tokens)
+        return out
+
+    GPUModelRunner._prepare_inputs = _prepare_inputs
+
+    sample = GPUModelRunner._sample
+
+    @functools.wraps(sample)
+    def _sample(self, logits, spec_decode_metadata):
+        step = getattr(self, "_ddtree_step", None)
+        if step is None or spec_decode_metadata is None or not _is_ddtree(self.vllm_config):
+            return sample(self, logits, spec_decode_metadata)
+        from vllm_ddtree.engine import sample_tree_step
+
+        self._ddtree_step = None
+        return sample_tree_step(self, step, logits, spec_decode_metadata, self._ddtree_aux)
+
+    GPUModelRunner._sample = _sample
+
+    sample_tokens = GPUModelRunner.sample_tokens
+
+    @functools.wraps(sample_tokens)
+    def _sample_tokens(self, grammar_output):
+        state = self.execute_model_state
+        self._ddtree_aux = state[6] if state is not None else None  # aux_hidden_states (:4317)
+        try:
+            return sample_tokens(self, grammar_output)
+        finally:
+            self._ddtree_aux = None
+
+    GPUModelRunner.sample_tokens = _sample_tokens

@@ -81,6 +81,8 @@ def save_drafter(model: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype =
     for name, t in model.state_dict().items():
         if name == "mask_embedding":
             continue
+        if name == "d2t" and model.cfg.draft_vocab_size == model.cfg.vocab_size:
+            continue  # full vocabulary: vLLM's loader has no d2t parameter to receive it
         sd[name] = t.detach().contiguous() if name == "d2t" else t.detach().to(dtype).contiguous()
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     dtype_name = str(dtype).removeprefix("torch.")
@@ -96,6 +98,7 @@ def load_drafter(path: str | Path, embed_tokens: torch.Tensor, dtype: torch.dtyp
     cfg = config_from_dict(json.loads((path / "config.json").read_text()))
     model = DFlashDrafter(cfg, embed_tokens.to(dtype))
     sd = {k: (v if k == "d2t" else v.to(dtype)) for k, v in load_file(str(path / "model.safetensors")).items()}
+    sd.setdefault("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))  # full vocabulary: identity
     mask_file = path / "mask_embedding.pt"
     if mask_file.exists():
         m = torch.load(mask_file, weights_only=True)

@@ -1,0 +1,325 @@
+"""ddtree inside vLLM's V1 model runner: the tree proposer and the verify step.
+
+One engine step, as the runner executes it with vllm_ddtree's patches (vllm_patches P10–P12):
+
+1. `DDTreeProposer.propose` (after the previous step's sampling): vLLM's own DFlash forward
+   ([bonus, MASK x W] against the accepted path's hidden states), then — instead of the argmax per
+   mask row — top-K per depth, `build_tree` (optional n-gram rescoring, optional batch-aware budget)
+   and the flattened tree tokens per request, returned as a ragged list. The tree (parents, depths)
+   is kept per request id.
+2. `prepare_tree_step` (after `_prepare_inputs`, before attention metadata is built): the scheduled
+   drafts of each request (a prefix of its tree if the scheduler truncated it) are compiled into a
+   `TreeBatch`; the rows' RoPE positions become context + depth (their KV slots stay sequential);
+   the ancestor masks go to the CPU tree attention through its channel.
+3. `sample_tree_step` (in place of the rejection sampler): one target token per verify row —
+   argmax, or one draw from the request's processed distribution — then `walk_tree`. The accepted
+   rows' K/V are moved to consecutive slots (compaction), and within each request the accepted
+   path's rows are moved to the front of the step's positions and aux hidden states, so that vLLM's
+   DFlash input preparation — which trims rejected rows as a suffix — feeds the drafter exactly the
+   accepted path at consecutive positions. Output: [R, depth + 1] padded with -1, the rejection
+   sampler's layout, so vLLM's bookkeeping and the scheduler's rollback hold unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from vllm_ddtree.tree import (
+    NO_PARENT,
+    CostModel,
+    DraftTree,
+    ModelShape,
+    NGramModel,
+    TreeBatch,
+    allocate_batch,
+    build_tree,
+    compaction_plan,
+    compile_tree,
+    get_profile,
+    sample_tokens,
+    topk_per_depth,
+    walk_tree,
+)
+
+from vllm.v1.spec_decode.dflash import DFlashProposer
+
+from vllm_ddtree.compaction import move_slots_
+
+
+@dataclass
+class RequestTree:
+    """The tree proposed for one request: flattened best-first, parent before child."""
+
+    tokens: list[int]
+    parents: list[int]  # -1: child of the root
+    depths: list[int]
+
+
+@dataclass
+class TreeStep:
+    """What the verify step of one batch needs after its forward."""
+
+    batch: TreeBatch
+    row_index: Tensor  # [R, N] flat token index of each verify row (0 where padding)
+    slot_mapping: Tensor  # [T] KV slot of every scheduled token (sequential positions)
+
+
+@dataclass
+class DDTreeStats:
+    """Per-step budget and depth, summarised for logs and benchmarks."""
+
+    steps: int = 0
+    nodes: int = 0
+    max_depth_sum: int = 0
+    budgets: list[int] = field(default_factory=list)
+
+
+def _present_as_dflash(vllm_config, width: int):
+    """A shallow copy of the config whose speculative config reads as vLLM's DFlash with W tokens.
+
+    DFlashProposer asserts method == "dflash" and sizes its buffers from num_speculative_tokens;
+    ddtree's num_speculative_tokens is the verify width (tree budget), the drafter's is W.
+    """
+    spec = copy.copy(vllm_config.speculative_config)
+    object.__setattr__(spec, "method", "dflash")
+    object.__setattr__(spec, "num_speculative_tokens", width)
+    cfg = copy.copy(vllm_config)
+    object.__setattr__(cfg, "speculative_config", spec)
+    return cfg
+
+
+class DDTreeProposer(DFlashProposer):
+    """vLLM's DFlash proposer, drafting a tree from the mask rows' per-depth distributions."""
+
+    def __init__(self, vllm_config, device: torch.device, runner=None) -> None:
+        options = vllm_config.speculative_config.ddtree
+        self.options = options
+        self.width = options.drafter_width
+        super().__init__(vllm_config, device, runner)  # presented as DFlash by vllm_patches P10
+        self.ddtree_vllm_config = vllm_config
+        self.runner = runner  # the base proposer does not keep it: we read the batch order from it
+        self.max_budget = options.verify_width
+        self.trees: dict[str, RequestTree] = {}
+        self.stats = DDTreeStats()
+        self._logits: Tensor | None = None
+        target = vllm_config.model_config
+        self.ngram = None
+        if options.ngram_weight > 0:
+            self.ngram = NGramModel(target.get_vocab_size(), options.ngram_order, corpus=options.ngram_corpus)
+        self._slots: dict[str, int] = {}
+        self._seen: dict[str, int] = {}
+        self.cost = None
+        if options.tree_budget == "auto":
+            shape = ModelShape.from_hf_config(target.hf_config.to_dict() | {"vocab_size": target.get_vocab_size()},
+                                              str(target.dtype))
+            self.cost = CostModel(shape, get_profile(options.device_profile))
+
+    # vLLM calls propose(num_speculative_tokens=<scheduler's count>, ...): the drafter's width is W.
+    def propose(self, num_speculative_tokens, *args, **kwargs):
+        super().propose(self.width, *args, **kwargs)
+        return self._tree_drafts(kwargs["common_attn_metadata"])
+
+    def _sample_draft_tokens(self, hidden_states: Tensor, sampling_metadata):
+        """Keep the mask rows' logits for the tree (parallel drafting: [R * W, H])."""
+        self._logits = self.model.compute_logits(hidden_states)
+        return torch.zeros(hidden_states.shape[0], dtype=torch.int64, device=hidden_states.device), None
+
+    def _tree_drafts(self, cad) -> list[list[int]]:
+        runner = self.runner
+        req_ids = list(runner.input_batch.req_ids)
+        r = len(req_ids)
+        logits = self._logits.view(r, self.width, -1)
+        k = min(self.max_budget, logits.shape[-1])
+        top_logp, top_ids = topk_per_depth(logits, k)
+        scorer = tail = None
+        if self.ngram is not None:
+            slots = self._observe(req_ids)
+            scorer, tail = self.ngram.scorer(slots), self.ngram.context_tail(slots)
+        fixed = self.options.tree_budget != "auto"
+        budget = self.options.tree_budget if fixed else self.max_budget
+        tree = build_tree(top_logp, top_ids, budget, max_budget=self.max_budget, scorer=scorer,
+                          context_tail=tail, lam=self.options.ngram_weight, validate=False)
+        if not fixed:
+            ctx = cad.seq_lens[:r].to(torch.float32)
+            plan = allocate_batch(tree.draft_logp, ctx, self.cost, self.options.min_budget, self.options.max_budget)
+            tree = tree.truncate(plan.budgets)
+        return self._store(req_ids, tree)
+
+    def _store(self, req_ids: list[str], tree: DraftTree) -> list[list[int]]:
+        # The one host copy per step: the scheduler takes draft tokens as Python lists.
+        counts = tree.num_nodes.tolist()
+        tokens, parents, depths = tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()
+        drafts = []
+        live = set(req_ids)
+        self.trees = {rid: t for rid, t in self.trees.items() if rid in live}  # finished requests leave
+        for i, rid in enumerate(req_ids):
+            n = counts[i]
+            self.trees[rid] = RequestTree(tokens[i][:n], parents[i][:n], depths[i][:n])
+            drafts.append(tokens[i][:n])
+            self.stats.nodes += n
+            self.stats.max_depth_sum += max(depths[i][:n], default=0)
+        self.stats.steps += 1
+        return drafts
+
+    def _observe(self, req_ids: list[str]) -> list[int]:
+        """Feed each request's newly committed tokens to the online n-gram model; its slot per row."""
+        batch = self.runner.input_batch
+        live = set(req_ids)
+        for rid in [x for x in self._slots if x not in live]:
+            self.ngram.release(self._slots.pop(rid))
+            self._seen.pop(rid, None)
+        free = sorted(set(range(len(self._slots) + len(req_ids))) - set(self._slots.values()))
+        slots = []
+        for i, rid in enumerate(req_ids):
+            if rid not in self._slots:
+                self._slots[rid] = free.pop(0)
+                self._seen[rid] = 0
+            n = int(batch.num_tokens_no_spec[i])
+            new = batch.token_ids_cpu[i, self._seen[rid] : n]
+            self.ngram.observe(self._slots[rid], torch.from_numpy(new.copy()))
+            self._seen[rid] = n
+            slots.append(self._slots[rid])
+        return slots
+
+
+def prepare_tree_step(runner, spec_decode_metadata, total_tokens: int) -> TreeStep | None:
+    """Positions = context + depth for the scheduled tree rows; tree masks to the attention backend."""
+    from vllm_ddtree.attention.cpu_tree import TreeStepMasks, set_step_tree_masks
+
+    if spec_decode_metadata is None:
+        set_step_tree_masks(None)
+        return None
+    proposer: DDTreeProposer = runner.drafter
+    req_ids = list(runner.input_batch.req_ids)
+    r = len(req_ids)
+    drafted = spec_decode_metadata.num_draft_tokens
+    width = max(drafted)
+    tok = torch.zeros(r, width, dtype=torch.int64)
+    par = torch.full((r, width), NO_PARENT, dtype=torch.int64)
+    dep = torch.zeros(r, width, dtype=torch.int64)
+    scheduled = spec_decode_metadata.draft_token_ids.tolist()
+    start = 0
+    for i, rid in enumerate(req_ids):
+        n = drafted[i]
+        if n:
+            drafts = scheduled[start : start + n]
+            t = proposer.trees.get(rid)
+            if t is not None and t.tokens[:n] == drafts:  # the scheduler keeps a prefix: still a tree
+                tok[i, :n] = torch.tensor(drafts)
+                par[i, :n] = torch.tensor(t.parents[:n])
+                dep[i, :n] = torch.tensor(t.depths[:n])
+            else:
+                # Drafts we did not propose (vLLM fills placeholders when the drafter was skipped):
+                # verify them as a chain, which is just as lossless.
+                tok[i, :n] = torch.tensor(drafts)
+                par[i, :n] = torch.arange(-1, n - 1)
+                dep[i, :n] = torch.arange(1, n + 1)
+        start += n
+    valid = dep > 0
+    zeros = torch.zeros(r, width)
+    tree = DraftTree(tok, par, dep, zeros, zeros, valid, valid.sum(1), max(proposer.width, width))
+    qsl = runner.query_start_loc.cpu[: r + 1].long()
+    drafted_t = torch.tensor(drafted, dtype=torch.int64)
+    root_index = qsl[1:] - 1 - drafted_t  # the root is the first of the request's last 1 + n tokens
+    seq_lens = runner.seq_lens[:r].cpu().long()
+    ctx = seq_lens - 1 - drafted_t
+    roots = runner.input_ids.gpu[root_index.to(runner.input_ids.gpu.device)].cpu()
+    batch = compile_tree(tree, roots, ctx)
+    row_index = torch.where(batch.valid, root_index[:, None] + torch.arange(width + 1), 0)
+    flat = row_index[batch.valid]
+    runner.positions[flat.to(runner.positions.device)] = batch.positions[batch.valid].to(runner.positions.device)
+    set_step_tree_masks(TreeStepMasks(has_tree=drafted_t > 0, num_rows=batch.num_rows, ancestors=batch.ancestors))
+    slot_mapping = runner.input_batch.block_table[0].slot_mapping.gpu[:total_tokens].clone()
+    return TreeStep(batch=batch, row_index=row_index, slot_mapping=slot_mapping)
+
+
+def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadata, aux_hidden_states):
+    """The tree walk in place of the rejection sampler, then KV compaction and drafter-input order."""
+    from vllm.v1.outputs import SamplerOutput
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    from vllm_ddtree.attention.cpu_tree import set_step_tree_masks
+
+    set_step_tree_masks(None)  # the drafter's attention is built next: plain masks for it
+    batch = step.batch
+    r, n = batch.tokens.shape
+    # logits rows are request-major, 1 + drafts per request (spec_decode_metadata.logits_indices)
+    counts = torch.tensor(spec_decode_metadata.num_draft_tokens) + 1
+    starts = torch.cumsum(counts, 0) - counts
+    rows = torch.where(batch.valid, starts[:, None] + torch.arange(n), 0)
+    row_logits = logits[rows.to(logits.device)].float()  # [R, N, V]
+    md = runner.input_batch.sampling_metadata
+    greedy = row_logits.argmax(-1)
+    if md.all_greedy:
+        row_tokens = greedy
+    else:
+        temp = md.temperature[:r].float().clamp(min=1e-5)
+        scaled = row_logits / temp.view(r, 1, 1)
+        flat = scaled.view(r * n, -1)
+        k = md.top_k[:r].repeat_interleave(n) if md.top_k is not None else None
+        p = md.top_p[:r].repeat_interleave(n) if md.top_p is not None else None
+        flat = apply_top_k_top_p(flat, k, p)
+        probs = torch.softmax(flat, -1).view(r, n, -1)
+        noise = torch.empty_like(probs).exponential_()
+        for i, gen in md.generators.items():  # per-request seeds
+            if i < r:
+                noise[i].exponential_(generator=gen)
+        sampled = sample_tokens(probs, noise)
+        is_greedy = (md.temperature[:r] < 1e-5).view(r, 1)
+        row_tokens = torch.where(is_greedy, greedy, sampled)
+    walk = walk_tree(batch, torch.where(batch.valid, row_tokens, -1))
+    depth = max(spec_decode_metadata.num_draft_tokens)
+    out = walk.output_tokens[:, : depth + 1].to(torch.int32)
+
+    # KV compaction in the target's caches: slot of row path[j] -> slot of row j.
+    plan = compaction_plan(batch, walk.path_rows)
+    root = batch.context_lens.view(r, 1)
+    src_rows = step.row_index.gather(1, (plan.src - root).clamp(min=0))
+    dst_rows = step.row_index.gather(1, (plan.dst - root).clamp(min=0))
+    src = step.slot_mapping[src_rows.reshape(-1)]
+    dst = step.slot_mapping[dst_rows.reshape(-1)]
+    _compact_target_caches(runner, src, dst)
+
+    # Accepted path first within each request: vLLM's DFlash input prep trims a rejected suffix.
+    on_path = walk_position(walk.path_rows, n)
+    order_key = torch.where(on_path >= 0, on_path, n + torch.arange(n))
+    order = order_key.argsort(dim=1)
+    perm_src = step.row_index.gather(1, order)
+    keep = batch.valid.gather(1, order)
+    dst_idx = step.row_index[batch.valid]
+    src_idx = perm_src[keep]
+    if dst_idx.numel():
+        pos = runner.positions
+        pos[dst_idx.to(pos.device)] = pos[src_idx.to(pos.device)].clone()
+        for h in aux_hidden_states or []:
+            h[dst_idx.to(h.device)] = h[src_idx.to(h.device)].clone()
+    runner.drafter.stats.budgets.extend((batch.num_rows - 1).tolist())
+    return SamplerOutput(sampled_token_ids=out, logprobs_tensors=None)
+
+
+def walk_position(path_rows: Tensor, n: int) -> Tensor:
+    """[R, N]: for each verify row, its index on the accepted path, or -1."""
+    r, steps = path_rows.shape
+    pos = torch.full((r, n), -1, dtype=torch.int64)
+    on_path = path_rows >= 0
+    req = torch.arange(r).view(r, 1).expand(r, steps)[on_path]
+    pos[req, path_rows[on_path]] = torch.arange(steps).expand(r, steps)[on_path]
+    return pos
+
+
+def _compact_target_caches(runner, src_slots: Tensor, dst_slots: Tensor) -> None:
+    """Apply the slot moves to every target attention layer (the drafter rewrites its own context)."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+
+    drafter_layers = getattr(runner.drafter, "_draft_attn_layer_names", set())
+    layers = get_layers_from_vllm_config(runner.vllm_config, Attention)
+    caches = []
+    for name, layer in layers.items():
+        if name not in drafter_layers:
+            caches.append(layer.kv_cache[0] if isinstance(layer.kv_cache, list) else layer.kv_cache)
+    move_slots_(caches, src_slots, dst_slots)
