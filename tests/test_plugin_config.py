@@ -299,3 +299,15 @@ def test_ddtree_engines_get_the_cpu_tree_attention(dirs):
     plain = _engine_config(dirs["target"], None)
     with set_current_vllm_config(plain):
         assert CpuPlatform.get_attn_backend_cls(None, sel).endswith("cpu_attn.CPUAttentionBackend")
+
+
+def test_sampling_parameters_the_tree_sampler_ignores_are_refused(dirs):
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    vc = _engine_config(dirs["target"], {"method": "ddtree", "model": str(dirs["drafter"]), "tree_budget": 8})
+    spec = vc.speculative_config
+    SamplingParams(temperature=0.7, top_k=5, top_p=0.9)._validate_spec_decode(spec)  # supported
+    for bad in (dict(repetition_penalty=1.2), dict(min_tokens=3), dict(logprobs=2), dict(bad_words=["x"])):
+        with pytest.raises(VLLMValidationError, match="not supported yet with speculative method 'ddtree'"):
+            SamplingParams(**bad)._validate_spec_decode(spec)

@@ -19,13 +19,13 @@ HELPER = Path(__file__).parent / "engine" / "generate_spec.py"
 TRAINED = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2-dflash"
 
 
-def run(out: Path, specs: list) -> dict:
+def run(out: Path, specs: list, *options: str) -> dict:
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
     lib = Path(sys.prefix) / "lib" / "libiomp5.so"
     if lib.exists():
         env["LD_PRELOAD"] = str(lib)
     args = ["none" if s is None else json.dumps(s) for s in specs]
-    proc = subprocess.run([sys.executable, str(HELPER), str(out), *args], env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, str(HELPER), str(out), *options, *args], env=env, capture_output=True, text=True,
                           timeout=1500)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
@@ -64,3 +64,31 @@ def test_ddtree_greedy_is_token_identical_to_no_speculation(tmp_path, drafter):
         assert metrics.get("vllm:spec_decode_num_drafts", 0) > 0, spec  # speculation really ran
         if trained:
             assert (metrics.get("vllm:spec_decode_num_accepted_tokens") or 0) > 0, spec
+
+
+def test_ddtree_keeps_outputs_under_preemption_and_chunked_prefill(tmp_path, drafter):
+    # 8 KV blocks of 32 tokens for 9 requests that each need ~3: requests are preempted and
+    # recomputed; a 48-token step budget chunks prefills and truncates trees. Prefix caching is on.
+    path, _ = drafter
+    engine = {"num_gpu_blocks_override": 8, "block_size": 32, "max_num_batched_tokens": 48, "max_model_len": 224,
+              "enable_prefix_caching": True, "max_num_seqs": 9}
+    specs = [None, {"method": "ddtree", "model": str(path), "tree_budget": 16}]
+    sampling = {"temperature": 0, "max_tokens": 120, "ignore_eos": True}
+    res = run(tmp_path / "out.json", specs, "--engine", json.dumps(engine), "--sampling", json.dumps(sampling))
+    assert res["metrics"][1].get("vllm:num_preemptions", 0) > 0  # the scenario really preempts
+    assert res["outputs"][1] == res["outputs"][0]
+
+
+def test_ddtree_sampling_matches_the_target_distribution(tmp_path, drafter):
+    # The first token after prefill is never speculated: compare the joint distribution of the
+    # first three tokens (two of them from tree steps) over 300 samples; top_k=3 keeps it to 27 cells.
+    from scipy.stats import chi2_contingency
+
+    path, _ = drafter
+    sampling = {"temperature": 1.0, "top_k": 3, "max_tokens": 3}
+    specs = [None, {"method": "ddtree", "model": str(path), "tree_budget": 8}]
+    res = run(tmp_path / "out.json", specs, "--sampling", json.dumps(sampling), "--repeat", "300")
+    base, tree = ([tuple(o) for o in outs] for outs in res["outputs"])
+    keys = sorted(set(base) | set(tree))
+    table = [[base.count(k) for k in keys], [tree.count(k) for k in keys]]
+    assert chi2_contingency(table).pvalue > 1e-3  # alpha = 1e-3; the engines' seeds are fixed

@@ -23,6 +23,7 @@ One engine step, as the runner executes it with vllm_ddtree's patches (vllm_patc
 from __future__ import annotations
 
 import copy
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -45,9 +46,12 @@ from vllm_ddtree.tree import (
     walk_tree,
 )
 
+from vllm.logger import init_logger
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_ddtree.compaction import move_slots_
+
+logger = init_logger("vllm.ddtree")  # under "vllm" so vLLM's log configuration applies
 
 
 @dataclass
@@ -70,12 +74,41 @@ class TreeStep:
 
 @dataclass
 class DDTreeStats:
-    """Per-step budget and depth, summarised for logs and benchmarks."""
+    """Verify-step statistics: what the budget controller chose and what was accepted.
 
-    steps: int = 0
-    nodes: int = 0
-    max_depth_sum: int = 0
-    budgets: list[int] = field(default_factory=list)
+    Logged every `interval` seconds through vLLM's logger (like its own stat logger) and readable
+    at the end of a run (`summary()`), e.g. by benchmarks.
+    """
+
+    steps: int = 0  # request-steps with a tree
+    nodes: int = 0  # draft nodes verified
+    depth: int = 0  # sum of each tree's deepest node
+    accepted: int = 0  # draft nodes accepted
+    interval: float = 10.0
+    _last_log: float = field(default_factory=time.monotonic)
+    _logged: tuple = (0, 0, 0, 0)
+
+    def record(self, nodes: Tensor, depths: Tensor, accepted: Tensor) -> None:
+        has_tree = nodes > 0
+        self.steps += int(has_tree.sum())
+        self.nodes += int(nodes.sum())
+        self.depth += int(depths.sum())
+        self.accepted += int(accepted.sum())
+        now = time.monotonic()
+        if now - self._last_log >= self.interval:
+            s0, n0, d0, a0 = self._logged
+            ds = max(self.steps - s0, 1)
+            logger.info(
+                "ddtree: %d tree verifications, mean tree %.1f nodes, mean depth %.2f, "
+                "mean acceptance length %.2f (bonus included)",
+                self.steps - s0, (self.nodes - n0) / ds, (self.depth - d0) / ds, 1 + (self.accepted - a0) / ds,
+            )
+            self._last_log, self._logged = now, (self.steps, self.nodes, self.depth, self.accepted)
+
+    def summary(self) -> dict:
+        s = max(self.steps, 1)
+        return {"tree_verifications": self.steps, "mean_tree_nodes": self.nodes / s,
+                "mean_tree_depth": self.depth / s, "mean_acceptance_length": 1 + self.accepted / s}
 
 
 def _present_as_dflash(vllm_config, width: int):
@@ -160,9 +193,6 @@ class DDTreeProposer(DFlashProposer):
             n = counts[i]
             self.trees[rid] = RequestTree(tokens[i][:n], parents[i][:n], depths[i][:n])
             drafts.append(tokens[i][:n])
-            self.stats.nodes += n
-            self.stats.max_depth_sum += max(depths[i][:n], default=0)
-        self.stats.steps += 1
         return drafts
 
     def _observe(self, req_ids: list[str]) -> list[int]:
@@ -297,7 +327,7 @@ def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadat
         pos[dst_idx.to(pos.device)] = pos[src_idx.to(pos.device)].clone()
         for h in aux_hidden_states or []:
             h[dst_idx.to(h.device)] = h[src_idx.to(h.device)].clone()
-    runner.drafter.stats.budgets.extend((batch.num_rows - 1).tolist())
+    runner.drafter.stats.record(batch.num_rows - 1, batch.depths.max(dim=1).values, walk.num_accepted)
     return SamplerOutput(sampled_token_ids=out, logprobs_tensors=None)
 
 

@@ -40,6 +40,9 @@ P8  ``SamplingParams._validate_spec_decode`` (sampling_params.py:1182, called fr
     requests with a clear error: vLLM's grammar validates drafts as one chain
     (v1/structured_output/__init__.py:315 ``strip_speculative_padding``), a tree is not one.
     Structured outputs are per request, so this is the earliest point they can be refused.
+    Also refuses the sampling parameters the tree sampler does not apply yet (penalties,
+    min_tokens, logit_bias, allowed_token_ids, bad_words, logprobs, min_p, logits processors)
+    instead of silently ignoring them.
 P9  ``CpuPlatform.get_attn_backend_cls`` (platforms/cpu.py:143) — for a ddtree config, return
     :mod:`vllm_ddtree.attention.cpu_tree`'s backend instead of CPU_ATTN, whose kernel takes no mask
     (design notes §5). Other configs keep CPU_ATTN: the PyTorch backend is slower at decode.
@@ -453,8 +456,35 @@ def _patch_sampling_params() -> None:
                 "speculative method 'ddtree': vLLM's grammar checks drafts as one chain, a draft tree is "
                 "not one. Send the request to an engine without ddtree, or drop structured_outputs."
             )
+        if speculative_config is not None and speculative_config.method == METHOD:
+            unsupported = _unsupported_sampling(self)
+            if unsupported:
+                from vllm.exceptions import VLLMValidationError
+
+                raise VLLMValidationError(
+                    f"{', '.join(unsupported)} not supported yet with speculative method 'ddtree': its tree "
+                    "sampler applies temperature, top_k, top_p and seed only. Drop those parameters or send the "
+                    "request to an engine without ddtree."
+                )
 
     SamplingParams._validate_spec_decode = _validate_spec_decode
+
+
+def _unsupported_sampling(params) -> list[str]:
+    """Sampling parameters the tree sampler (vllm_ddtree.engine.sample_tree_step) does not apply."""
+    checks = {
+        "presence_penalty": params.presence_penalty not in (None, 0.0),
+        "frequency_penalty": params.frequency_penalty not in (None, 0.0),
+        "repetition_penalty": params.repetition_penalty not in (None, 1.0),
+        "min_tokens": bool(params.min_tokens),
+        "logit_bias": bool(params.logit_bias),
+        "allowed_token_ids": bool(params.allowed_token_ids),
+        "bad_words": bool(params.bad_words),
+        "logprobs": params.logprobs is not None,
+        "min_p": bool(getattr(params, "min_p", 0.0)),
+        "logits_processors": bool(getattr(params, "logits_processors", None)),
+    }
+    return [name for name, bad in checks.items() if bad]
 
 
 # ---- P9: CPU attention backend selection ---------------------------------------------------------

