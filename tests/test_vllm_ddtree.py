@@ -92,3 +92,19 @@ def test_ddtree_sampling_matches_the_target_distribution(tmp_path, drafter):
     keys = sorted(set(base) | set(tree))
     table = [[base.count(k) for k in keys], [tree.count(k) for k in keys]]
     assert chi2_contingency(table).pvalue > 1e-3  # alpha = 1e-3; the engines' seeds are fixed
+
+
+def test_aborted_requests_free_their_blocks(tmp_path, drafter):
+    path, _ = drafter
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+    lib = Path(sys.prefix) / "lib" / "libiomp5.so"
+    if lib.exists():
+        env["LD_PRELOAD"] = str(lib)
+    out = tmp_path / "abort.json"
+    spec = json.dumps({"method": "ddtree", "model": str(path), "tree_budget": 8})
+    proc = subprocess.run([sys.executable, str(HELPER.parent / "abort_requests.py"), str(out), spec], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(out.read_text())
+    assert res["mid"] < res["start"]  # the requests held blocks mid-generation
+    assert res["end"] == res["start"] and not res["unfinished"]
