@@ -278,6 +278,14 @@ def evaluate(model: DFlashDrafter, recs: list[dict], t2d: torch.Tensor, feature_
     return EvalResult(acc, mean_run, 1 + mean_run, len(runs), sum(losses) / max(len(losses), 1))
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except OSError:
+        return False
+
+
 def leak_filter(records: list[dict], target_dir) -> tuple[list[dict], dict]:
     """Drop records whose decoded text contains a HumanEval signature or solution n-gram."""
     from transformers import AutoTokenizer
@@ -312,16 +320,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--target-layer-ids", default="1,8,14,20,27")
     ap.add_argument("--draft-vocab", type=int, default=8192)
     ap.add_argument("--batch-seqs", type=int, default=4)
-    ap.add_argument("--blocks-per-seq", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=4e-4)
+    ap.add_argument("--blocks-per-seq", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--train-lm-head", action="store_true")
     ap.add_argument("--init", choices=["target", "random"], default="target",
                     help="target: copy top target layers + pass-through fc; random: only norms/LM head from the target")
     ap.add_argument("--ckpt-every", type=int, default=100)
-    ap.add_argument("--eval-every", type=int, default=500)
+    ap.add_argument("--eval-every", type=int, default=300)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--export", default=None, help="after training, save the drafter here (bf16)")
+    ap.add_argument("--watch-pid", type=int, default=None,
+                    help="a data producer still running: pick up its new shards every 100 steps, and raise "
+                         "threads to --threads once it exits (until then use 1 thread to avoid contention)")
     args = ap.parse_args(argv)
 
     from safetensors.torch import load_file
@@ -330,7 +341,8 @@ def main(argv: list[str] | None = None) -> None:
     from vllm_ddtree.drafter.io import save_drafter
     from vllm_ddtree.models.target import prepare_target
 
-    torch.set_num_threads(args.threads)
+    producer_alive = args.watch_pid is not None and _alive(args.watch_pid)
+    torch.set_num_threads(1 if producer_alive else args.threads)
     torch.manual_seed(args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -339,6 +351,7 @@ def main(argv: list[str] | None = None) -> None:
     layer_ids = [int(x) for x in args.target_layer_ids.split(",")]
     feature_index = [stored_ids.index(i) for i in layer_ids]
 
+    shard_names = {p.name for p in Path(args.data).glob("shard_*.pt")}
     records = load_records(args.data)
     tdir = prepare_target()
     records, manifest = leak_filter(records, tdir)
@@ -393,6 +406,9 @@ def main(argv: list[str] | None = None) -> None:
     bar = tqdm(total=int(budget), unit="s", initial=int(elapsed), desc="train", mininterval=10)
     ema = None
     t_last = time.time()
+    best_score = -1.0
+    if (out / "best.pt").exists():
+        best_score = torch.load(out / "best.pt", weights_only=False)["eval"]["mean_accepted"]
 
     def save_state() -> None:
         tmp = out / "state.tmp"
@@ -401,6 +417,34 @@ def main(argv: list[str] | None = None) -> None:
         os.replace(tmp, state_path)
 
     while elapsed < budget:
+        if producer_alive and step % 100 == 0:
+            # Pick up shards the producer finished since the start (same leak filter, same split).
+            new = sorted(p for p in Path(args.data).glob("shard_*.pt") if p.name not in shard_names)
+            for p in new:
+                shard_names.add(p.name)
+                recs_new, man_new = leak_filter(torch.load(p, weights_only=False), tdir)
+                tr_new = [r for r in recs_new if not is_heldout(r)]
+                train_recs.extend(tr_new)
+                held.extend(r for r in recs_new if is_heldout(r))
+                manifest["sequences_generated"] += man_new["sequences_generated"]
+                manifest["leak_check"]["dropped"] += man_new["leak_check"]["dropped"]
+                for k, v in man_new["modes"].items():
+                    manifest["modes"][k] = manifest["modes"].get(k, 0) + v
+                manifest["train_sequences"] = len(train_recs)
+                manifest["heldout_sequences"] = len(held)
+                manifest["leak_check"]["texts_checked"] = len(train_recs)
+                manifest["train_response_tokens"] = sum(len(r["tokens"]) - r["prompt_len"] for r in train_recs)
+                manifest["train_tokens_total"] = sum(len(r["tokens"]) for r in train_recs)
+                (out / "data_manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+                log.write(json.dumps({"event": "new_shard", "step": step, "shard": p.name,
+                                      "train_seqs": len(train_recs), "heldout_seqs": len(held)}) + "\n")
+                log.flush()
+                order = []  # reshuffle including the new sequences
+            if not _alive(args.watch_pid):
+                producer_alive = False
+                torch.set_num_threads(args.threads)
+                log.write(json.dumps({"event": "producer_done", "step": step, "threads": args.threads}) + "\n")
+                log.flush()
         if len(order) < args.batch_seqs:
             order = list(range(len(train_recs)))
             rng.shuffle(order)
@@ -431,13 +475,28 @@ def main(argv: list[str] | None = None) -> None:
             save_state()
         if args.eval_every and step % args.eval_every == 0 and held:
             t_ev = time.time()
-            ev = evaluate(model, held[:24], t2d, feature_index)
+            ev = evaluate(model, held[:48], t2d, feature_index)
             log.write(json.dumps({"step": step, "eval": asdict(ev)}) + "\n")
             log.flush()
+            # Keep the best held-out state: with little data the drafter can overfit late.
+            if ev.mean_accepted > best_score:
+                best_score = ev.mean_accepted
+                torch.save({"model": model.state_dict(), "step": step, "eval": asdict(ev)}, out / "best.pt")
             t_last += time.time() - t_ev  # evaluation time does not count against the budget
     bar.close()
     save_state()
     ev = evaluate(model, held, t2d, feature_index)
+    if (out / "best.pt").exists():
+        best = torch.load(out / "best.pt", weights_only=False)
+        last_sd = model.state_dict()
+        model.load_state_dict(best["model"])
+        ev_best = evaluate(model, held, t2d, feature_index)
+        if ev_best.mean_accepted > ev.mean_accepted:
+            log.write(json.dumps({"event": "use_best", "best_step": best["step"], "final_step": step,
+                                  "final_eval_mean_accepted": ev.mean_accepted}) + "\n")
+            ev = ev_best
+        else:
+            model.load_state_dict(last_sd)
     final = {"event": "final", "step": step, "elapsed": elapsed, "eval": asdict(ev)}
     log.write(json.dumps(final) + "\n")
     log.flush()
