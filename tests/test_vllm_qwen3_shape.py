@@ -8,12 +8,12 @@ weights. Drafter: a random 5-layer DFlash drafter in the released z-lab layout (
 no lm_head / embed_tokens: both shared with the target). Both are built in a temporary directory by
 tests/engine/qwen3_shape.py (~100 MB, never committed).
 
-Checks: LLM.generate greedy on 6 prompts (one through the chat template) is token-identical with and
-without ddtree (tree_budget 16) and speculation really ran; then `vllm serve` with the ddtree
-speculative config starts, answers a greedy completions request with the same tokens as the engine
-without speculation, and a chat completions request under the generation_config's sampling defaults
-(temperature 0.6, top_k 20, top_p 0.95). The drafter is random, so nothing is accepted: this checks
-shapes, loading and plumbing, not speed.
+Checks: LLM.generate greedy on 6 prompts (one through the chat template) is token-identical without
+speculation and with ddtree (tree_budget 16, and "auto"), and speculation really ran; then `vllm serve`
+with the plain `{"method": "ddtree", "model": <drafter>}` (default budget) starts, answers a greedy
+completions request with the same tokens as the engine without speculation, and a chat completions
+request under the generation_config's sampling defaults (temperature 0.6, top_k 20, top_p 0.95). The
+drafter is random, so nothing is accepted: this checks shapes, loading and plumbing, not speed.
 """
 
 import importlib.util
@@ -75,8 +75,8 @@ def models(tmp_path_factory) -> tuple[Path, Path]:
     return qwen3_shape.build(tmp_path_factory.mktemp("qwen3_shape"))
 
 
-def _spec(drafter: Path) -> dict:
-    return {"method": "ddtree", "model": str(drafter), "tree_budget": 16}
+def _spec(drafter: Path, **options) -> dict:
+    return {"method": "ddtree", "model": str(drafter), **options}
 
 
 @pytest.fixture(scope="module")
@@ -85,19 +85,20 @@ def generated(models, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("qwen3_gen") / "out.json"
     proc = subprocess.run(
         [sys.executable, str(ENGINE / "generate_qwen3_shape.py"), str(out), str(target), "none",
-         json.dumps(_spec(drafter))],
+         json.dumps(_spec(drafter, tree_budget=16)), json.dumps(_spec(drafter, tree_budget="auto"))],
         env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 
 
 def test_qwen3_shape_ddtree_greedy_is_token_identical(generated):
-    base, tree = generated["outputs"]
+    base, *trees = generated["outputs"]
     assert len(base) == len(generated["prompts"]) >= 4
     assert all(len(o) > 0 for o in base)
     assert len({tuple(o) for o in base}) > 1 and all(len(set(o)) > 1 for o in base)  # not a constant token
-    assert tree == base
-    assert generated["metrics"][1].get("vllm:spec_decode_num_drafts", 0) > 0  # speculation really ran
+    for budget, tree, metrics in zip((16, "auto"), trees, generated["metrics"][1:], strict=True):
+        assert tree == base, budget
+        assert metrics.get("vllm:spec_decode_num_drafts", 0) > 0, budget  # speculation really ran
 
 
 def _free_port() -> int:
@@ -123,7 +124,7 @@ def test_qwen3_shape_vllm_serve_with_ddtree(models, generated, tmp_path):
     cmd = [sys.executable, "-c", VLLM_CLI, "serve", str(target),
            "--served-model-name", "qwen3-shape", "--host", "127.0.0.1", "--port", str(port),
            "--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--max-num-batched-tokens", "256",
-           "--seed", "0", "--speculative-config", json.dumps(_spec(drafter))]
+           "--seed", "0", "--speculative-config", json.dumps(_spec(drafter))]  # the defaults (tree_budget 32)
     with open(log, "w") as f:
         server = subprocess.Popen(cmd, env=_env(), stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     try:
