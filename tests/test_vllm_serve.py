@@ -63,17 +63,19 @@ def example_env(drafter: Path, **extra: str) -> dict:
 
 
 def stop(proc: subprocess.Popen) -> None:
-    """End a process started in its own session, with everything it started."""
-    if proc.poll() is None:
+    """End a process started in its own session, and whatever it started that is still running."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)  # the group outlives its leader if an engine process is left
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
         try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
 
 
 def test_serve_chat_completion_stream_and_metrics(tmp_path, drafter):
