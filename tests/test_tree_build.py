@@ -1,6 +1,5 @@
 """The tree builder: optimality against brute force, identical implementations, prefix-closure."""
 
-import itertools
 import math
 
 import pytest

@@ -1,6 +1,5 @@
 """Compile (positions, masks, FlashInfer layout, compaction) and the lossless verification walk."""
 
-import math
 
 import pytest
 import torch

@@ -15,36 +15,18 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import vllm_env
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[1]
-TRAINED = ROOT / "checkpoints" / "smollm2-dflash"
 NUM_PROMPTS = 4
-
-
-@pytest.fixture(scope="module")
-def drafter(tmp_path_factory) -> Path:
-    if (TRAINED / "config.json").is_file():
-        return TRAINED
-    import torch
-
-    from vllm_ddtree.drafter import DFlashDrafter, DrafterConfig, save_drafter, target_embeddings
-    from vllm_ddtree.models.target import prepare_target
-
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("drafter")
-    cfg = DrafterConfig(target_layer_ids=[1, 15, 27])
-    save_drafter(DFlashDrafter(cfg, target_embeddings(prepare_target())), out, dtype=torch.float32)
-    return out
 
 
 def test_bench_throughput_with_ddtree(tmp_path, drafter):
     out_json = tmp_path / "bench.json"
-    env = dict(os.environ, PYTHON=sys.executable, DRAFTER=str(drafter), VLLM_CPU_KVCACHE_SPACE="1",
-               NUM_PROMPTS=str(NUM_PROMPTS), INPUT_LEN="32", OUTPUT_LEN="32", TREE_BUDGET="8")
-    lib = Path(sys.prefix) / "lib" / "libiomp5.so"
-    if lib.exists():
-        env["LD_PRELOAD"] = str(lib)
+    path, _ = drafter
+    env = vllm_env(PYTHON=sys.executable, DRAFTER=str(path), NUM_PROMPTS=str(NUM_PROMPTS), INPUT_LEN="32",
+                   OUTPUT_LEN="32", TREE_BUDGET="8")
     proc = subprocess.Popen(["bash", str(ROOT / "examples" / "bench_throughput.sh"), "--output-json", str(out_json)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)

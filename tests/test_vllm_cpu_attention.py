@@ -5,22 +5,19 @@ caching hits), chunked prefill forced by a 64-token step budget.
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import vllm_env
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 HELPER = Path(__file__).parent / "engine" / "generate_greedy.py"
 
 
 def run_engine(out: Path, tree: bool) -> tuple[list, str]:
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
-    lib = Path(sys.prefix) / "lib" / "libiomp5.so"
-    if lib.exists():
-        env["LD_PRELOAD"] = str(lib)
+    env = vllm_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")
     cmd = [sys.executable, str(HELPER), str(out)] + (["--tree-attention"] if tree else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]

