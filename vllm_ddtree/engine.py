@@ -281,12 +281,13 @@ def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadat
     counts = torch.tensor(spec_decode_metadata.num_draft_tokens) + 1
     starts = torch.cumsum(counts, 0) - counts
     rows = torch.where(batch.valid, starts[:, None] + torch.arange(n), 0)
-    row_logits = logits[rows.to(logits.device)].float()  # [R, N, V]
+    rows = rows.to(logits.device)
     md = runner.input_batch.sampling_metadata
-    greedy = row_logits.argmax(-1)
+    greedy = logits.argmax(-1)[rows]  # argmax first: no [R, N, V] copy on the greedy path
     if md.all_greedy:
         row_tokens = greedy
     else:
+        row_logits = logits[rows].float()  # [R, N, V]
         temp = md.temperature[:r].float().clamp(min=1e-5)
         scaled = row_logits / temp.view(r, 1, 1)
         flat = scaled.view(r * n, -1)
