@@ -139,6 +139,7 @@ class DDTreeProposer(DFlashProposer):
         self.trees: dict[str, RequestTree] = {}
         self.stats = DDTreeStats()
         self._logits: Tensor | None = None
+        self._draft_to_target: Tensor | None = None
         target = vllm_config.model_config
         self.ngram = None
         if options.ngram_weight > 0:
@@ -157,8 +158,20 @@ class DDTreeProposer(DFlashProposer):
         return self._tree_drafts(kwargs["common_attn_metadata"])
 
     def _sample_draft_tokens(self, hidden_states: Tensor, sampling_metadata):
-        """Keep the mask rows' logits for the tree (parallel drafting: [R * W, H])."""
-        self._logits = self.model.compute_logits(hidden_states)
+        """Keep the mask rows' logits for the tree (parallel drafting: [R * W, H]).
+
+        With a reduced draft vocabulary, vLLM's compute_logits scatters into the full target
+        vocabulary (-inf elsewhere); the tree only needs the top-K, so take the draft-vocabulary
+        logits and map the chosen ids through d2t instead (smaller top-k, no scatter).
+        """
+        model = self.model
+        d2t = getattr(model, "draft_id_to_target_id", None)
+        if d2t is not None and hasattr(model, "logits_processor") and hasattr(model, "lm_head"):
+            self._logits = model.logits_processor(model.lm_head, hidden_states)
+            self._draft_to_target = torch.arange(d2t.shape[0], device=d2t.device) + d2t
+        else:
+            self._logits = model.compute_logits(hidden_states)
+            self._draft_to_target = None
         return torch.zeros(hidden_states.shape[0], dtype=torch.int64, device=hidden_states.device), None
 
     def _tree_drafts(self, cad) -> list[list[int]]:
@@ -168,6 +181,8 @@ class DDTreeProposer(DFlashProposer):
         logits = self._logits.view(r, self.width, -1)
         k = min(self.max_budget, logits.shape[-1])
         top_logp, top_ids = topk_per_depth(logits, k)
+        if self._draft_to_target is not None:
+            top_ids = self._draft_to_target[top_ids]
         scorer = tail = None
         if self.ngram is not None:
             slots = self._observe(req_ids)
