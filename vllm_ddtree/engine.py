@@ -359,13 +359,14 @@ def walk_position(path_rows: Tensor, n: int) -> Tensor:
 
 def _compact_target_caches(runner, src_slots: Tensor, dst_slots: Tensor) -> None:
     """Apply the slot moves to every target attention layer (the drafter rewrites its own context)."""
-    from vllm.config import get_layers_from_vllm_config
-    from vllm.model_executor.layers.attention import Attention
+    caches = getattr(runner, "_ddtree_target_caches", None)
+    if caches is None:  # the layer caches are allocated once; look them up on the first step
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention import Attention
 
-    drafter_layers = getattr(runner.drafter, "_draft_attn_layer_names", set())
-    layers = get_layers_from_vllm_config(runner.vllm_config, Attention)
-    caches = []
-    for name, layer in layers.items():
-        if name not in drafter_layers:
-            caches.append(layer.kv_cache[0] if isinstance(layer.kv_cache, list) else layer.kv_cache)
+        drafter_layers = getattr(runner.drafter, "_draft_attn_layer_names", set())
+        layers = get_layers_from_vllm_config(runner.vllm_config, Attention)
+        caches = [layer.kv_cache[0] if isinstance(layer.kv_cache, list) else layer.kv_cache
+                  for name, layer in layers.items() if name not in drafter_layers]
+        runner._ddtree_target_caches = caches
     move_slots_(caches, src_slots, dst_slots)
