@@ -13,10 +13,10 @@ One engine step, as the runner executes it with vllm_ddtree's patches (vllm_patc
    the ancestor masks go to the CPU tree attention through its channel.
 3. `sample_tree_step` (in place of the rejection sampler): one target token per verify row —
    argmax, or one draw from the request's processed distribution — then `walk_tree`. The accepted
-   rows' K/V are moved to consecutive slots (compaction), and within each request the accepted
-   path's rows are moved to the front of the step's positions and aux hidden states, so that vLLM's
-   DFlash input preparation — which trims rejected rows as a suffix — feeds the drafter exactly the
-   accepted path at consecutive positions. Output: [R, depth + 1] padded with -1, the rejection
+   rows' K/V are moved to consecutive slots (compaction), and the proposer is told an order of the
+   step's tokens with each request's accepted path first: it applies it to the context (positions,
+   hidden states) it is handed, so that vLLM's DFlash input preparation — which trims rejected rows
+   as a suffix — feeds the drafter exactly the accepted path at consecutive positions. Output: [R, depth + 1] padded with -1, the rejection
    sampler's layout, so vLLM's bookkeeping and the scheduler's rollback hold unchanged.
 """
 
@@ -140,6 +140,7 @@ class DDTreeProposer(DFlashProposer):
         self.stats = DDTreeStats()
         self._logits: Tensor | None = None
         self._draft_to_target: Tensor | None = None
+        self.context_order: Tensor | None = None  # set by sample_tree_step for the next propose
         target = vllm_config.model_config
         self.ngram = None
         if options.ngram_weight > 0:
@@ -153,8 +154,15 @@ class DDTreeProposer(DFlashProposer):
             self.cost = CostModel(shape, get_profile(options.device_profile))
 
     # vLLM calls propose(num_speculative_tokens=<scheduler's count>, ...): the drafter's width is W.
-    def propose(self, num_speculative_tokens, *args, **kwargs):
-        super().propose(self.width, *args, **kwargs)
+    def propose(self, num_speculative_tokens, **kwargs):
+        order = self.context_order
+        self.context_order = None
+        if order is not None:  # after a tree step: each request's accepted path first (sample_tree_step)
+            n = order.shape[0]
+            for key in ("target_positions", "target_hidden_states", "target_token_ids"):
+                x = kwargs[key]
+                kwargs[key] = torch.cat([x[order.to(x.device)], x[n:]]) if x.shape[0] > n else x[order.to(x.device)]
+        super().propose(self.width, **kwargs)
         return self._tree_drafts(kwargs["common_attn_metadata"])
 
     def _sample_draft_tokens(self, hidden_states: Tensor, sampling_metadata):
@@ -282,7 +290,7 @@ def prepare_tree_step(runner, spec_decode_metadata, total_tokens: int) -> TreeSt
     return TreeStep(batch=batch, row_index=row_index, slot_mapping=slot_mapping)
 
 
-def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadata, aux_hidden_states):
+def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadata):
     """The tree walk in place of the rejection sampler, then KV compaction and drafter-input order."""
     from vllm.v1.outputs import SamplerOutput
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
@@ -331,18 +339,15 @@ def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadat
     _compact_target_caches(runner, src, dst)
 
     # Accepted path first within each request: vLLM's DFlash input prep trims a rejected suffix.
+    # The proposer applies this order to the context it is handed (the runner's own buffers stay as
+    # they are: they are the target's step state).
     on_path = walk_position(walk.path_rows, n)
     order_key = torch.where(on_path >= 0, on_path, n + torch.arange(n))
     order = order_key.argsort(dim=1)
-    perm_src = step.row_index.gather(1, order)
     keep = batch.valid.gather(1, order)
-    dst_idx = step.row_index[batch.valid]
-    src_idx = perm_src[keep]
-    if dst_idx.numel():
-        pos = runner.positions
-        pos[dst_idx.to(pos.device)] = pos[src_idx.to(pos.device)].clone()
-        for h in aux_hidden_states or []:
-            h[dst_idx.to(h.device)] = h[src_idx.to(h.device)].clone()
+    context_order = torch.arange(step.slot_mapping.shape[0])
+    context_order[step.row_index[batch.valid]] = step.row_index.gather(1, order)[keep]
+    runner.drafter.context_order = context_order
     runner.drafter.stats.record(batch.num_rows - 1, batch.depths.max(dim=1).values, walk.num_accepted)
     return SamplerOutput(sampled_token_ids=out, logprobs_tensors=None)
 

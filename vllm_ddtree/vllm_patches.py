@@ -56,8 +56,7 @@ P11 ``GPUModelRunner._prepare_inputs`` (:1920) — wrapped: after it computed se
     CPU tree attention (:func:`vllm_ddtree.engine.prepare_tree_step`).
 P12 ``GPUModelRunner._sample`` (:3437) — for ddtree steps, the tree walk replaces the chain-only
     rejection sampler (:func:`vllm_ddtree.engine.sample_tree_step`; also compacts the target's KV and
-    puts each request's accepted path first for the drafter). ``sample_tokens`` (:4304) is wrapped
-    only to hand the step's aux hidden states to it.
+    tells the proposer the order that puts each request's accepted path first).
 """
 
 from __future__ import annotations
@@ -538,7 +537,6 @@ def _patch_model_runner() -> None:
     def init(self, vllm_config, device, *args, **kwargs):
         runner_init(self, vllm_config, device, *args, **kwargs)
         self._ddtree_step = None
-        self._ddtree_aux = None
         if _is_ddtree(vllm_config):
             from vllm_ddtree.engine import DDTreeProposer
 
@@ -570,19 +568,6 @@ def _patch_model_runner() -> None:
         from vllm_ddtree.engine import sample_tree_step
 
         self._ddtree_step = None
-        return sample_tree_step(self, step, logits, spec_decode_metadata, self._ddtree_aux)
+        return sample_tree_step(self, step, logits, spec_decode_metadata)
 
     GPUModelRunner._sample = _sample
-
-    sample_tokens = GPUModelRunner.sample_tokens
-
-    @functools.wraps(sample_tokens)
-    def _sample_tokens(self, grammar_output):
-        state = self.execute_model_state
-        self._ddtree_aux = state[6] if state is not None else None  # aux_hidden_states (:4317)
-        try:
-            return sample_tokens(self, grammar_output)
-        finally:
-            self._ddtree_aux = None
-
-    GPUModelRunner.sample_tokens = _sample_tokens
