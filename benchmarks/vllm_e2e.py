@@ -95,7 +95,7 @@ def main() -> None:
                 acc = (after.get("vllm:spec_decode_num_accepted_tokens", 0)
                        - before.get("vllm:spec_decode_num_accepted_tokens", 0))
                 taus.append(1 + acc / drafts if drafts else 1.0)
-                outputs = [o.outputs[0].token_ids for o in outs]
+                outputs = [[int(t) for t in o.outputs[0].token_ids] for o in outs]  # plain ints: types differ by path
             row = dict(method=name, budget=budget, batch=batch, tau=statistics.median(taus),
                        tokens_per_s=statistics.median(speeds), runs_tokens_per_s=speeds, outputs=outputs)
             stats = ddtree_stats(llm) if name.startswith("ddtree") else None

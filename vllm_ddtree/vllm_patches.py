@@ -43,9 +43,11 @@ P8  ``SamplingParams._validate_spec_decode`` (sampling_params.py:1182, called fr
     Also refuses the sampling parameters the tree sampler does not apply yet (penalties,
     min_tokens, logit_bias, allowed_token_ids, bad_words, logprobs, min_p, logits processors)
     instead of silently ignoring them.
-P9  ``CpuPlatform.get_attn_backend_cls`` (platforms/cpu.py:143) — for a ddtree config, return
-    :mod:`vllm_ddtree.attention.cpu_tree`'s backend instead of CPU_ATTN, whose kernel takes no mask
-    (design notes §5). Other configs keep CPU_ATTN: the PyTorch backend is slower at decode.
+P9  ``vllm.v1.attention.selector._cached_get_attn_backend`` (v1/attention/selector.py:201, memoised
+    per process) — wrapped: for a ddtree config, CPU_ATTN (whose kernel takes no mask, design notes
+    §5) becomes :mod:`vllm_ddtree.attention.cpu_tree`'s backend. Decided after the memo, which is
+    keyed on the layer's shape only: otherwise an earlier engine in the same process would hand its
+    CPU_ATTN to a ddtree engine. Other configs keep CPU_ATTN (the PyTorch backend is slower at decode).
 P10 ``DFlashProposer.__init__`` (v1/spec_decode/dflash.py:24) — for ddtree, called with the config
     presented as DFlash of the drafter's width W (it asserts the method and sizes its buffers from
     ``num_speculative_tokens``, which for ddtree is the verify width). ``GPUModelRunner.__init__``
@@ -490,21 +492,26 @@ def _unsupported_sampling(params) -> list[str]:
 
 
 def _patch_cpu_attention_selection() -> None:
-    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.attention import selector
 
-    select = CpuPlatform.get_attn_backend_cls.__func__
+    cached = selector._cached_get_attn_backend
 
-    @functools.wraps(select)
-    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
-        path = select(cls, selected_backend, attn_selector_config, num_heads)
-        from vllm.config import get_current_vllm_config
+    # After the cache, not inside it: the selection is memoised per process on the layer's shape
+    # only, so an earlier engine in the same process (no speculation, dflash) would otherwise hand
+    # its CPU_ATTN to a ddtree engine, whose tree rows would then attend causally to their siblings.
+    @functools.wraps(cached)
+    def _cached_get_attn_backend(*args, **kwargs):
+        cls = cached(*args, **kwargs)
+        from vllm.config import get_current_vllm_config_or_none
 
-        spec = get_current_vllm_config().speculative_config
-        if spec is not None and spec.method == METHOD and path.endswith("CPUAttentionBackend"):
-            return "vllm_ddtree.attention.cpu_tree.TreeAttentionBackend"
-        return path
+        cfg = get_current_vllm_config_or_none()
+        if cfg is not None and _is_ddtree(cfg) and cls.__name__ == "CPUAttentionBackend":
+            from vllm_ddtree.attention.cpu_tree import TreeAttentionBackend
 
-    CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+            return TreeAttentionBackend
+        return cls
+
+    selector._cached_get_attn_backend = _cached_get_attn_backend
 
 
 # ---- P10–P12: the V1 model runner ----------------------------------------------------------------
