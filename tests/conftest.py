@@ -20,10 +20,11 @@ def vllm_env(**extra: str) -> dict:
 
 @pytest.fixture(scope="session")
 def drafter(tmp_path_factory) -> tuple[Path, bool]:
-    """(drafter dir, trained?): the committed toy drafter when present, else a random one in the
-    released format (then nothing is accepted and the engine tests exercise only the plumbing)."""
-    if (TRAINED_DRAFTER / "config.json").is_file():
-        return TRAINED_DRAFTER, True
+    """(drafter dir, trained?): $VLLM_DDTREE_DRAFTER or the committed toy drafter when present, else a
+    random one in the released format (then nothing is accepted: the tests exercise only plumbing)."""
+    for path in (os.environ.get("VLLM_DDTREE_DRAFTER"), TRAINED_DRAFTER):
+        if path and (Path(path) / "config.json").is_file():
+            return Path(path), True
     import torch
 
     from vllm_ddtree.drafter import DFlashDrafter, DrafterConfig, save_drafter, target_embeddings
