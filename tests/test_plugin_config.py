@@ -306,7 +306,19 @@ def test_sampling_parameters_the_tree_sampler_ignores_are_refused(dirs):
 
     vc = _engine_config(dirs["target"], {"method": "ddtree", "model": str(dirs["drafter"]), "tree_budget": 8})
     spec = vc.speculative_config
-    SamplingParams(temperature=0.7, top_k=5, top_p=0.9)._validate_spec_decode(spec)  # supported
-    for bad in (dict(repetition_penalty=1.2), dict(min_tokens=3), dict(logprobs=2), dict(bad_words=["x"])):
+    for ok in (dict(temperature=0.7, top_k=5, top_p=0.9), dict(repetition_penalty=1.2, presence_penalty=0.5,
+                                                              frequency_penalty=0.3), dict(logprobs=2)):
+        SamplingParams(**ok)._validate_spec_decode(spec)  # applied by the tree sampler
+    for bad in (dict(min_tokens=3), dict(logprobs=-1), dict(bad_words=["x"]), dict(allowed_token_ids=[1, 2])):
         with pytest.raises(VLLMValidationError, match="not supported yet with speculative method 'ddtree'"):
             SamplingParams(**bad)._validate_spec_decode(spec)
+
+
+def test_processed_logprobs_mode_is_refused_at_startup(dirs):
+    from vllm.engine.arg_utils import EngineArgs
+
+    spec = {"method": "ddtree", "model": str(dirs["drafter"]), "tree_budget": 8}
+    args = EngineArgs(model=str(dirs["target"]), dtype="float32", max_model_len=1024, speculative_config=spec,
+                      logprobs_mode="processed_logprobs")
+    with pytest.raises(ValueError, match="logprobs_mode='processed_logprobs' is not supported"):
+        args.create_engine_config()

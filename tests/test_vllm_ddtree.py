@@ -59,6 +59,32 @@ def test_ddtree_keeps_outputs_under_preemption_and_chunked_prefill(tmp_path, dra
     assert res["outputs"][1] == res["outputs"][0]
 
 
+def test_ddtree_applies_penalties_and_returns_logprobs_like_the_target(tmp_path, drafter):
+    # Penalties depend on the tokens generated so far, so inside a tree each node's distribution is
+    # penalised for its own path: greedy output must still be token-identical to no speculation, and
+    # the returned logprobs (top 3 + the chosen token) must be the target's.
+    path, trained = drafter
+    plain = {"temperature": 0, "max_tokens": 48}
+    penalised = plain | {"repetition_penalty": 1.3, "presence_penalty": 0.4, "frequency_penalty": 0.3, "logprobs": 3}
+    specs = [None, {"method": "ddtree", "model": str(path), "tree_budget": 8},
+             {"method": "ddtree", "model": str(path), "tree_budget": 64, "ngram_weight": 0}]
+    res = run(tmp_path / "out.json", specs, "--sampling", json.dumps(penalised))
+    unpenalised = run(tmp_path / "plain.json", [None], "--sampling", json.dumps(plain))["outputs"][0]
+    base, base_lp = res["outputs"][0], res["logprobs"][0]
+    assert base != unpenalised  # the penalties really change the output
+    for spec, outs, lps, metrics in zip(specs[1:], res["outputs"][1:], res["logprobs"][1:], res["metrics"][1:]):
+        assert outs == base, spec
+        if trained:
+            assert (metrics.get("vllm:spec_decode_num_accepted_tokens") or 0) > 0, spec
+        for toks, per_tok, ref_tok in zip(outs, lps, base_lp):
+            assert len(per_tok) == len(toks)
+            for t, got, want in zip(toks, per_tok, ref_tok):
+                assert str(t) in got and 3 <= len(got) <= 4
+                assert abs(got[str(t)] - want[str(t)]) < 1e-3, spec
+                common = set(got) & set(want)
+                assert len(common) >= 3 and all(abs(got[k] - want[k]) < 1e-3 for k in common), spec
+
+
 def test_ddtree_sampling_matches_the_target_distribution(tmp_path, drafter):
     # The first token after prefill is never speculated: compare the joint distribution of the
     # first three tokens (two of them from tree steps) over 300 samples; top_k=3 keeps it to 27 cells.

@@ -306,25 +306,31 @@ def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadat
     rows = torch.where(batch.valid, starts[:, None] + torch.arange(n), 0)
     rows = rows.to(logits.device)
     md = runner.input_batch.sampling_metadata
-    greedy = logits.argmax(-1)[rows]  # argmax first: no [R, N, V] copy on the greedy path
-    if md.all_greedy:
-        row_tokens = greedy
+    penalized = not md.no_penalties
+    if md.all_greedy and not penalized:
+        row_tokens = logits.argmax(-1)[rows]  # argmax first: no [R, N, V] copy on the plain greedy path
     else:
         row_logits = logits[rows].float()  # [R, N, V]
-        temp = md.temperature[:r].float().clamp(min=1e-5)
-        scaled = row_logits / temp.view(r, 1, 1)
-        flat = scaled.view(r * n, -1)
-        k = md.top_k[:r].repeat_interleave(n) if md.top_k is not None else None
-        p = md.top_p[:r].repeat_interleave(n) if md.top_p is not None else None
-        flat = apply_top_k_top_p(flat, k, p)
-        probs = torch.softmax(flat, -1).view(r, n, -1)
-        noise = torch.empty_like(probs).exponential_()
-        for i, gen in md.generators.items():  # per-request seeds
-            if i < r:
-                noise[i].exponential_(generator=gen)
-        sampled = sample_tokens(probs, noise)
-        is_greedy = (md.temperature[:r] < 1e-5).view(r, 1)
-        row_tokens = torch.where(is_greedy, greedy, sampled)
+        if penalized:
+            row_logits = tree_penalties(row_logits, md, batch)
+        greedy = row_logits.argmax(-1)
+        if md.all_greedy:
+            row_tokens = greedy
+        else:
+            temp = md.temperature[:r].float().clamp(min=1e-5)
+            scaled = row_logits / temp.view(r, 1, 1)
+            flat = scaled.view(r * n, -1)
+            k = md.top_k[:r].repeat_interleave(n) if md.top_k is not None else None
+            p = md.top_p[:r].repeat_interleave(n) if md.top_p is not None else None
+            flat = apply_top_k_top_p(flat, k, p)
+            probs = torch.softmax(flat, -1).view(r, n, -1)
+            noise = torch.empty_like(probs).exponential_()
+            for i, gen in md.generators.items():  # per-request seeds
+                if i < r:
+                    noise[i].exponential_(generator=gen)
+            sampled = sample_tokens(probs, noise)
+            is_greedy = (md.temperature[:r] < 1e-5).view(r, 1)
+            row_tokens = torch.where(is_greedy, greedy, sampled)
     walk = walk_tree(batch, torch.where(batch.valid, row_tokens, -1))
     depth = max(spec_decode_metadata.num_draft_tokens)
     out = walk.output_tokens[:, : depth + 1].to(torch.int32)
@@ -349,7 +355,55 @@ def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadat
     context_order[step.row_index[batch.valid]] = step.row_index.gather(1, order)[keep]
     runner.drafter.context_order = context_order
     runner.drafter.stats.record(batch.num_rows - 1, batch.depths.max(dim=1).values, walk.num_accepted)
-    return SamplerOutput(sampled_token_ids=out, logprobs_tensors=None)
+    logprobs = None
+    if md.max_num_logprobs is not None:
+        path_rows = rows.gather(1, walk.path_rows[:, : depth + 1].clamp(min=0).to(rows.device))
+        logprobs = path_logprobs(runner.sampler, logits, path_rows, out, md.max_num_logprobs)
+    return SamplerOutput(sampled_token_ids=out, logprobs_tensors=logprobs)
+
+
+def tree_penalties(row_logits: Tensor, md, batch: TreeBatch) -> Tensor:
+    """Presence, frequency and repetition penalties for every verify row, as vLLM applies them.
+
+    The tokens a row's distribution is penalised for are the request's output so far (its last
+    token is the tree's root) plus the draft tokens on the row's path: the row's own token and its
+    ancestors'. This is vLLM's rule for a chain (rejection_sampler._combine_outputs_with_spec_tokens)
+    applied to each root-to-node path, built as one padded tensor, with vLLM's own penalty op.
+    row_logits [R, N, V] float32 -> penalised [R, N, V].
+    """
+    from vllm.model_executor.layers.utils import apply_penalties
+    from vllm.utils.torch_utils import make_tensor_with_pad
+
+    r, n, v = row_logits.shape
+    dev = row_logits.device
+    outputs = make_tensor_with_pad(md.output_token_ids[:r], pad=v, device="cpu", dtype=torch.int64).to(dev)
+    outputs = outputs.masked_fill(outputs < 0, v)  # async-scheduling placeholders
+    on_path = (batch.ancestors & batch.valid.unsqueeze(1)).to(dev)  # [R, N, N]: row i's path includes row j
+    on_path[:, :, 0] = False  # the root is already the last output token
+    path_tokens = torch.where(on_path, batch.tokens.to(dev).unsqueeze(1), v)  # [R, N, N], pad v
+    row_outputs = torch.cat([outputs.unsqueeze(1).expand(r, n, -1), path_tokens], 2).view(r * n, -1)
+
+    def per_row(x: Tensor) -> Tensor:
+        return x[:r].repeat_interleave(n, 0)
+
+    flat = apply_penalties(row_logits.reshape(r * n, v), per_row(md.prompt_token_ids), row_outputs,
+                           per_row(md.presence_penalties), per_row(md.frequency_penalties),
+                           per_row(md.repetition_penalties))
+    return flat.view(r, n, v)
+
+
+def path_logprobs(sampler, logits: Tensor, path_rows: Tensor, out: Tensor, num_logprobs: int):
+    """Logprobs of the emitted tokens, in the rejection sampler's layout (vLLM raw modes).
+
+    path_rows [R, D + 1]: logits row of each emitted position (the accepted path, then the bonus);
+    out [R, D + 1] emitted tokens, -1 past the end (those positions are dropped by vLLM's
+    parse_output, like the rejection sampler's rejected ones).
+    """
+    raw = logits[path_rows.reshape(-1)].float()
+    if sampler.logprobs_mode == "raw_logprobs":
+        raw = sampler.compute_logprobs(raw)
+    tokens = out.reshape(-1).to(torch.int64).clamp(min=0)
+    return sampler.gather_logprobs(raw, num_logprobs, tokens)
 
 
 def walk_position(path_rows: Tensor, n: int) -> Tensor:

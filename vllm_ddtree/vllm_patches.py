@@ -40,9 +40,9 @@ P8  ``SamplingParams._validate_spec_decode`` (sampling_params.py:1182, called fr
     requests with a clear error: vLLM's grammar validates drafts as one chain
     (v1/structured_output/__init__.py:315 ``strip_speculative_padding``), a tree is not one.
     Structured outputs are per request, so this is the earliest point they can be refused.
-    Also refuses the sampling parameters the tree sampler does not apply yet (penalties,
-    min_tokens, logit_bias, allowed_token_ids, bad_words, logprobs, min_p, logits processors)
-    instead of silently ignoring them.
+    Also refuses the sampling parameters the tree sampler does not apply yet (min_tokens,
+    logit_bias, allowed_token_ids, bad_words, whole-vocabulary logprobs, logprob_token_ids, min_p,
+    logits processors) instead of silently ignoring them. (P3 refuses the processed logprobs modes.)
 P9  ``vllm.v1.attention.selector._cached_get_attn_backend`` (v1/attention/selector.py:201, memoised
     per process) — wrapped: for a ddtree config, CPU_ATTN (whose kernel takes no mask, design notes
     §5) becomes :mod:`vllm_ddtree.attention.cpu_tree`'s backend. Decided after the memo, which is
@@ -313,9 +313,21 @@ def _wrap_post_init(post_init: Callable) -> Callable:
         finally:
             self.method = METHOD
         self.ddtree = _resolve_drafter(self, ddtree)
+        _check_logprobs_mode(self)
         return out
 
     return __post_init__
+
+
+def _check_logprobs_mode(spec: Any) -> None:
+    """The tree sampler returns logprobs of the raw target distribution (vLLM's default mode)."""
+    target = getattr(spec, "target_model_config", None)
+    mode = getattr(target, "logprobs_mode", "raw_logprobs")
+    if mode not in ("raw_logprobs", "raw_logits"):
+        raise ValueError(
+            f"logprobs_mode={mode!r} is not supported with speculative method 'ddtree': its tree sampler returns "
+            "logprobs of the target's raw distribution; use logprobs_mode='raw_logprobs' (the default) or 'raw_logits'"
+        )
 
 
 def _reject_chain_only(spec: Any) -> None:
@@ -464,7 +476,8 @@ def _patch_sampling_params() -> None:
 
                 raise VLLMValidationError(
                     f"{', '.join(unsupported)} not supported yet with speculative method 'ddtree': its tree "
-                    "sampler applies temperature, top_k, top_p and seed only. Drop those parameters or send the "
+                    "sampler applies temperature, top_k, top_p, seed, presence/frequency/repetition penalties and "
+                    "logprobs (top-n). Drop those parameters or send the "
                     "request to an engine without ddtree."
                 )
 
@@ -474,14 +487,12 @@ def _patch_sampling_params() -> None:
 def _unsupported_sampling(params) -> list[str]:
     """Sampling parameters the tree sampler (vllm_ddtree.engine.sample_tree_step) does not apply."""
     checks = {
-        "presence_penalty": params.presence_penalty not in (None, 0.0),
-        "frequency_penalty": params.frequency_penalty not in (None, 0.0),
-        "repetition_penalty": params.repetition_penalty not in (None, 1.0),
         "min_tokens": bool(params.min_tokens),
         "logit_bias": bool(params.logit_bias),
         "allowed_token_ids": bool(params.allowed_token_ids),
         "bad_words": bool(params.bad_words),
-        "logprobs": params.logprobs is not None,
+        "logprobs=-1 (whole vocabulary)": params.logprobs == -1,
+        "logprob_token_ids": bool(getattr(params, "logprob_token_ids", None)),
         "min_p": bool(getattr(params, "min_p", 0.0)),
         "logits_processors": bool(getattr(params, "logits_processors", None)),
     }
