@@ -57,6 +57,20 @@ def test_patch_applies_and_compiles(patch, tmp_path):
         py_compile.compile(str(tmp_path / "real" / rel), doraise=True)
 
 
+@pytest.mark.skipif(shutil.which("patch") is None, reason="needs the patch tool")
+def test_all_patches_apply_together(tmp_path):
+    site = _site_packages()
+    for rel in {rel for p in PATCHES for rel in _touched(p)}:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(site / rel, tmp_path / rel)
+    for patch in PATCHES:
+        out = subprocess.run(["patch", "-p1", "--forward", "--batch", "-d", str(tmp_path), "-i", str(patch)],
+                             capture_output=True, text=True)
+        assert out.returncode == 0, patch.name + out.stdout + out.stderr
+    for rel in {rel for p in PATCHES for rel in _touched(p)}:
+        py_compile.compile(str(tmp_path / rel), doraise=True)
+
+
 # The registry patch, exercised: a plugin-style method built on dflash, in a fresh interpreter whose
 # `vllm.config.speculative` is the patched copy (and with vllm-ddtree's own runtime patches off).
 _REGISTRY_SCRIPT = textwrap.dedent(
