@@ -6,6 +6,7 @@ directories are random-weight DFlash drafters written by ``vllm_ddtree.drafter``
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import os
 import pickle
@@ -133,6 +134,26 @@ def test_engine_config_ddtree_widths(dirs):
     # Survives the trip to engine-core and worker processes.
     again = pickle.loads(pickle.dumps(spec))
     assert again.method == "ddtree" and again.ddtree == spec.ddtree
+
+
+def test_drafter_room_counts_the_block_not_the_tree(dirs):
+    # P13: near max_model_len the drafter still runs while its 1 + W block rows fit, even though the
+    # tree budget (num_speculative_tokens) is larger; vLLM's own count would stop it 17 tokens early.
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    vc = _engine_config(dirs["target"], {"method": "ddtree", "model": str(dirs["drafter"]), "tree_budget": 32})
+    runner = SimpleNamespace(vllm_config=vc, speculative_config=vc.speculative_config, num_spec_tokens=32,
+                             effective_drafter_max_model_len=1024)
+    fits = functools.partial(GPUModelRunner._input_fits_in_drafter, runner)
+    assert fits(SimpleNamespace(max_seq_len=1024 - 16))  # 1 + 15 rows fit exactly
+    assert not fits(SimpleNamespace(max_seq_len=1024 - 15))
+    assert not fits(None)
+    dflash = _engine_config(dirs["target"], {"method": "dflash", "model": str(dirs["drafter"]),
+                                              "num_speculative_tokens": 15})
+    runner.vllm_config, runner.speculative_config, runner.num_spec_tokens = dflash, dflash.speculative_config, 15
+    assert fits(SimpleNamespace(max_seq_len=1024 - 16)) and not fits(SimpleNamespace(max_seq_len=1024 - 15))
 
 
 def test_cli_flags_reach_ddtree(dirs):

@@ -59,6 +59,10 @@ P11 ``GPUModelRunner._prepare_inputs`` (:1920) — wrapped: after it computed se
 P12 ``GPUModelRunner._sample`` (:3437) — for ddtree steps, the tree walk replaces the chain-only
     rejection sampler (:func:`vllm_ddtree.engine.sample_tree_step`; also compacts the target's KV and
     tells the proposer the order that puts each request's accepted path first).
+P13 ``GPUModelRunner._input_fits_in_drafter`` (:4288) — for ddtree, the drafter's query is 1 + W
+    block rows, not 1 + ``num_speculative_tokens`` (the verify width): vLLM's count would stop drafting
+    for the whole batch once its longest request came within the tree budget of the drafter's
+    max_model_len, instead of within the block size.
 """
 
 from __future__ import annotations
@@ -589,3 +593,14 @@ def _patch_model_runner() -> None:
         return sample_tree_step(self, step, logits, spec_decode_metadata)
 
     GPUModelRunner._sample = _sample
+
+    fits = GPUModelRunner._input_fits_in_drafter
+
+    @functools.wraps(fits)
+    def _input_fits_in_drafter(self, common_attn_metadata):
+        if common_attn_metadata is None or not _is_ddtree(self.vllm_config):
+            return fits(self, common_attn_metadata)
+        rows = 1 + self.speculative_config.ddtree.drafter_width  # the bonus token + W mask rows
+        return common_attn_metadata.max_seq_len + rows <= self.effective_drafter_max_model_len
+
+    GPUModelRunner._input_fits_in_drafter = _input_fits_in_drafter
