@@ -7,7 +7,8 @@ time) and batch 8 (eight at once). Methods: no speculation, "dflash" (the chain,
 "ddtree" with tree_budget 8/16/32/64 and "auto". All in one process, one engine per method, same
 prompts. tau = 1 + accepted / drafts from vLLM's spec-decode counters (mean tokens per target
 forward per request, bonus included); tokens/s = generated tokens / wall time of generate();
-each configuration is repeated `--repeats` times and the median tokens/s is reported.
+each configuration is repeated `--repeats` times, round robin over the methods (a fresh engine per
+method and repeat), and the median tokens/s and tau are reported.
 Writes a JSON list of {"method", "budget", "batch", "tau", "tokens_per_s", "speedup_vs_ar", ...}.
 """
 
@@ -29,13 +30,27 @@ def spec_counters(llm) -> dict:
     return out
 
 
-def ddtree_stats(llm) -> dict | None:
-    """The tree proposer's own statistics (in-process engine only)."""
-    try:
-        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
-        return runner.drafter.stats.summary()
+def _proposer(llm):
+    try:  # in-process engine only
+        return llm.llm_engine.model_executor.driver_worker.worker.model_runner.drafter
     except AttributeError:
         return None
+
+
+def ddtree_stats(llm) -> dict | None:
+    """The tree proposer's own statistics since the last reset, and its budget calibration."""
+    drafter = _proposer(llm)
+    if drafter is None or not hasattr(drafter, "stats"):
+        return None
+    return drafter.stats.summary() | drafter.budget_summary()
+
+
+def reset_ddtree_stats(llm) -> None:
+    drafter = _proposer(llm)
+    if drafter is not None and hasattr(drafter, "stats"):
+        from vllm_ddtree.engine import DDTreeStats
+
+        drafter.stats = DDTreeStats()
 
 
 def main() -> None:
@@ -47,11 +62,14 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--drafter", default=None)
+    ap.add_argument("--methods", default="none,dflash,ddtree,auto",
+                    help="subset of none,dflash,ddtree,auto (none is always run: the baseline)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # to read the proposer's stats
 
+    from tqdm import tqdm
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
@@ -70,18 +88,26 @@ def main() -> None:
     prompts = [chat_prompt(tok, p["prompt"]) for p in load_humaneval(n_prompts)]
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
 
-    methods = [("none", None, None), ("dflash", None, {"method": "dflash", "model": drafter, "num_speculative_tokens": 15})]
-    methods += [("ddtree", b, {"method": "ddtree", "model": drafter, "tree_budget": b}) for b in budgets]
-    methods.append(("ddtree-auto", None, {"method": "ddtree", "model": drafter, "tree_budget": "auto"}))
+    wanted = set(args.methods.split(","))
+    methods = [("none", None, None)]
+    if "dflash" in wanted:
+        methods.append(("dflash", None, {"method": "dflash", "model": drafter, "num_speculative_tokens": 15}))
+    if "ddtree" in wanted:
+        methods += [("ddtree", b, {"method": "ddtree", "model": drafter, "tree_budget": b}) for b in budgets]
+    if "auto" in wanted:
+        methods.append(("ddtree-auto", None, {"method": "ddtree", "model": drafter, "tree_budget": "auto"}))
 
-    rows = []
-    for name, budget, spec in methods:
-        llm = LLM(model=target, dtype="float32", enforce_eager=True, max_model_len=2048, seed=0,
-                  speculative_config=spec, max_num_seqs=max(batches), disable_log_stats=False)
-        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8))  # warm-up
-        for batch in batches:
-            speeds, taus, outputs = [], [], None
-            for _ in range(repeats):
+    # Round robin: every repeat runs every method once (a fresh engine each), so the machine's drift
+    # (other jobs, thermal) spreads over all methods instead of landing on whichever ran last.
+    runs: dict[tuple, dict] = {}
+    bar = tqdm(total=repeats * len(methods), desc="engines", unit="engine")
+    for rep in range(repeats):
+        for name, budget, spec in methods:
+            llm = LLM(model=target, dtype="float32", enforce_eager=True, max_model_len=2048, seed=0,
+                      speculative_config=spec, max_num_seqs=max(batches), disable_log_stats=False)
+            llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
+            for batch in batches:
+                reset_ddtree_stats(llm)
                 before = spec_counters(llm)
                 t0 = time.perf_counter()
                 outs = []
@@ -90,22 +116,29 @@ def main() -> None:
                 secs = time.perf_counter() - t0
                 after = spec_counters(llm)
                 tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-                speeds.append(tokens / secs)
                 drafts = after.get("vllm:spec_decode_num_drafts", 0) - before.get("vllm:spec_decode_num_drafts", 0)
                 acc = (after.get("vllm:spec_decode_num_accepted_tokens", 0)
                        - before.get("vllm:spec_decode_num_accepted_tokens", 0))
-                taus.append(1 + acc / drafts if drafts else 1.0)
-                outputs = [[int(t) for t in o.outputs[0].token_ids] for o in outs]  # plain ints: types differ by path
-            row = dict(method=name, budget=budget, batch=batch, tau=statistics.median(taus),
-                       tokens_per_s=statistics.median(speeds), runs_tokens_per_s=speeds, outputs=outputs)
-            stats = ddtree_stats(llm) if name.startswith("ddtree") else None
-            if stats:
-                row["ddtree"] = stats
-            rows.append(row)
-            print(f"{name:<12} B={budget!s:<5} batch={batch}: tau {row['tau']:.2f}, "
-                  f"{row['tokens_per_s']:.1f} tok/s (runs: {', '.join(f'{s:.1f}' for s in speeds)})", flush=True)
-        del llm
-        gc.collect()
+                run = runs.setdefault((name, budget, batch), {"speeds": [], "taus": [], "stats": []})
+                run["speeds"].append(tokens / secs)
+                run["taus"].append(1 + acc / drafts if drafts else 1.0)
+                run["outputs"] = [[int(t) for t in o.outputs[0].token_ids] for o in outs]  # plain ints
+                if name.startswith("ddtree"):
+                    run["stats"].append(ddtree_stats(llm))
+                bar.write(f"repeat {rep + 1}/{repeats} {name:<12} B={budget!s:<5} batch={batch}: "
+                          f"tau {run['taus'][-1]:.2f}, {run['speeds'][-1]:.1f} tok/s")
+            del llm
+            gc.collect()
+            bar.update()
+    bar.close()
+    rows = []
+    for (name, budget, batch), run in runs.items():
+        row = dict(method=name, budget=budget, batch=batch, tau=statistics.median(run["taus"]),
+                   tokens_per_s=statistics.median(run["speeds"]), runs_tokens_per_s=run["speeds"],
+                   outputs=run["outputs"])
+        if run["stats"] and run["stats"][-1]:
+            row["ddtree"] = run["stats"][-1]  # the last repeat's
+        rows.append(row)
 
     for row in rows:
         base = next(r for r in rows if r["method"] == "none" and r["batch"] == row["batch"])

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from vllm_ddtree.tree import (
+    AcceptanceCalibration,
+    CostCalibration,
     CostModel,
     ModelShape,
     NGramCounts,
@@ -182,3 +184,64 @@ def test_entropy_adaptive_lambda():
     lam_flat = entropy_adaptive_lambda(flat, beta=0.4, c=1.0)
     assert float(lam_sharp) < 0.01
     assert float(lam_flat) == pytest.approx(0.4 * math.log(4) / (math.log(4) + 1))
+
+
+def test_fit_with_a_per_token_term_recovers_a_linear_cpu_step():
+    # This CPU's step time grows with every row even where the roofline is flat (below its knee):
+    # intercept + per-token fits it, the roofline alone cannot.
+    cost = cost_model("cpu")
+    s = torch.tensor([2.0, 5.0, 9.0, 17.0, 33.0, 65.0])
+    ctx = torch.full_like(s, 300.0)
+    measured = 0.055 + 0.0018 * s
+    cost.fit(s, s * (ctx + s), ctx, measured, per_token=True)
+    pred = cost.verify_seconds(s, s * (ctx + s), ctx)
+    assert torch.allclose(pred.double(), measured.double(), rtol=0.02)
+    roof_only = cost_model("cpu")
+    roof_only.fit(s, s * (ctx + s), ctx, measured)
+    assert (roof_only.verify_seconds(s, s * (ctx + s), ctx).double() - measured).abs().max() > 0.01
+
+
+def test_acceptance_calibration_learns_how_overconfident_the_drafter_is():
+    torch.manual_seed(0)
+    cal = AcceptanceCalibration(alpha=0.05)
+    assert float(cal.beta) == 1.0  # no data: trust the drafter
+    r = 64
+    claimed = torch.arange(1, 5).float().expand(r, 4) * math.log(0.9)  # a chain the drafter rates 0.9 per token
+    for _ in range(300):
+        accepted = torch.distributions.Geometric(probs=torch.tensor(0.5)).sample((r,)).clamp(max=4)  # P(L >= d) = 0.5^d
+        cal.update(claimed, torch.ones(r, 4, dtype=torch.bool), accepted)
+    # 0.9^(d * beta) = 0.5^d  =>  beta = ln 0.5 / ln 0.9 = 6.58 (grid steps are 12% apart)
+    assert float(cal.beta) == pytest.approx(math.log(0.5) / math.log(0.9), rel=0.12)
+    scaled = cal.rescale(torch.tensor([[math.log(0.9), -math.inf]]))
+    assert scaled[0, 0].exp() == pytest.approx(0.5, abs=0.05) and scaled[0, 1] == -math.inf
+    # An underconfident drafter: the exponent goes below 1.
+    under = AcceptanceCalibration(alpha=0.2)
+    for _ in range(50):
+        under.update(torch.full((r, 1), math.log(0.25)), torch.ones(r, 1, dtype=torch.bool), torch.full((r,), 0.5))
+    assert float(under.beta) == pytest.approx(0.5, rel=0.12)
+
+
+def test_cost_calibration_explores_the_range_then_drives_the_budget_to_the_measured_optimum():
+    cost = cost_model("cpu")
+    cal = CostCalibration.for_range(cost, 1, 64)
+    assert cal.budgets == (64, 1, 8)
+    ctx = 300.0
+
+    def true_seconds(tokens):  # a CPU-like step: 55 ms + 1.8 ms per row
+        return 0.055 + 0.0018 * tokens
+
+    tried = []
+    while (b := cal.explore_budget()) is not None:
+        tried.append(b)
+        s = 1 + b
+        cal.add(s, s * (ctx + s), ctx, true_seconds(s))
+    assert cal.calibrated and set(tried) == set(cal.budgets)
+    cal.add(9, 9 * (ctx + 9), ctx, 10.0)  # an idle gap, not a step: dropped
+    assert len(cal.recent) == 0
+    # Geometric acceptance 0.8 per depth along a chain: the best budget by the true cost.
+    logp = (torch.arange(1, 65).float() * math.log(0.8)).view(1, 64)
+    n = torch.arange(1, 65).float()
+    true_speed = (1 + torch.cumsum(logp.exp()[0], 0)) / true_seconds(1 + n)
+    plan = allocate_batch(logp, torch.tensor([ctx]), cost, 1, 64)
+    chosen = int(plan.budgets[0])
+    assert float(true_speed[chosen - 1]) >= 0.98 * float(true_speed.max())

@@ -44,6 +44,11 @@ def test_ddtree_greedy_is_token_identical_to_no_speculation(tmp_path, drafter):
         assert metrics.get("vllm:spec_decode_num_drafts", 0) > 0, spec  # speculation really ran
         if trained:
             assert (metrics.get("vllm:spec_decode_num_accepted_tokens") or 0) > 0, spec
+    # The automatic budget calibrated itself on this engine's measured steps, then chose trees.
+    auto = res["ddtree"][4]
+    assert auto["cost_calibrated"] and auto["cost_intercept_ms"] + auto["cost_per_token_ms"] > 0
+    assert 0.25 <= auto["drafter_confidence_exponent"] <= 8 and 1 <= auto["mean_tree_nodes"] <= 64
+    assert res["ddtree"][1]["mean_tree_nodes"] == 1 and res["ddtree"][3]["mean_tree_nodes"] > 1
 
 
 def test_ddtree_keeps_outputs_under_preemption_and_chunked_prefill(tmp_path, drafter):

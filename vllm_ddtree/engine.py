@@ -23,6 +23,7 @@ One engine step, as the runner executes it with vllm_ddtree's patches (vllm_patc
 from __future__ import annotations
 
 import copy
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -31,6 +32,8 @@ from torch import Tensor
 
 from vllm_ddtree.tree import (
     NO_PARENT,
+    AcceptanceCalibration,
+    CostCalibration,
     CostModel,
     DraftTree,
     ModelShape,
@@ -61,6 +64,7 @@ class RequestTree:
     tokens: list[int]
     parents: list[int]  # -1: child of the root
     depths: list[int]
+    logp: list[float] | None = None  # prefix log-probabilities (automatic budget only: its calibration)
 
 
 @dataclass
@@ -70,45 +74,46 @@ class TreeStep:
     batch: TreeBatch
     row_index: Tensor  # [R, N] flat token index of each verify row (0 where padding)
     slot_mapping: Tensor  # [T] KV slot of every scheduled token (sequential positions)
+    draft_logp: Tensor | None = None  # [R, N - 1] prefix log-prob of each node (automatic budget only)
+    from_tree: Tensor | None = None  # [R] bool: the request's drafts are its proposed tree (not a fallback chain)
 
 
 @dataclass
 class DDTreeStats:
     """Verify-step statistics: what the budget controller chose and what was accepted.
 
-    Logged every `interval` seconds through vLLM's logger (like its own stat logger) and readable
-    at the end of a run (`summary()`), e.g. by benchmarks.
+    Accumulated as tensors on the step's device (no host sync per step); logged every `interval`
+    seconds through vLLM's logger (like its own stat logger) and readable at the end of a run
+    (`summary()`), e.g. by benchmarks.
     """
 
-    steps: int = 0  # request-steps with a tree
-    nodes: int = 0  # draft nodes verified
-    depth: int = 0  # sum of each tree's deepest node
-    accepted: int = 0  # draft nodes accepted
     interval: float = 10.0
+    totals: Tensor | None = None  # [4]: request-steps with a tree, nodes verified, sum of tree depths, accepted
     _last_log: float = field(default_factory=time.monotonic)
     _logged: tuple = (0, 0, 0, 0)
 
     def record(self, nodes: Tensor, depths: Tensor, accepted: Tensor) -> None:
-        has_tree = nodes > 0
-        self.steps += int(has_tree.sum())
-        self.nodes += int(nodes.sum())
-        self.depth += int(depths.sum())
-        self.accepted += int(accepted.sum())
+        dev = accepted.device
+        step = torch.stack([(nodes > 0).sum().to(dev), nodes.sum().to(dev), depths.sum().to(dev),
+                            accepted.sum()]).to(torch.float64)
+        self.totals = step if self.totals is None else self.totals + step
         now = time.monotonic()
         if now - self._last_log >= self.interval:
             s0, n0, d0, a0 = self._logged
-            ds = max(self.steps - s0, 1)
+            steps, nodes_, depth, acc = self.totals.tolist()
+            ds = max(steps - s0, 1)
             logger.info(
                 "ddtree: %d tree verifications, mean tree %.1f nodes, mean depth %.2f, "
                 "mean acceptance length %.2f (bonus included)",
-                self.steps - s0, (self.nodes - n0) / ds, (self.depth - d0) / ds, 1 + (self.accepted - a0) / ds,
+                steps - s0, (nodes_ - n0) / ds, (depth - d0) / ds, 1 + (acc - a0) / ds,
             )
-            self._last_log, self._logged = now, (self.steps, self.nodes, self.depth, self.accepted)
+            self._last_log, self._logged = now, (steps, nodes_, depth, acc)
 
     def summary(self) -> dict:
-        s = max(self.steps, 1)
-        return {"tree_verifications": self.steps, "mean_tree_nodes": self.nodes / s,
-                "mean_tree_depth": self.depth / s, "mean_acceptance_length": 1 + self.accepted / s}
+        steps, nodes, depth, acc = self.totals.tolist() if self.totals is not None else (0, 0, 0, 0)
+        s = max(steps, 1)
+        return {"tree_verifications": int(steps), "mean_tree_nodes": nodes / s,
+                "mean_tree_depth": depth / s, "mean_acceptance_length": 1 + acc / s}
 
 
 def _present_as_dflash(vllm_config, width: int):
@@ -147,14 +152,22 @@ class DDTreeProposer(DFlashProposer):
             self.ngram = NGramModel(target.get_vocab_size(), options.ngram_order, corpus=options.ngram_corpus)
         self._slots: dict[str, int] = {}
         self._seen: dict[str, int] = {}
-        self.cost = None
+        self.cost = self.calibration = self.acceptance = None
+        self._last_propose: float | None = None
+        self.pending_step: tuple[float, float, float] | None = None  # set by sample_tree_step: the step's size
         if options.tree_budget == "auto":
             shape = ModelShape.from_hf_config(target.hf_config.to_dict() | {"vocab_size": target.get_vocab_size()},
                                               str(target.dtype))
             self.cost = CostModel(shape, get_profile(options.device_profile))
+            # The profile's roofline is a starting point: the cost is refit to this engine's measured
+            # step times, and the drafter's confidence to its measured acceptance, while it serves.
+            self.calibration = CostCalibration.for_range(self.cost, options.min_budget, options.max_budget)
+            self.acceptance = AcceptanceCalibration()
+        self.build_cap = options.max_budget  # auto: the width of the next tree built (see _tree_drafts)
 
     # vLLM calls propose(num_speculative_tokens=<scheduler's count>, ...): the drafter's width is W.
     def propose(self, num_speculative_tokens, **kwargs):
+        self._time_step()
         order = self.context_order
         self.context_order = None
         if order is not None:  # after a tree step: each request's accepted path first (sample_tree_step)
@@ -164,6 +177,27 @@ class DDTreeProposer(DFlashProposer):
                 kwargs[key] = torch.cat([x[order.to(x.device)], x[n:]]) if x.shape[0] > n else x[order.to(x.device)]
         super().propose(self.width, **kwargs)
         return self._tree_drafts(kwargs["common_attn_metadata"])
+
+    def budget_summary(self) -> dict:
+        """The automatic budget's calibrated state (empty for a fixed budget)."""
+        if self.calibration is None:
+            return {}
+        c = self.cost
+        return {"cost_calibrated": self.calibration.calibrated, "cost_intercept_ms": 1e3 * c.intercept,
+                "cost_per_token_ms": 1e3 * c.per_token, "cost_roofline_slope": c.slope,
+                "drafter_confidence_exponent": float(self.acceptance.beta)}
+
+    def _time_step(self) -> None:
+        """Cycle time of the last step (propose to propose: verify forward, walk, drafting, scheduling).
+
+        Measured only after a step that verified trees and nothing else (no prefill in it), so the
+        cost calibration sees steps whose size it knows.
+        """
+        now = time.perf_counter()
+        if self.calibration is not None and self.pending_step is not None and self._last_propose is not None:
+            self.calibration.add(*self.pending_step, now - self._last_propose)
+        self.pending_step = None
+        self._last_propose = now
 
     def _sample_draft_tokens(self, hidden_states: Tensor, sampling_metadata):
         """Keep the mask rows' logits for the tree (parallel drafting: [R * W, H]).
@@ -187,7 +221,15 @@ class DDTreeProposer(DFlashProposer):
         req_ids = list(runner.input_batch.req_ids)
         r = len(req_ids)
         logits = self._logits.view(r, self.width, -1)
-        k = min(self.max_budget, logits.shape[-1])
+        fixed = self.options.tree_budget != "auto"
+        explore = None if fixed else self.calibration.explore_budget()
+        if fixed:
+            build = self.options.tree_budget
+        elif explore is not None:  # calibrating: a spread of sizes (each step stays lossless)
+            build = explore
+        else:  # candidates and n-gram scoring cost grow with the width: build only what may be chosen
+            build = self.build_cap
+        k = min(build, logits.shape[-1])
         top_logp, top_ids = topk_per_depth(logits, k)
         if self._draft_to_target is not None:
             top_ids = self._draft_to_target[top_ids]
@@ -195,26 +237,31 @@ class DDTreeProposer(DFlashProposer):
         if self.ngram is not None:
             slots = self._observe(req_ids)
             scorer, tail = self.ngram.scorer(slots), self.ngram.context_tail(slots)
-        fixed = self.options.tree_budget != "auto"
-        budget = self.options.tree_budget if fixed else self.max_budget
-        tree = build_tree(top_logp, top_ids, budget, max_budget=self.max_budget, scorer=scorer,
+        tree = build_tree(top_logp, top_ids, build, max_budget=build, scorer=scorer,
                           context_tail=tail, lam=self.options.ngram_weight, validate=False)
-        if not fixed:
-            ctx = cad.seq_lens[:r].to(torch.float32)
-            plan = allocate_batch(tree.draft_logp, ctx, self.cost, self.options.min_budget, self.options.max_budget)
-            tree = tree.truncate(plan.budgets)
-        return self._store(req_ids, tree)
+        if fixed or explore is not None:
+            return self._store(req_ids, tree)
+        ctx = cad.seq_lens[:r].to(torch.float32)
+        logp = self.acceptance.rescale(tree.draft_logp)
+        plan = allocate_batch(logp, ctx, self.cost, min(self.options.min_budget, build), build)
+        drafts = self._store(req_ids, tree.truncate(plan.budgets))
+        # Next step's width: twice the largest tree chosen now, so the controller can keep growing.
+        largest = max((len(d) for d in drafts), default=0)
+        self.build_cap = min(self.options.max_budget, max(self.options.min_budget, 8, 2 * largest))
+        return drafts
 
     def _store(self, req_ids: list[str], tree: DraftTree) -> list[list[int]]:
         # The one host copy per step: the scheduler takes draft tokens as Python lists.
         counts = tree.num_nodes.tolist()
         tokens, parents, depths = tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()
+        logps = tree.draft_logp.tolist() if self.acceptance is not None else None
         drafts = []
         live = set(req_ids)
         self.trees = {rid: t for rid, t in self.trees.items() if rid in live}  # finished requests leave
         for i, rid in enumerate(req_ids):
             n = counts[i]
-            self.trees[rid] = RequestTree(tokens[i][:n], parents[i][:n], depths[i][:n])
+            self.trees[rid] = RequestTree(tokens[i][:n], parents[i][:n], depths[i][:n],
+                                          logps[i][:n] if logps is not None else None)
             drafts.append(tokens[i][:n])
         return drafts
 
@@ -251,27 +298,33 @@ def prepare_tree_step(runner, spec_decode_metadata, total_tokens: int) -> TreeSt
     r = len(req_ids)
     drafted = spec_decode_metadata.num_draft_tokens
     width = max(drafted)
-    tok = torch.zeros(r, width, dtype=torch.int64)
-    par = torch.full((r, width), NO_PARENT, dtype=torch.int64)
-    dep = torch.zeros(r, width, dtype=torch.int64)
+    calibrating = proposer.acceptance is not None
+    # Rows as padded Python lists, one tensor each at the end (no per-request tensor creation).
+    tok_rows, par_rows, dep_rows, logp_rows, from_tree_rows = [], [], [], [], []
     scheduled = spec_decode_metadata.draft_token_ids.tolist()
     start = 0
     for i, rid in enumerate(req_ids):
         n = drafted[i]
-        if n:
-            drafts = scheduled[start : start + n]
-            t = proposer.trees.get(rid)
-            if t is not None and t.tokens[:n] == drafts:  # the scheduler keeps a prefix: still a tree
-                tok[i, :n] = torch.tensor(drafts)
-                par[i, :n] = torch.tensor(t.parents[:n])
-                dep[i, :n] = torch.tensor(t.depths[:n])
-            else:
-                # Drafts we did not propose (vLLM fills placeholders when the drafter was skipped):
-                # verify them as a chain, which is just as lossless.
-                tok[i, :n] = torch.tensor(drafts)
-                par[i, :n] = torch.arange(-1, n - 1)
-                dep[i, :n] = torch.arange(1, n + 1)
+        drafts = scheduled[start : start + n]
         start += n
+        pad = width - n
+        t = proposer.trees.get(rid)
+        from_tree = n > 0 and t is not None and t.tokens[:n] == drafts  # the scheduler keeps a prefix: still a tree
+        if from_tree:
+            par_rows.append(t.parents[:n] + [NO_PARENT] * pad)
+            dep_rows.append(t.depths[:n] + [0] * pad)
+        else:
+            # Drafts we did not propose (vLLM fills placeholders when the drafter was skipped):
+            # verify them as a chain, which is just as lossless.
+            par_rows.append(list(range(-1, n - 1)) + [NO_PARENT] * pad)
+            dep_rows.append(list(range(1, n + 1)) + [0] * pad)
+        tok_rows.append(drafts + [0] * pad)
+        from_tree_rows.append(from_tree)
+        if calibrating:
+            logp_rows.append((t.logp[:n] if from_tree else [-math.inf] * n) + [-math.inf] * pad)
+    tok, par, dep = (torch.tensor(x, dtype=torch.int64) for x in (tok_rows, par_rows, dep_rows))
+    from_tree = torch.tensor(from_tree_rows, dtype=torch.bool)
+    logp = torch.tensor(logp_rows, dtype=torch.float32) if calibrating else None
     valid = dep > 0
     zeros = torch.zeros(r, width)
     tree = DraftTree(tok, par, dep, zeros, zeros, valid, valid.sum(1), max(proposer.width, width))
@@ -287,7 +340,7 @@ def prepare_tree_step(runner, spec_decode_metadata, total_tokens: int) -> TreeSt
     runner.positions[flat.to(runner.positions.device)] = batch.positions[batch.valid].to(runner.positions.device)
     set_step_tree_masks(TreeStepMasks(has_tree=drafted_t > 0, num_rows=batch.num_rows, ancestors=batch.ancestors))
     slot_mapping = runner.input_batch.block_table[0].slot_mapping.gpu[:total_tokens].clone()
-    return TreeStep(batch=batch, row_index=row_index, slot_mapping=slot_mapping)
+    return TreeStep(batch=batch, row_index=row_index, slot_mapping=slot_mapping, draft_logp=logp, from_tree=from_tree)
 
 
 def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadata):
@@ -354,12 +407,27 @@ def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadat
     context_order = torch.arange(step.slot_mapping.shape[0])
     context_order[step.row_index[batch.valid]] = step.row_index.gather(1, order)[keep]
     runner.drafter.context_order = context_order
-    runner.drafter.stats.record(batch.num_rows - 1, batch.depths.max(dim=1).values, walk.num_accepted)
+    proposer = runner.drafter
+    proposer.stats.record(batch.num_rows - 1, batch.depths.max(dim=1).values, walk.num_accepted)
+    if proposer.acceptance is not None:
+        _calibrate(proposer, step, walk.num_accepted)
     logprobs = None
     if md.max_num_logprobs is not None:
         path_rows = rows.gather(1, walk.path_rows[:, : depth + 1].clamp(min=0).to(rows.device))
         logprobs = path_logprobs(runner.sampler, logits, path_rows, out, md.max_num_logprobs)
     return SamplerOutput(sampled_token_ids=out, logprobs_tensors=logprobs)
+
+
+def _calibrate(proposer: DDTreeProposer, step: TreeStep, num_accepted: Tensor) -> None:
+    """Feed the automatic budget's calibrations: the step's measured acceptance and its size."""
+    batch = step.batch
+    verified = batch.valid[:, 1:] & step.from_tree.view(-1, 1)
+    accepted = torch.where(step.from_tree.to(num_accepted.device), num_accepted, 0)
+    proposer.acceptance.update(step.draft_logp, verified, accepted)
+    rows = batch.num_rows.double()
+    if int(rows.sum()) == step.slot_mapping.shape[0]:  # the step verified trees only: its cost is known
+        ctx = batch.context_lens.double()
+        proposer.pending_step = (float(rows.sum()), float((rows * (ctx + rows)).sum()), float(ctx.sum()))
 
 
 def tree_penalties(row_logits: Tensor, md, batch: TreeBatch) -> Tensor:

@@ -5,7 +5,7 @@
 SPEC_JSON "none" runs without speculation. --engine adds LLM(...) keyword arguments, --sampling
 SamplingParams keyword arguments (default greedy, 40 tokens), --repeat N sends only the first
 prompt, N times. Writes {"outputs": [[token ids per prompt] per spec], "metrics": [spec-decode
-counters per spec], "logprobs": [per spec: per prompt, per token {token id: logprob}] (null without
+counters per spec], "ddtree": [the tree proposer's summary per spec, or null], "logprobs": [per spec: per prompt, per token {token id: logprob}] (null without
 logprobs in --sampling)}.
 """
 
@@ -35,6 +35,17 @@ def counters(llm) -> dict:
     return out
 
 
+def ddtree_summary(llm) -> dict | None:
+    """The tree proposer's statistics and budget calibration (in-process engine only)."""
+    try:
+        drafter = llm.llm_engine.model_executor.driver_worker.worker.model_runner.drafter
+    except AttributeError:
+        return None
+    if not hasattr(drafter, "budget_summary"):
+        return None
+    return drafter.stats.summary() | drafter.budget_summary()
+
+
 if __name__ == "__main__":
     from vllm import LLM, SamplingParams
 
@@ -51,13 +62,14 @@ if __name__ == "__main__":
     prompts = [PROMPTS[0]] * args.repeat if args.repeat else PROMPTS
     engine = dict(dtype="float32", max_model_len=1024, enforce_eager=True, seed=0, max_num_batched_tokens=256,
                   disable_log_stats=False) | json.loads(args.engine)
-    result = {"outputs": [], "metrics": [], "logprobs": []}
+    result = {"outputs": [], "metrics": [], "logprobs": [], "ddtree": []}
     for arg in args.specs:
         spec = None if arg == "none" else json.loads(arg)
         llm = LLM(model=target, speculative_config=spec, **engine)
         outs = llm.generate(prompts, SamplingParams(**json.loads(args.sampling)))
         result["outputs"].append([o.outputs[0].token_ids for o in outs])
         result["metrics"].append(counters(llm))
+        result["ddtree"].append(ddtree_summary(llm))
         result["logprobs"].append([[{str(t): lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs]
                                    for o in outs] if outs[0].outputs[0].logprobs is not None else None)
         del llm

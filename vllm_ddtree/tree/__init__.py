@@ -5,7 +5,9 @@ No vLLM imports here: the same code serves the reference decoder, the CPU engine
 
 from .budget import (
     PROFILES,
+    AcceptanceCalibration,
     BudgetPlan,
+    CostCalibration,
     CostModel,
     DeviceProfile,
     ModelShape,

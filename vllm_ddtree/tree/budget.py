@@ -22,7 +22,8 @@ request choose alone.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -134,17 +135,18 @@ class CostModel:
     intercept: float = 0.0
     ema_alpha: float = 0.1
     correction: float = 1.0
+    per_token: float = 0.0  # seconds per step token beyond the roofline (fitted; kernels that scale with rows)
 
     def __post_init__(self) -> None:
-        if self.slope <= 0 or self.intercept < 0 or self.t_draft < 0 or self.t_aux < 0:
-            raise ValueError("cost model needs slope > 0 and non-negative intercept, t_draft, t_aux")
+        if self.slope <= 0 or self.intercept < 0 or self.t_draft < 0 or self.t_aux < 0 or self.per_token < 0:
+            raise ValueError("cost model needs slope > 0 and non-negative intercept, per_token, t_draft, t_aux")
         if not 0 < self.ema_alpha <= 1:
             raise ValueError(f"ema_alpha must be in (0, 1], got {self.ema_alpha}")
 
     def verify_seconds(self, tokens, attn_pairs, context_total):
         """Calibrated verify time for a step with these totals (see `roofline_seconds`)."""
         raw = roofline_seconds(self.shape, self.profile, tokens, attn_pairs, context_total)
-        return self.slope * raw + self.intercept
+        return self.slope * raw + self.per_token * torch.as_tensor(tokens) + self.intercept
 
     def step_seconds(self, tree_tokens, context_total, num_requests: int = 1):
         """Predicted cycle time of a step with `tree_tokens` draft nodes over `num_requests` requests.
@@ -160,18 +162,33 @@ class CostModel:
         verify = self.verify_seconds(s, pairs, ctx)
         return self.correction * (self.t_draft + self.t_aux + verify)
 
-    def fit(self, tokens: Tensor, attn_pairs: Tensor, context_total: Tensor, seconds: Tensor) -> None:
-        """Least-squares slope and intercept of measured verify seconds against the roofline."""
+    def fit(self, tokens: Tensor, attn_pairs: Tensor, context_total: Tensor, seconds: Tensor,
+            per_token: bool = False) -> None:
+        """Least-squares calibration of measured verify (or cycle) seconds against the roofline.
+
+        seconds ~ intercept + slope * roofline (+ per_token * tokens with `per_token`), coefficients
+        kept non-negative (a negative one is dropped and the rest refit). The per-token term lets a
+        device whose step time grows with rows below the roofline's knee (this CPU) be fitted.
+        """
         x = roofline_seconds(self.shape, self.profile, tokens.double(), attn_pairs.double(), context_total.double())
         y = seconds.double()
         if x.numel() < 2:
             raise ValueError("calibration needs at least two measured points")
-        xm, ym = x.mean(), y.mean()
-        var = ((x - xm) ** 2).sum()
-        slope = float(((x - xm) * (y - ym)).sum() / var) if var > 0 else float(ym / xm)
-        slope = max(slope, 1e-12)
-        self.slope = slope
-        self.intercept = max(float(ym - slope * xm), 0.0)
+        features = {"slope": x, "per_token": tokens.double()} if per_token else {"slope": x}
+        coef = {}
+        while features:
+            a = torch.stack([torch.ones_like(y), *features.values()], dim=1)
+            sol = torch.linalg.lstsq(a, y.unsqueeze(1)).solution.squeeze(1)
+            coef = dict(zip(["intercept", *features], sol.tolist()))
+            negative = [k for k in features if coef[k] < 0]
+            if not negative:
+                break
+            features.pop(min(negative, key=lambda k: coef[k]))
+        self.slope = max(coef.get("slope", 0.0), 1e-12)
+        self.per_token = max(coef.get("per_token", 0.0), 0.0)
+        self.intercept = max(coef.get("intercept", 0.0), 0.0)
+        if "slope" not in coef and "per_token" not in coef:  # flat: all of it is the intercept
+            self.intercept = float(y.mean())
 
     def observe(self, predicted: float, measured: float) -> None:
         """Online drift correction: EMA of measured / predicted step time."""
@@ -270,3 +287,120 @@ def allocate_batch(
     picked = torch.zeros(r * w, dtype=torch.int64, device=flat.device).scatter_(0, order, chosen.long())
     budgets = min_budget + picked.view(r, w).sum(dim=1)
     return batch_estimate(draft_logp, budgets, context_lens, cost)
+
+
+@dataclass
+class AcceptanceCalibration:
+    """How far to trust the drafter's prefix probabilities, learnt while decoding.
+
+    A node's prefix probability under the drafter is its predicted chance of acceptance; a weak or
+    overconfident drafter overstates it, more so at depth, and the budget would overbuild. The
+    calibrated probability is p ** beta, with one exponent beta chosen so that the predicted number
+    of accepted nodes (the sum over verified nodes: at most one node per depth is accepted, so the
+    sum is the expected accepted length) matches the measured one. One parameter, fed by every
+    verified node, extrapolates to depths the trees have not reached yet. Candidates on a log grid
+    keep an EMA of their predicted sums; no host sync.
+    """
+
+    alpha: float = 0.05
+    betas: Tensor = field(default_factory=lambda: torch.logspace(math.log10(0.25), math.log10(8.0), 31))
+    predicted: Tensor | None = None  # [K] EMA of each candidate's predicted acceptances per step
+    accepted: Tensor | None = None  # [] EMA of measured acceptances per step
+    updates: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.alpha <= 1:
+            raise ValueError(f"alpha must be in (0, 1], got {self.alpha}")
+        if self.predicted is None:
+            self.predicted = torch.zeros_like(self.betas)
+        if self.accepted is None:
+            self.accepted = torch.zeros(())
+
+    def update(self, draft_logp: Tensor, verified: Tensor, num_accepted: Tensor) -> None:
+        """draft_logp/verified [R, N] of the step's verified nodes; num_accepted [R] draft tokens accepted."""
+        dev = self.betas.device
+        lp = torch.where(verified.to(dev), draft_logp.to(dev).float(), -math.inf).reshape(1, -1)
+        pred = torch.exp(self.betas.view(-1, 1) * lp).sum(1)  # [K]
+        self.predicted.mul_(1 - self.alpha).add_(pred, alpha=self.alpha)
+        self.accepted.mul_(1 - self.alpha).add_(num_accepted.to(dev).float().sum(), alpha=self.alpha)
+        self.updates += 1
+
+    @property
+    def beta(self) -> Tensor:
+        """[] the exponent whose predictions match the measured acceptances best (1 before any data)."""
+        if self.updates == 0:
+            return torch.ones((), device=self.betas.device)
+        gap = (self.predicted.clamp(min=1e-6).log() - self.accepted.clamp(min=1e-6).log()).abs()
+        return self.betas[gap.argmin()]
+
+    def rescale(self, draft_logp: Tensor) -> Tensor:
+        """Calibrated prefix log-probabilities (same shape; -inf stays -inf)."""
+        return draft_logp * self.beta.to(draft_logp.device)
+
+
+@dataclass
+class CostCalibration:
+    """Fits a CostModel to the step times measured while serving (BASTION's calibration, online).
+
+    The first decisions are spread over the budget range (`explore_budget`, a few steps): a fit
+    needs steps of different sizes, and the budget controller alone would keep choosing similar ones. After that,
+    every `refit_every` measurements the model is refit (intercept + roofline + per-token term) on
+    the exploration points plus a window of recent ones. Measurements far above the current
+    prediction (an idle engine between requests, a stall) are dropped.
+    """
+
+    cost: CostModel
+    budgets: tuple[int, ...]  # per-request budgets to explore, in order
+    repeats: int = 2
+    skip: int = 1  # first measurement dropped (warm-up)
+    refit_every: int = 8
+    window: int = 128
+    explored: list = field(default_factory=list)  # (tokens, pairs, ctx, seconds) from exploration
+    recent: list = field(default_factory=list)
+    _seen: int = 0
+    _since_fit: int = 0
+
+    @classmethod
+    def for_range(cls, cost: CostModel, min_budget: int, max_budget: int, **kw) -> "CostCalibration":
+        """Explore max, min and their geometric mean: three sizes are enough for the three-term fit,
+        and few steps keep exploration cheap (a max-budget step is the most expensive one there is)."""
+        mid = round(math.sqrt(min_budget * max_budget))
+        order = list(dict.fromkeys([max_budget, min_budget, mid]))
+        return cls(cost, tuple(order), **kw)
+
+    @property
+    def calibrated(self) -> bool:
+        return len(self.explored) >= len(self.budgets) * self.repeats
+
+    def explore_budget(self) -> int | None:
+        """The per-request budget to use for the next step while exploring, else None."""
+        if self.calibrated:
+            return None
+        return self.budgets[len(self.explored) // self.repeats % len(self.budgets)]
+
+    def add(self, tokens: float, attn_pairs: float, context_total: float, seconds: float) -> None:
+        """One measured step: its total tokens, attention pairs, context and wall seconds."""
+        self._seen += 1
+        if self._seen <= self.skip or not math.isfinite(seconds) or seconds <= 0:
+            return
+        point = (tokens, attn_pairs, context_total, seconds)
+        if not self.calibrated:
+            self.explored.append(point)
+            if self.calibrated:
+                self.refit()
+            return
+        predicted = float(self.cost.step_seconds(torch.tensor(tokens), torch.tensor(context_total)))
+        recent_secs = [p[3] for p in self.recent[-32:]] or [predicted]
+        if seconds > 4 * max(predicted, statistics.median(recent_secs)):
+            return
+        self.recent = (self.recent + [point])[-self.window :]
+        self._since_fit += 1
+        if self._since_fit >= self.refit_every:
+            self.refit()
+
+    def refit(self) -> None:
+        pts = torch.tensor(self.explored + self.recent, dtype=torch.float64)
+        self.cost.t_draft = self.cost.t_aux = 0.0  # cycle times: the intercept holds drafting and overheads
+        self.cost.correction = 1.0
+        self.cost.fit(pts[:, 0], pts[:, 1], pts[:, 2], pts[:, 3], per_token=True)
+        self._since_fit = 0
