@@ -98,3 +98,15 @@ def test_save_load_roundtrip(tmp_path):
     dl = torch.randn(2, cfg.draft_vocab_size)
     tl = m.to_target_logits(dl)
     assert torch.isinf(tl[:, :3]).all() and torch.equal(tl[:, 3 : 3 + cfg.draft_vocab_size], dl)
+
+
+def test_build_draft_vocab_extends_an_existing_vocabulary():
+    from collections import Counter
+
+    from vllm_ddtree.train.dflash import build_draft_vocab
+
+    recs = [{"tokens": torch.tensor([1, 2, 5, 5, 5, 7, 7, 9]), "prompt_len": 2}]
+    small = build_draft_vocab(recs, 3)  # always (2,) + the two most frequent response tokens
+    assert small.tolist() == [2, 5, 7]
+    big = build_draft_vocab(recs, 6, always=tuple(small.tolist()), extra_counts=Counter({11: 3}))
+    assert big.tolist() == [0, 2, 5, 7, 9, 11]  # old rows kept, 11 and 9 by score, then low-id fill
