@@ -64,6 +64,23 @@ def test_ddtree_keeps_outputs_under_preemption_and_chunked_prefill(tmp_path, dra
     assert res["outputs"][1] == res["outputs"][0]
 
 
+def test_stop_strings_eos_and_max_tokens_end_requests_at_the_same_token(tmp_path, drafter):
+    # A tree step emits several tokens at once: a stop string, EOS or the max_tokens limit met inside
+    # the accepted path must end the request exactly where the target alone ends it.
+    path, _ = drafter
+    sampling = {"temperature": 0, "max_tokens": 37, "stop": ["\n\n", " 7,", "return"]}
+    specs = [None, {"method": "ddtree", "model": str(path), "tree_budget": 8},
+             {"method": "ddtree", "model": str(path), "tree_budget": "auto"}]
+    res = run(tmp_path / "out.json", specs, "--sampling", json.dumps(sampling))
+    base = res["finish"][0]
+    reasons = {f[0] for f in base}
+    assert "stop" in reasons and "length" in reasons, base  # both endings really occur
+    assert any(f[1] != "None" for f in base)  # at least one request stopped on a stop string
+    for spec, finish, outs in zip(specs[1:], res["finish"][1:], res["outputs"][1:]):
+        assert finish == base, spec
+        assert outs == res["outputs"][0], spec
+
+
 def test_ddtree_applies_penalties_and_returns_logprobs_like_the_target(tmp_path, drafter):
     # Penalties depend on the tokens generated so far, so inside a tree each node's distribution is
     # penalised for its own path: greedy output must still be token-identical to no speculation, and

