@@ -74,6 +74,7 @@ class TreeStep:
     batch: TreeBatch
     row_index: Tensor  # [R, N] flat token index of each verify row (0 where padding)
     slot_mapping: Tensor  # [T] KV slot of every scheduled token (sequential positions)
+    sequential_positions: Tensor | None = None  # [T] positions before the tree's context + depth rewrite
     draft_logp: Tensor | None = None  # [R, N - 1] prefix log-prob of each node (automatic budget only)
     from_tree: Tensor | None = None  # [R] bool: the request's drafts are its proposed tree (not a fallback chain)
 
@@ -146,6 +147,7 @@ class DDTreeProposer(DFlashProposer):
         self._logits: Tensor | None = None
         self._draft_to_target: Tensor | None = None
         self.context_order: Tensor | None = None  # set by sample_tree_step for the next propose
+        self.context_positions: Tensor | None = None  # likewise: the step's sequential positions
         target = vllm_config.model_config
         self.ngram = None
         if options.ngram_weight > 0:
@@ -168,13 +170,16 @@ class DDTreeProposer(DFlashProposer):
     # vLLM calls propose(num_speculative_tokens=<scheduler's count>, ...): the drafter's width is W.
     def propose(self, num_speculative_tokens, **kwargs):
         self._time_step()
-        order = self.context_order
-        self.context_order = None
+        order, positions = self.context_order, self.context_positions
+        self.context_order = self.context_positions = None
         if order is not None:  # after a tree step: each request's accepted path first (sample_tree_step)
             n = order.shape[0]
-            for key in ("target_positions", "target_hidden_states", "target_token_ids"):
+            for key in ("target_hidden_states", "target_token_ids"):
                 x = kwargs[key]
                 kwargs[key] = torch.cat([x[order.to(x.device)], x[n:]]) if x.shape[0] > n else x[order.to(x.device)]
+            x = kwargs["target_positions"]
+            positions = positions.to(x.device, x.dtype)
+            kwargs["target_positions"] = torch.cat([positions, x[n:]]) if x.shape[0] > n else positions
         super().propose(self.width, **kwargs)
         return self._tree_drafts(kwargs["common_attn_metadata"])
 
@@ -337,10 +342,12 @@ def prepare_tree_step(runner, spec_decode_metadata, total_tokens: int) -> TreeSt
     batch = compile_tree(tree, roots, ctx)
     row_index = torch.where(batch.valid, root_index[:, None] + torch.arange(width + 1), 0)
     flat = row_index[batch.valid]
+    sequential = runner.positions[:total_tokens].clone()  # the drafter's context positions (sample_tree_step)
     runner.positions[flat.to(runner.positions.device)] = batch.positions[batch.valid].to(runner.positions.device)
     set_step_tree_masks(TreeStepMasks(has_tree=drafted_t > 0, num_rows=batch.num_rows, ancestors=batch.ancestors))
     slot_mapping = runner.input_batch.block_table[0].slot_mapping.gpu[:total_tokens].clone()
-    return TreeStep(batch=batch, row_index=row_index, slot_mapping=slot_mapping, draft_logp=logp, from_tree=from_tree)
+    return TreeStep(batch=batch, row_index=row_index, slot_mapping=slot_mapping, draft_logp=logp, from_tree=from_tree,
+                    sequential_positions=sequential)
 
 
 def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadata):
@@ -407,6 +414,11 @@ def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadat
     context_order = torch.arange(step.slot_mapping.shape[0])
     context_order[step.row_index[batch.valid]] = step.row_index.gather(1, order)[keep]
     runner.drafter.context_order = context_order
+    # The drafter's context positions stay sequential: after the reorder the accepted path sits at
+    # ctx, ctx + 1, ... (its depths), and the rejected rows after it, at positions no accepted row
+    # has. With the tree's positions (ctx + depth) a rejected row would share an accepted row's
+    # position, and vLLM's DFlash context store would overwrite that row's K/V with it.
+    runner.drafter.context_positions = step.sequential_positions
     proposer = runner.drafter
     proposer.stats.record(batch.num_rows - 1, batch.depths.max(dim=1).values, walk.num_accepted)
     if proposer.acceptance is not None:
