@@ -18,7 +18,6 @@ import argparse
 import collections
 import json
 import statistics
-import time
 
 import torch
 from tqdm import tqdm
@@ -57,10 +56,6 @@ def main() -> None:
 
     pair = load_pair(args.drafter)
     decoder = ReferenceDecoder(pair.target, pair.drafter, eos_token_ids=pair.eos_token_ids)
-    t0 = time.perf_counter()
-    cost = decoder.calibrate()
-    print(f"cost model: slope {cost.slope:.3g}, intercept {cost.intercept * 1e3:.2f} ms, "
-          f"t_draft {cost.t_draft * 1e3:.2f} ms ({time.perf_counter() - t0:.0f} s to calibrate)")
     problems = load_humaneval(n_prompts)
     prompts = [pair.tokenizer(chat_prompt(pair.tokenizer, p["prompt"]), add_special_tokens=False)["input_ids"]
                for p in problems]
@@ -103,6 +98,8 @@ def main() -> None:
                     prompts=len(res),
                 )
             )
+            if name == "ddtree-auto":  # the controller's fitted state at the end of the run
+                rows[-1]["calibration"] = decoder.auto_budget(grid[-1][2]).summary()
     print(f"\n{n_prompts} HumanEval prompts, max_new_tokens {max_new}, float32, batch 1, {args.threads} threads")
     print(f"{'method':<14}{'B':>5}{'T':>4}{'tau':>7}{'tok/s':>8}{'vs AR':>7}{'nodes':>7}{'diff':>6}")
     for r in rows:

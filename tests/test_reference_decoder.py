@@ -51,9 +51,7 @@ SPECS = [
 @pytest.fixture(scope="module")
 def decoder(pair):
     target, drafter = pair
-    dec = ReferenceDecoder(target, drafter)
-    dec.calibrate(context=32, sizes=(1, 8, 32, 64), repeats=1)
-    return dec
+    return ReferenceDecoder(target, drafter)
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.method}-B{s.budget}-ng{s.ngram_weight}-ad{int(s.adaptive)}")
@@ -67,6 +65,23 @@ def test_greedy_is_token_identical_to_target_alone(decoder, spec):
             accepted_multi += sum(1 for a in out.accept_lengths if a > 1)
     if spec.method == "ddtree" and spec.budget >= 8:
         assert accepted_multi > 5  # trees were accepted beyond the bonus token: compaction ran
+
+
+def test_adaptive_budget_calibrates_online_and_stays_in_range(pair):
+    target, drafter = pair
+    dec = ReferenceDecoder(target, drafter)  # a fresh controller: it must explore, fit, then choose
+    spec = SpecConfig(method="ddtree", budget=32, adaptive=True, min_budget=2)
+    ar = ReferenceDecoder(target).generate(PROMPTS[2], 60, SpecConfig(method="ar")).tokens
+    budgets = []
+    for _ in range(3):
+        out = dec.generate(PROMPTS[2], 60, spec)
+        assert out.tokens == ar
+        budgets += out.budgets
+    auto = dec.auto[(2, 32)]
+    assert auto.calibration.calibrated and auto.summary()["cost_intercept_ms"] + auto.summary()["cost_per_token_ms"] > 0
+    assert {32, 2, 8} <= set(budgets)  # the exploration sizes were verified
+    assert all(2 <= b <= 32 for b in budgets)
+    assert auto.acceptance.updates == len(budgets)  # every step fed the drafter-confidence fit
 
 
 def test_eos_inside_an_accepted_path_ends_at_that_token(pair, decoder):

@@ -7,6 +7,7 @@ import torch
 
 from vllm_ddtree.tree import (
     AcceptanceCalibration,
+    AutoBudget,
     CostCalibration,
     CostModel,
     ModelShape,
@@ -245,3 +246,37 @@ def test_cost_calibration_explores_the_range_then_drives_the_budget_to_the_measu
     plan = allocate_batch(logp, torch.tensor([ctx]), cost, 1, 64)
     chosen = int(plan.budgets[0])
     assert float(true_speed[chosen - 1]) >= 0.98 * float(true_speed.max())
+
+
+def test_auto_budget_explores_then_chooses_and_caps_the_width():
+    auto = AutoBudget(cost_model("cpu"), 1, 64)
+    ctx = 300.0
+
+    def true_seconds(tokens):
+        return 0.055 + 0.0018 * tokens
+
+    # A drafter that claims 0.9 per depth along a chain but is accepted at 0.8: beta must absorb it.
+    claimed = (torch.arange(1, 65).float() * math.log(0.9)).view(1, 64)
+    g = torch.Generator().manual_seed(0)
+    widths = []
+    for _ in range(200):
+        width = auto.build_width()
+        widths.append(width)
+        budgets = auto.choose(claimed[:, :width], torch.tensor([ctx]))
+        n = width if budgets is None else int(budgets[0])
+        if budgets is not None:
+            auto.grow(n)
+        accepted = int((torch.rand(n, generator=g) < 0.8).long().cumprod(0).sum())
+        verified = torch.arange(width)[None] < n
+        auto.observe_acceptance(claimed[:, :width], verified, torch.tensor([accepted]))
+        auto.observe_step(1 + n, (1 + n) * (ctx + 1 + n), ctx, true_seconds(1 + n))
+    assert widths[:7] == [64, 64, 64, 1, 1, 8, 8]  # exploration: skip one, then 2 steps per size
+    assert not auto.exploring
+    # Calibrated: the chosen budget is near the optimum of the *true* acceptance (0.8) and cost.
+    n = torch.arange(1, 65).float()
+    true_speed = (1 + torch.cumsum(0.8 ** n, 0)) / true_seconds(1 + n)
+    chosen = int(auto.choose(claimed[:, : auto.build_width()], torch.tensor([ctx]))[0])
+    assert float(true_speed[chosen - 1]) >= 0.97 * float(true_speed.max())
+    auto.grow(chosen)
+    assert auto.build_width() == min(64, max(8, 2 * chosen))
+    assert auto.summary()["cost_calibrated"]

@@ -38,8 +38,6 @@ def main(argv: list[str] | None = None) -> int:
     print("loading SmolLM2-135M-Instruct (prepared from PyPI's GGUF on first use) and the DFlash drafter ...")
     pair = load_pair()
     decoder = ReferenceDecoder(pair.target, pair.drafter, eos_token_ids=pair.eos_token_ids)
-    print("calibrating the cost model for the adaptive budget ...")
-    decoder.calibrate()
     fixed = args.budget if isinstance(args.budget, int) else 16  # the reference decoder's auto is its own row
     methods = {
         "target alone": SpecConfig(method="ar"),

@@ -32,14 +32,12 @@ from torch import Tensor
 
 from vllm_ddtree.tree import (
     NO_PARENT,
-    AcceptanceCalibration,
-    CostCalibration,
+    AutoBudget,
     CostModel,
     DraftTree,
     ModelShape,
     NGramModel,
     TreeBatch,
-    allocate_batch,
     build_tree,
     compaction_plan,
     compile_tree,
@@ -154,18 +152,16 @@ class DDTreeProposer(DFlashProposer):
             self.ngram = NGramModel(target.get_vocab_size(), options.ngram_order, corpus=options.ngram_corpus)
         self._slots: dict[str, int] = {}
         self._seen: dict[str, int] = {}
-        self.cost = self.calibration = self.acceptance = None
+        self.auto: AutoBudget | None = None
         self._last_propose: float | None = None
         self.pending_step: tuple[float, float, float] | None = None  # set by sample_tree_step: the step's size
         if options.tree_budget == "auto":
             shape = ModelShape.from_hf_config(target.hf_config.to_dict() | {"vocab_size": target.get_vocab_size()},
                                               str(target.dtype))
-            self.cost = CostModel(shape, get_profile(options.device_profile))
             # The profile's roofline is a starting point: the cost is refit to this engine's measured
             # step times, and the drafter's confidence to its measured acceptance, while it serves.
-            self.calibration = CostCalibration.for_range(self.cost, options.min_budget, options.max_budget)
-            self.acceptance = AcceptanceCalibration()
-        self.build_cap = options.max_budget  # auto: the width of the next tree built (see _tree_drafts)
+            cost = CostModel(shape, get_profile(options.device_profile))
+            self.auto = AutoBudget(cost, options.min_budget, options.max_budget)
 
     # vLLM calls propose(num_speculative_tokens=<scheduler's count>, ...): the drafter's width is W.
     def propose(self, num_speculative_tokens, **kwargs):
@@ -185,12 +181,7 @@ class DDTreeProposer(DFlashProposer):
 
     def budget_summary(self) -> dict:
         """The automatic budget's calibrated state (empty for a fixed budget)."""
-        if self.calibration is None:
-            return {}
-        c = self.cost
-        return {"cost_calibrated": self.calibration.calibrated, "cost_intercept_ms": 1e3 * c.intercept,
-                "cost_per_token_ms": 1e3 * c.per_token, "cost_roofline_slope": c.slope,
-                "drafter_confidence_exponent": float(self.acceptance.beta)}
+        return {} if self.auto is None else self.auto.summary()
 
     def _time_step(self) -> None:
         """Cycle time of the last step (propose to propose: verify forward, walk, drafting, scheduling).
@@ -199,8 +190,8 @@ class DDTreeProposer(DFlashProposer):
         cost calibration sees steps whose size it knows.
         """
         now = time.perf_counter()
-        if self.calibration is not None and self.pending_step is not None and self._last_propose is not None:
-            self.calibration.add(*self.pending_step, now - self._last_propose)
+        if self.auto is not None and self.pending_step is not None and self._last_propose is not None:
+            self.auto.observe_step(*self.pending_step, now - self._last_propose)
         self.pending_step = None
         self._last_propose = now
 
@@ -226,14 +217,7 @@ class DDTreeProposer(DFlashProposer):
         req_ids = list(runner.input_batch.req_ids)
         r = len(req_ids)
         logits = self._logits.view(r, self.width, -1)
-        fixed = self.options.tree_budget != "auto"
-        explore = None if fixed else self.calibration.explore_budget()
-        if fixed:
-            build = self.options.tree_budget
-        elif explore is not None:  # calibrating: a spread of sizes (each step stays lossless)
-            build = explore
-        else:  # candidates and n-gram scoring cost grow with the width: build only what may be chosen
-            build = self.build_cap
+        build = self.options.tree_budget if self.auto is None else self.auto.build_width()
         k = min(build, logits.shape[-1])
         top_logp, top_ids = topk_per_depth(logits, k)
         if self._draft_to_target is not None:
@@ -244,22 +228,18 @@ class DDTreeProposer(DFlashProposer):
             scorer, tail = self.ngram.scorer(slots), self.ngram.context_tail(slots)
         tree = build_tree(top_logp, top_ids, build, max_budget=build, scorer=scorer,
                           context_tail=tail, lam=self.options.ngram_weight, validate=False)
-        if fixed or explore is not None:
+        budgets = None if self.auto is None else self.auto.choose(tree.draft_logp, cad.seq_lens[:r])
+        if budgets is None:  # a fixed budget, or a calibration step (a forced size, still lossless)
             return self._store(req_ids, tree)
-        ctx = cad.seq_lens[:r].to(torch.float32)
-        logp = self.acceptance.rescale(tree.draft_logp)
-        plan = allocate_batch(logp, ctx, self.cost, min(self.options.min_budget, build), build)
-        drafts = self._store(req_ids, tree.truncate(plan.budgets))
-        # Next step's width: twice the largest tree chosen now, so the controller can keep growing.
-        largest = max((len(d) for d in drafts), default=0)
-        self.build_cap = min(self.options.max_budget, max(self.options.min_budget, 8, 2 * largest))
+        drafts = self._store(req_ids, tree.truncate(budgets))
+        self.auto.grow(max((len(d) for d in drafts), default=0))
         return drafts
 
     def _store(self, req_ids: list[str], tree: DraftTree) -> list[list[int]]:
         # The one host copy per step: the scheduler takes draft tokens as Python lists.
         counts = tree.num_nodes.tolist()
         tokens, parents, depths = tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()
-        logps = tree.draft_logp.tolist() if self.acceptance is not None else None
+        logps = tree.draft_logp.tolist() if self.auto is not None else None
         drafts = []
         live = set(req_ids)
         self.trees = {rid: t for rid, t in self.trees.items() if rid in live}  # finished requests leave
@@ -303,7 +283,7 @@ def prepare_tree_step(runner, spec_decode_metadata, total_tokens: int) -> TreeSt
     r = len(req_ids)
     drafted = spec_decode_metadata.num_draft_tokens
     width = max(drafted)
-    calibrating = proposer.acceptance is not None
+    calibrating = proposer.auto is not None
     # Rows as padded Python lists, one tensor each at the end (no per-request tensor creation).
     tok_rows, par_rows, dep_rows, logp_rows, from_tree_rows = [], [], [], [], []
     scheduled = spec_decode_metadata.draft_token_ids.tolist()
@@ -421,7 +401,7 @@ def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadat
     runner.drafter.context_positions = step.sequential_positions
     proposer = runner.drafter
     proposer.stats.record(batch.num_rows - 1, batch.depths.max(dim=1).values, walk.num_accepted)
-    if proposer.acceptance is not None:
+    if proposer.auto is not None:
         _calibrate(proposer, step, walk.num_accepted)
     logprobs = None
     if md.max_num_logprobs is not None:
@@ -435,7 +415,7 @@ def _calibrate(proposer: DDTreeProposer, step: TreeStep, num_accepted: Tensor) -
     batch = step.batch
     verified = batch.valid[:, 1:] & step.from_tree.view(-1, 1)
     accepted = torch.where(step.from_tree.to(num_accepted.device), num_accepted, 0)
-    proposer.acceptance.update(step.draft_logp, verified, accepted)
+    proposer.auto.observe_acceptance(step.draft_logp, verified, accepted)
     rows = batch.num_rows.double()
     if int(rows.sum()) == step.slot_mapping.shape[0]:  # the step verified trees only: its cost is known
         ctx = batch.context_lens.double()

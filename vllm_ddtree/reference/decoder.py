@@ -6,7 +6,8 @@ Methods (one loop, the tree decides which):
              per depth), verified in one forward.
 - "ddtree":  the best tree of `budget` nodes from the drafter's per-depth marginals (DDTree),
              optionally rescored with the online n-gram model (PRESTO) and with the budget picked
-             per step by the cost model (BASTION).
+             per step by the cost model (BASTION) — the same `AutoBudget` the vLLM proposer uses,
+             calibrated online to this decoder's measured step times and acceptances.
 
 One speculative step, as data flows (design notes §2):
     drafter([root, MASK x L] | context features)  -> logits [L, V_draft]
@@ -30,12 +31,12 @@ from torch import Tensor
 
 from vllm_ddtree.drafter import DFlashDrafter, DrafterKVCache, make_block
 from vllm_ddtree.tree import (
+    AutoBudget,
     CostModel,
     ModelShape,
     NGramModel,
     apply_compaction_,
     build_tree,
-    choose_budgets,
     compaction_plan,
     compile_tree,
     dense_attention_mask,
@@ -51,7 +52,12 @@ METHODS = ("ar", "dflash", "ddtree")
 
 @dataclass
 class SpecConfig:
-    """How to speculate. `budget` is the fixed tree size (ddtree) or the cap when `adaptive`."""
+    """How to speculate. `budget` is the fixed tree size (ddtree) or the cap when `adaptive`.
+
+    adaptive: the tree size is chosen per step in [min_budget, budget] by the decoder's `AutoBudget`,
+    which keeps its calibration across `generate` calls (like a server: the first few steps after
+    the decoder is created explore sizes to fit the cost model).
+    """
 
     method: str = "ddtree"
     budget: int = 32
@@ -68,6 +74,8 @@ class SpecConfig:
             raise ValueError(f"need 1 <= min_budget <= budget, got min_budget={self.min_budget}, budget={self.budget}")
         if self.ngram_weight < 0:
             raise ValueError(f"ngram_weight must be >= 0, got {self.ngram_weight}")
+        if self.adaptive and self.method != "ddtree":
+            raise ValueError(f"adaptive budget needs method 'ddtree', got {self.method!r}")
 
 
 @dataclass
@@ -133,7 +141,7 @@ class ReferenceDecoder:
         self.target = target.eval()
         self.drafter = drafter.eval() if drafter is not None else None
         self.eos = set(eos_token_ids)
-        self.cost: CostModel | None = None
+        self.auto: dict[tuple[int, int], AutoBudget] = {}  # (min_budget, budget) -> its calibrated controller
         if drafter is not None:
             self.layer_ids = list(drafter.cfg.target_layer_ids)
             self.depth = drafter.cfg.block_size - 1
@@ -165,39 +173,13 @@ class ReferenceDecoder:
             return greedy_tokens(logits)
         return sample_tokens(process_logits(logits, sampling), generator=gen)
 
-    # ---- cost model for the adaptive budget ---------------------------------------------------
-    def calibrate(self, context: int = 256, sizes=(1, 2, 4, 8, 16, 32, 64, 128), repeats: int = 3) -> CostModel:
-        """Fit the roofline cost model to this machine: time verify forwards of n rows and a draft."""
-        shape = ModelShape.from_hf_config(self.target.config, str(self.target.dtype))
-        cost = CostModel(shape, get_profile("cpu"))
-        ids = torch.randint(0, self.target.config.vocab_size, (1, context + max(sizes)))
-        toks, secs = [], []
-        with torch.inference_mode():
-            _, _, cache = self._target_forward(ids[:, :context], torch.arange(context)[None], None, None)
-            for n in sizes:
-                for _ in range(repeats):
-                    pos = torch.arange(context, context + n)[None]
-                    mask = torch.ones(1, n, context + n, dtype=torch.bool).tril(context)
-                    t0 = time.perf_counter()
-                    self._target_forward(ids[:, context : context + n], pos, cache, mask)
-                    secs.append(time.perf_counter() - t0)
-                    toks.append(n)
-                    _crop(cache, context)
-            t_draft = 0.0
-            if self.drafter is not None:
-                feats = torch.zeros(1, context, len(self.layer_ids), shape.hidden)
-                block, bpos = make_block(torch.zeros(1, dtype=torch.long), torch.tensor([context]), self.depth + 1)
-                self.drafter(block, bpos, feats, torch.arange(context)[None])
-                t0 = time.perf_counter()
-                for _ in range(repeats):
-                    self.drafter(block, bpos, feats[:, :1], torch.tensor([[context - 1]]))
-                t_draft = (time.perf_counter() - t0) / repeats
-        s = torch.tensor(toks, dtype=torch.float64)
-        c = torch.full_like(s, float(context))
-        cost.fit(s, s * (c + s), c, torch.tensor(secs, dtype=torch.float64))
-        cost.t_draft = t_draft
-        self.cost = cost
-        return cost
+    def auto_budget(self, spec: SpecConfig) -> AutoBudget:
+        """The adaptive budget's controller for this range, created on first use (roofline prior)."""
+        key = (spec.min_budget, spec.budget)
+        if key not in self.auto:
+            shape = ModelShape.from_hf_config(self.target.config, str(self.target.dtype))
+            self.auto[key] = AutoBudget(CostModel(shape, get_profile("cpu")), spec.min_budget, spec.budget)
+        return self.auto[key]
 
     # ---- decoding ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -217,8 +199,6 @@ class ReferenceDecoder:
         sampling = sampling or SamplingConfig()
         if spec.method != "ar" and self.drafter is None:
             raise ValueError(f"method {spec.method!r} needs a drafter")
-        if spec.adaptive and self.cost is None:
-            raise ValueError("adaptive budget needs a cost model: call calibrate() first")
         if max_new_tokens < 1 or not prompt_ids:
             raise ValueError("need a non-empty prompt and max_new_tokens >= 1")
         gen = torch.Generator().manual_seed(sampling.seed)
@@ -244,6 +224,7 @@ class ReferenceDecoder:
             result.seconds = time.perf_counter() - t0
             return result
 
+        auto = self.auto_budget(spec) if spec.adaptive else None
         drafter_cache = DrafterKVCache()
         new_feats, new_pos = feats, torch.arange(ctx)[None]
         ngram = None
@@ -251,20 +232,24 @@ class ReferenceDecoder:
             ngram = NGramModel(self.target.config.vocab_size, spec.ngram_order)
             ngram.observe(0, prompt_ids + [root])
         while True:
+            t_step = time.perf_counter()
             # 1. Draft: one block [root, MASK x L] against the committed context.
             block, bpos = make_block(torch.tensor([root]), torch.tensor([ctx]), self.depth + 1)
             draft = self.drafter(block, bpos, new_feats, new_pos, cache=drafter_cache)
-            top_logp, top_draft_ids = self._candidates(draft.logits[:, 1:], spec)
+            budget = self.depth if spec.method == "dflash" else spec.budget
+            if auto is not None:
+                budget = auto.build_width()
+            top_logp, top_draft_ids = self._candidates(draft.logits[:, 1:], spec, budget)
             top_ids = self.draft_to_target[top_draft_ids]
             # 2. Tree.
             scorer = tail = None
             if ngram is not None:
                 scorer, tail = ngram.scorer([0]), ngram.context_tail([0])
-            budget = self.depth if spec.method == "dflash" else spec.budget
             tree = build_tree(top_logp, top_ids, budget, scorer=scorer, context_tail=tail, lam=spec.ngram_weight)
-            if spec.adaptive:
-                plan = choose_budgets(tree.draft_logp, torch.tensor([ctx]), self.cost, spec.min_budget, budget)
-                tree = tree.truncate(plan.budgets)
+            chosen = auto.choose(tree.draft_logp, torch.tensor([ctx])) if auto is not None else None
+            if chosen is not None:
+                tree = tree.truncate(chosen)
+                auto.grow(int(chosen.max()))
             batch = compile_tree(tree, torch.tensor([root]), torch.tensor([ctx]))
             n = int(batch.num_rows[0])
             # 3. Verify every row in one target forward.
@@ -294,6 +279,10 @@ class ReferenceDecoder:
             result.accept_lengths.append(len(result.tokens) - before)  # what was committed
             if ngram is not None:
                 ngram.observe(0, emitted)
+            if auto is not None:  # what the controller predicted vs what happened, and what it cost
+                auto.observe_acceptance(tree.draft_logp, tree.valid, walk.num_accepted)
+                prev = ctx - k
+                auto.observe_step(n, n * (prev + n), prev, time.perf_counter() - t_step)
             if done:
                 break
         result.seconds = time.perf_counter() - t0
@@ -301,8 +290,8 @@ class ReferenceDecoder:
             result.cache = cache
         return result
 
-    def _candidates(self, draft_logits: Tensor, spec: SpecConfig) -> tuple[Tensor, Tensor]:
-        k = 1 if spec.method == "dflash" else min(spec.topk or spec.budget, draft_logits.shape[-1])
+    def _candidates(self, draft_logits: Tensor, spec: SpecConfig, budget: int) -> tuple[Tensor, Tensor]:
+        k = 1 if spec.method == "dflash" else min(spec.topk or budget, draft_logits.shape[-1])
         return topk_per_depth(draft_logits, k)
 
     def _emit(self, result: GenerationResult, tokens: list[int], max_new_tokens: int) -> bool:

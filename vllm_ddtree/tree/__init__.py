@@ -6,6 +6,7 @@ No vLLM imports here: the same code serves the reference decoder, the CPU engine
 from .budget import (
     PROFILES,
     AcceptanceCalibration,
+    AutoBudget,
     BudgetPlan,
     CostCalibration,
     CostModel,

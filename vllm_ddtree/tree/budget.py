@@ -404,3 +404,72 @@ class CostCalibration:
         self.cost.correction = 1.0
         self.cost.fit(pts[:, 0], pts[:, 1], pts[:, 2], pts[:, 3], per_token=True)
         self._since_fit = 0
+
+
+@dataclass
+class AutoBudget:
+    """The automatic tree budget while decoding: a cost model and a drafter confidence, both fitted
+    to what the decoder measures. One object per decoder; the vLLM proposer and the reference decoder
+    drive it the same way each step:
+
+        width = auto.build_width()                         # build the tree this wide (host int)
+        budgets = auto.choose(tree.draft_logp, ctx_lens)   # [R] nodes per request; None: keep the whole tree
+        auto.grow(largest)                                 # host int: the largest tree kept
+        ... verify, walk ...
+        auto.observe_acceptance(draft_logp, verified, num_accepted)   # on device, no sync
+        auto.observe_step(tokens, attn_pairs, context_total, seconds) # the step's measured cycle time
+
+    While the cost is uncalibrated, `choose` returns None and `build_width` walks the exploration
+    sizes (every step stays lossless; only its size is forced). After that, trees are built only
+    twice as wide as the largest one kept last step (at least 8): candidate selection and n-gram
+    scoring cost grow with the width, and the controller can still double each step.
+    """
+
+    cost: CostModel
+    min_budget: int
+    max_budget: int
+    calibration: CostCalibration | None = None
+    acceptance: AcceptanceCalibration = field(default_factory=AcceptanceCalibration)
+    build_cap: int = 0
+
+    def __post_init__(self) -> None:
+        _check_bounds(self.min_budget, self.max_budget, self.max_budget)
+        if self.calibration is None:
+            self.calibration = CostCalibration.for_range(self.cost, self.min_budget, self.max_budget)
+        self.build_cap = self.build_cap or self.max_budget
+
+    @property
+    def exploring(self) -> bool:
+        return not self.calibration.calibrated
+
+    def build_width(self) -> int:
+        """Node slots to build this step: an exploration size, or the cap from the last choice."""
+        explore = self.calibration.explore_budget()
+        return explore if explore is not None else self.build_cap
+
+    def choose(self, draft_logp: Tensor, context_lens: Tensor) -> Tensor | None:
+        """[R] budgets for a tree built at `build_width()` (draft_logp [R, width]); None while exploring."""
+        if self.exploring:
+            return None
+        width = draft_logp.shape[1]
+        logp = self.acceptance.rescale(draft_logp)
+        return allocate_batch(logp, context_lens.float(), self.cost, min(self.min_budget, width), width).budgets
+
+    def grow(self, largest: int) -> None:
+        """Next step's width from the largest tree kept this step (a host int the caller already has)."""
+        self.build_cap = min(self.max_budget, max(self.min_budget, 8, 2 * largest))
+
+    def observe_acceptance(self, draft_logp: Tensor, verified: Tensor, num_accepted: Tensor) -> None:
+        """draft_logp/verified [R, N] of the verified nodes; num_accepted [R] draft tokens accepted."""
+        self.acceptance.update(draft_logp, verified, num_accepted)
+
+    def observe_step(self, tokens: float, attn_pairs: float, context_total: float, seconds: float) -> None:
+        """One measured cycle: total verified rows, sum of rows * (context + rows), context, seconds."""
+        self.calibration.add(tokens, attn_pairs, context_total, seconds)
+
+    def summary(self) -> dict:
+        """The calibrated state, for logs and benchmark tables."""
+        c = self.cost
+        return {"cost_calibrated": self.calibration.calibrated, "cost_intercept_ms": 1e3 * c.intercept,
+                "cost_per_token_ms": 1e3 * c.per_token, "cost_roofline_slope": c.slope,
+                "drafter_confidence_exponent": float(self.acceptance.beta)}
