@@ -110,3 +110,70 @@ def test_build_draft_vocab_extends_an_existing_vocabulary():
     assert small.tolist() == [2, 5, 7]
     big = build_draft_vocab(recs, 6, always=tuple(small.tolist()), extra_counts=Counter({11: 3}))
     assert big.tolist() == [0, 2, 5, 7, 9, 11]  # old rows kept, 11 and 9 by score, then low-id fill
+
+
+def test_remap_draft_vocab_keeps_trained_rows_and_adds_embedding_rows():
+    """Growing the draft vocabulary on resume: kept ids keep their (trained) rows and logits, new ids
+    get the target's embedding row scaled like the kept rows, d2t maps every row to its target id."""
+    from vllm_ddtree.train.dflash import remap_draft_vocab
+
+    torch.manual_seed(0)
+    cfg = DrafterConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=8, vocab_size=64, draft_vocab_size=4,
+                        block_size=4, target_layer_ids=[0, 1], num_target_layers=4, mask_token_id=5)
+    emb = torch.randn(cfg.vocab_size, cfg.hidden_size)
+    old_vocab, new_vocab = torch.tensor([2, 9, 30, 40]), torch.tensor([1, 2, 9, 17, 30, 40, 63])
+    m = DFlashDrafter(cfg, emb)
+    with torch.no_grad():
+        m.lm_head.weight.copy_(2.0 * emb[old_vocab])  # "trained" rows: twice their embedding
+        m.d2t.copy_(old_vocab - torch.arange(4))
+    sd = remap_draft_vocab(m.state_dict(), old_vocab, new_vocab, emb)
+    cfg2 = DrafterConfig(**{**cfg.__dict__, "draft_vocab_size": len(new_vocab)})
+    m2 = DFlashDrafter(cfg2, emb)
+    m2.load_state_dict(sd)
+    assert torch.equal(m2.draft_to_target, new_vocab)
+    w = m2.lm_head.weight.detach()
+    torch.testing.assert_close(w[[1, 2, 4, 5]], m.lm_head.weight.detach())  # kept rows unchanged
+    torch.testing.assert_close(w[[0, 3, 6]], 2.0 * emb[[1, 17, 63]])  # new rows: embedding × norm ratio
+    r = _record(cfg, 12, 3, 5)
+    ids, pos = make_block(r["tokens"][6:7].long(), torch.tensor([6]), cfg.block_size, cfg.mask_token_id)
+    kw = dict(context_features=r["features"][:6].float()[None], context_positions=torch.arange(6)[None])
+    with torch.no_grad():
+        t1 = m.to_target_logits(m.eval()(ids, pos, **kw).logits)
+        t2 = m2.to_target_logits(m2.eval()(ids, pos, **kw).logits)
+    torch.testing.assert_close(t2[..., old_vocab], t1[..., old_vocab])  # same logits for kept ids
+    assert torch.isfinite(t2[..., [1, 17, 63]]).all() and torch.isinf(t1[..., [1, 17, 63]]).all()
+
+
+def test_shared_target_head_is_not_stored_and_reloads(tmp_path):
+    """A drafter widened to the target's full vocabulary with the target's tied head: the checkpoint
+    has no lm_head (vLLM then shares the target's), and it reloads with identical target logits."""
+    from safetensors import safe_open
+
+    from vllm_ddtree.train.dflash import widen_to_target_head
+
+    torch.manual_seed(0)
+    cfg = DrafterConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=8, vocab_size=64, draft_vocab_size=4,
+                        block_size=4, target_layer_ids=[0, 1], num_target_layers=4, mask_token_id=5)
+    emb = torch.randn(cfg.vocab_size, cfg.hidden_size)
+    vocab = torch.tensor([2, 9, 30, 40])
+    m = DFlashDrafter(cfg, emb)
+    with torch.no_grad():
+        m.lm_head.weight.copy_(emb[vocab])  # frozen head = embedding rows (the default recipe)
+        m.d2t.copy_(vocab - torch.arange(4))
+    wide = widen_to_target_head(m).eval()
+    assert wide.cfg.draft_vocab_size == cfg.vocab_size
+    save_drafter(wide, tmp_path, dtype=torch.float32)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys() and "d2t" not in f.keys()
+    back = load_drafter(tmp_path, emb).eval()
+    r = _record(cfg, 12, 3, 5)
+    ids, pos = make_block(r["tokens"][6:7].long(), torch.tensor([6]), cfg.block_size, cfg.mask_token_id)
+    kw = dict(context_features=r["features"][:6].float()[None], context_positions=torch.arange(6)[None])
+    with torch.no_grad():
+        small = m.eval().to_target_logits(m(ids, pos, **kw).logits)
+        out = back(ids, pos, **kw)
+        full = back.to_target_logits(out.logits)
+    torch.testing.assert_close(full[..., vocab], small[..., vocab])
+    torch.testing.assert_close(out.logits, out.hidden @ emb.T)  # the target's tied head over all ids

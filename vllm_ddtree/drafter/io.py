@@ -8,6 +8,9 @@ Directory layout:
   into it with ``d2t``).
 * ``model.safetensors`` — drafter weights under vLLM's names (no ``embed_tokens``: the
   target's embeddings are shared; ``lm_head.weight`` has ``draft_vocab_size`` rows; ``d2t``).
+  A full-vocabulary head that *is* the target's tied embedding matrix is not stored either: with no
+  ``lm_head`` in the checkpoint vLLM shares the target's LM head (``_maybe_share_lm_head``), as the
+  reference DFlash drafters do, and :func:`load_drafter` takes the rows from ``embed_tokens``.
 * ``mask_embedding.pt`` — ``{"mask_token_id": int, "embedding": Tensor[H]}``, the learned mask
   vector that vLLM substitutes for ``embed_tokens[mask_token_id]``.
 """
@@ -78,9 +81,12 @@ def save_drafter(model: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype =
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     sd = {}
+    full = model.cfg.draft_vocab_size == model.cfg.vocab_size
     for name, t in model.state_dict().items():
         if name == "mask_embedding":
             continue
+        if name == "lm_head.weight" and full and torch.equal(t, model.embed_tokens.to(t.dtype)):
+            continue  # the target's own (tied) head: vLLM shares it when the checkpoint has none
         if name == "d2t" and model.cfg.draft_vocab_size == model.cfg.vocab_size:
             continue  # full vocabulary: vLLM's loader has no d2t parameter to receive it
         sd[name] = t.detach().contiguous() if name == "d2t" else t.detach().to(dtype).contiguous()
@@ -99,6 +105,8 @@ def load_drafter(path: str | Path, embed_tokens: torch.Tensor, dtype: torch.dtyp
     model = DFlashDrafter(cfg, embed_tokens.to(dtype))
     sd = {k: (v if k == "d2t" else v.to(dtype)) for k, v in load_file(str(path / "model.safetensors")).items()}
     sd.setdefault("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))  # full vocabulary: identity
+    if "lm_head.weight" not in sd and cfg.draft_vocab_size == cfg.vocab_size:
+        sd["lm_head.weight"] = embed_tokens.to(dtype)  # shared target head (see module docstring)
     mask_file = path / "mask_embedding.pt"
     if mask_file.exists():
         m = torch.load(mask_file, weights_only=True)

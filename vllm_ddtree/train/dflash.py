@@ -64,7 +64,8 @@ def stdlib_token_counts(tokenizer) -> Counter:
 
 
 def build_draft_vocab(records: list[dict], size: int, always: tuple[int, ...] = (2,),
-                      extra_counts: Counter | None = None) -> torch.Tensor:
+                      extra_counts: Counter | list[tuple[Counter, float]] | None = None,
+                      response_weight: float = 1.0) -> torch.Tensor:
     """The ``size`` highest-scoring tokens (sorted target ids), plus ``always``.
 
     Every id of ``always`` is kept, so passing an existing vocabulary as ``always`` extends it
@@ -72,16 +73,20 @@ def build_draft_vocab(records: list[dict], size: int, always: tuple[int, ...] = 
 
     Score = frequency among response tokens + frequency in ``extra_counts`` (stdlib source):
     the responses alone are too few to cover rare identifiers; mixing in a large code corpus
-    lifted held-out coverage at 8192 rows from 92% to 99%.
+    lifted held-out coverage at 8192 rows from 92% to 99%. ``extra_counts`` may also be a list of
+    ``(counts, weight)`` corpora; each corpus contributes ``weight`` × its relative frequency, the
+    responses ``response_weight`` × theirs.
     """
     cnt: Counter = Counter()
     for r in records:
         cnt.update(r["tokens"][r["prompt_len"]:].tolist())
+    if extra_counts is None or isinstance(extra_counts, Counter):
+        extra_counts = [(extra_counts or Counter(), 1.0)]
     score: Counter = Counter()
-    for c in (cnt, extra_counts or Counter()):
+    for c, w in [(cnt, response_weight), *extra_counts]:
         n = max(sum(c.values()), 1)
         for t, v in c.items():
-            score[t] += v / n
+            score[t] += w * v / n
     ids = list(dict.fromkeys(always))
     seen = set(ids)
     for t, _ in score.most_common():
@@ -108,6 +113,62 @@ def coverage(records: list[dict], vocab: torch.Tensor) -> float:
         tot += len(toks)
         hit += sum(t in inv for t in toks)
     return hit / max(tot, 1)
+
+
+def remap_draft_vocab(model_sd: dict, old_vocab: torch.Tensor, new_vocab: torch.Tensor,
+                      embed_tokens: torch.Tensor) -> dict:
+    """A drafter state dict re-targeted from ``old_vocab`` to ``new_vocab`` (sorted target ids).
+
+    Rows of ids in both vocabularies are kept as they are (whatever training did to them); a new
+    id's row is the target's tied embedding row, scaled by the mean ratio of the kept rows' norms
+    to their own embedding rows' norms (exactly 1 when the head was frozen at its embedding init,
+    as in the default recipe). ``d2t`` is rebuilt for ``new_vocab``. Other entries are untouched.
+    """
+    sd = dict(model_sd)
+    w_old = sd["lm_head.weight"]
+    emb = embed_tokens.to(w_old.dtype)
+    pos_old = {int(t): i for i, t in enumerate(old_vocab.tolist())}
+    kept_new = [j for j, t in enumerate(new_vocab.tolist()) if int(t) in pos_old]
+    kept_old = [pos_old[int(new_vocab[j])] for j in kept_new]
+    if kept_old:
+        ratio = (w_old[kept_old].norm(dim=-1) / emb[old_vocab[kept_old]].norm(dim=-1).clamp(min=1e-12)).mean()
+    else:
+        ratio = torch.tensor(1.0, dtype=w_old.dtype)
+    w_new = emb[new_vocab] * ratio
+    w_new[kept_new] = w_old[kept_old]
+    sd["lm_head.weight"] = w_new
+    sd["d2t"] = new_vocab.long() - torch.arange(len(new_vocab))
+    return sd
+
+
+def widen_to_target_head(model: DFlashDrafter) -> DFlashDrafter:
+    """The same drafter over the target's full vocabulary: rows of the draft vocabulary kept, every
+    other row from the target's tied embeddings (see :func:`remap_draft_vocab`). With the default
+    frozen head the result's LM head *is* the target's, so it is not stored on export and vLLM
+    shares the target's head: 100% coverage at no checkpoint size."""
+    cfg = DrafterConfig(**{**asdict(model.cfg), "draft_vocab_size": model.cfg.vocab_size})
+    emb = model.embed_tokens
+    wide = DFlashDrafter(cfg, emb)
+    sd = remap_draft_vocab(model.state_dict(), model.draft_to_target, torch.arange(cfg.vocab_size), emb)
+    wide.load_state_dict(sd)
+    return wide
+
+
+def _remap_head_optimizer_state(opt_sd: dict, head_index: int, old_vocab: torch.Tensor,
+                                new_vocab: torch.Tensor) -> dict:
+    """Adam moments of a trained LM head moved to the new rows (zeros for new ids)."""
+    st = opt_sd["state"].get(head_index)
+    if not st:
+        return opt_sd
+    pos_old = {int(t): i for i, t in enumerate(old_vocab.tolist())}
+    kept_new = [j for j, t in enumerate(new_vocab.tolist()) if int(t) in pos_old]
+    kept_old = [pos_old[int(new_vocab[j])] for j in kept_new]
+    for k in ("exp_avg", "exp_avg_sq"):
+        v = st[k]
+        nv = v.new_zeros((len(new_vocab), *v.shape[1:]))
+        nv[kept_new] = v[kept_old]
+        st[k] = nv
+    return opt_sd
 
 
 @dataclass
@@ -323,6 +384,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--target-layer-ids", default="1,8,14,20,27")
     ap.add_argument("--draft-vocab", type=int, default=8192)
+    ap.add_argument("--vocab-file", default=None,
+                    help="draft vocabulary to use (torch-saved sorted target ids, e.g. from vllm_ddtree.train.vocab); "
+                         "on resume a different vocabulary re-targets the LM head (kept rows stay, new rows from "
+                         "the target's embeddings)")
     ap.add_argument("--batch-seqs", type=int, default=4)
     ap.add_argument("--blocks-per-seq", type=int, default=32)
     ap.add_argument("--lr", type=float, default=6e-4)
@@ -334,6 +399,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--export", default=None, help="after training, save the drafter here (bf16)")
+    ap.add_argument("--export-shared-head", default=None,
+                    help="also save it here over the target's full vocabulary, sharing the target's LM head "
+                         "(widen_to_target_head)")
     ap.add_argument("--watch-pid", type=int, default=None,
                     help="a data producer still running: pick up its new shards every 100 steps, and raise "
                          "threads to --threads once it exits (until then use 1 thread to avoid contention)")
@@ -372,7 +440,9 @@ def main(argv: list[str] | None = None) -> None:
 
     state_path = out / "state.pt"
     resume = torch.load(state_path, weights_only=False) if state_path.exists() else None
-    if resume:
+    if args.vocab_file:
+        draft_vocab = torch.load(args.vocab_file, weights_only=False).long().sort().values
+    elif resume:
         draft_vocab = resume["draft_vocab"]
     else:
         from transformers import AutoTokenizer
@@ -390,8 +460,15 @@ def main(argv: list[str] | None = None) -> None:
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     step, elapsed = 0, 0.0
     if resume:
-        model.load_state_dict(resume["model"])
-        opt.load_state_dict(resume["opt"])
+        old_vocab = resume["draft_vocab"]
+        msd, osd = resume["model"], resume["opt"]
+        if not torch.equal(old_vocab, draft_vocab):
+            msd = remap_draft_vocab(msd, old_vocab, draft_vocab, emb)
+            if model.lm_head.weight.requires_grad:
+                head_index = next(i for i, p in enumerate(params) if p is model.lm_head.weight)
+                osd = _remap_head_optimizer_state(osd, head_index, old_vocab, draft_vocab)
+        model.load_state_dict(msd)
+        opt.load_state_dict(osd)
         step, elapsed = resume["step"], resume["elapsed"]
     log = open(out / "train_log.jsonl", "a")
     info = {"event": "start", "step": step, "train_seqs": len(train_recs), "heldout_seqs": len(held),
@@ -507,6 +584,8 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps(final), flush=True)
     if args.export:
         export(model, out, args.export, held, t2d, feature_index)
+    if args.export_shared_head:
+        export(widen_to_target_head(model), out, args.export_shared_head, held, t2d, feature_index)
 
 
 def export(model: DFlashDrafter, run_dir: Path, dest: str | Path, held: list[dict], t2d: torch.Tensor,
@@ -520,6 +599,8 @@ def export(model: DFlashDrafter, run_dir: Path, dest: str | Path, held: list[dic
     dest = Path(dest)
     save_drafter(model, dest)
     reloaded = load_drafter(dest, model.embed_tokens)
+    t2d = torch.full((model.cfg.vocab_size,), -100, dtype=torch.long)  # the saved model's own vocabulary
+    t2d[reloaded.draft_to_target] = torch.arange(reloaded.cfg.draft_vocab_size)
     ev = evaluate(reloaded, held, t2d, feature_index)
     (dest / "heldout_eval.json").write_text(json.dumps(asdict(ev), indent=2) + "\n")
     for name in ("train_log.jsonl", "data_manifest.json"):

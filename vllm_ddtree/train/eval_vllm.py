@@ -116,6 +116,8 @@ def measure(drafter: str, n: int = 10, max_tokens: int = 128, k: int = 15, repla
             vocab = set((torch.arange(len(d2t)) + d2t).tolist())
             toks = [t for o in outs for t in o.outputs[0].token_ids]
             cov = sum(t in vocab for t in toks) / max(len(toks), 1)
+        elif "lm_head.weight" not in f.keys():
+            cov = 1.0  # no head of its own: vLLM shares the target's full LM head
     rep = None
     if replay:
         seqs = [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in outs]
