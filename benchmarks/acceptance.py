@@ -37,7 +37,7 @@ def method_grid(budgets: list[int], ngram_weight: float, adaptive_max: int) -> l
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="10 prompts, 64 new tokens, budgets 8/32/64 (~10 min on 2 cores)")
+    ap.add_argument("--quick", action="store_true", help="10 prompts, 32 new tokens, budgets 8/32/64 (under 10 min on 2 cores)")
     ap.add_argument("--prompts", type=int, default=None, help="number of HumanEval prompts (default all 164)")
     ap.add_argument("--max-new-tokens", type=int, default=None)
     ap.add_argument("--budgets", default=None, help="comma-separated fixed budgets (default 8,16,32,64,128)")
@@ -50,7 +50,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     n_prompts = args.prompts or (10 if args.quick else 164)
-    max_new = args.max_new_tokens or (64 if args.quick else 256)
+    max_new = args.max_new_tokens or (32 if args.quick else 256)
     budgets = [int(b) for b in (args.budgets or ("8,32,64" if args.quick else "8,16,32,64,128")).split(",")]
     temps = [float(t) for t in args.temperatures.split(",")]
 
