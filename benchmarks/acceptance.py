@@ -63,6 +63,7 @@ def main() -> None:
 
     runs = collections.defaultdict(list)  # (name, budget, T) -> [GenerationResult]
     mismatches = collections.Counter()
+    calibration = {}  # temperature -> the adaptive controller's state after that temperature's prompts
     for temp in temps:
         for i, ids in enumerate(tqdm(prompts, desc=f"T={temp:g}")):
             sampling = SamplingConfig(temperature=temp, seed=i)
@@ -74,6 +75,9 @@ def main() -> None:
                     ar_tokens = res.tokens
                 elif temp == 0 and res.tokens != ar_tokens:
                     mismatches[(name, budget)] += 1
+        # The adaptive controller carries over between temperatures (as a server would): record its
+        # state at the end of each temperature's prompts.
+        calibration[temp] = decoder.auto_budget(grid[-1][2]).summary()
 
     rows = []
     for temp in temps:
@@ -98,8 +102,8 @@ def main() -> None:
                     prompts=len(res),
                 )
             )
-            if name == "ddtree-auto":  # the controller's fitted state at the end of the run
-                rows[-1]["calibration"] = decoder.auto_budget(grid[-1][2]).summary()
+            if name == "ddtree-auto":
+                rows[-1]["calibration"] = calibration[temp]
     print(f"\n{n_prompts} HumanEval prompts, max_new_tokens {max_new}, float32, batch 1, {args.threads} threads")
     print(f"{'method':<14}{'B':>5}{'T':>4}{'tau':>7}{'tok/s':>8}{'vs AR':>7}{'nodes':>7}{'diff':>6}")
     for r in rows:

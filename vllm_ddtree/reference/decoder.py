@@ -282,7 +282,8 @@ class ReferenceDecoder:
             if auto is not None:  # what the controller predicted vs what happened, and what it cost
                 auto.observe_acceptance(tree.draft_logp, tree.valid, walk.num_accepted)
                 prev = ctx - k
-                auto.observe_step(n, n * (prev + n), prev, time.perf_counter() - t_step)
+                if len(result.accept_lengths) > 1:  # the first step also drafts over the whole prompt
+                    auto.observe_step(n, n * (prev + n), prev, time.perf_counter() - t_step)
             if done:
                 break
         result.seconds = time.perf_counter() - t0
