@@ -129,5 +129,7 @@ def test_bad_configs_raise(decoder):
         SpecConfig(method="medusa")
     with pytest.raises(ValueError, match="min_budget"):
         SpecConfig(budget=0)
+    with pytest.raises(ValueError, match="adaptive budget needs method 'ddtree'"):
+        SpecConfig(method="dflash", adaptive=True)
     with pytest.raises(ValueError, match="needs a drafter"):
         ReferenceDecoder(decoder.target).generate([1], 3, SpecConfig(method="ddtree"))

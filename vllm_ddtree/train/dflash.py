@@ -115,6 +115,13 @@ def coverage(records: list[dict], vocab: torch.Tensor) -> float:
     return hit / max(tot, 1)
 
 
+def _kept_rows(old_vocab: torch.Tensor, new_vocab: torch.Tensor) -> tuple[list[int], list[int]]:
+    """Rows of ids in both vocabularies: (their indices in new_vocab, their indices in old_vocab)."""
+    pos_old = {int(t): i for i, t in enumerate(old_vocab.tolist())}
+    kept_new = [j for j, t in enumerate(new_vocab.tolist()) if int(t) in pos_old]
+    return kept_new, [pos_old[int(new_vocab[j])] for j in kept_new]
+
+
 def remap_draft_vocab(model_sd: dict, old_vocab: torch.Tensor, new_vocab: torch.Tensor,
                       embed_tokens: torch.Tensor) -> dict:
     """A drafter state dict re-targeted from ``old_vocab`` to ``new_vocab`` (sorted target ids).
@@ -127,9 +134,7 @@ def remap_draft_vocab(model_sd: dict, old_vocab: torch.Tensor, new_vocab: torch.
     sd = dict(model_sd)
     w_old = sd["lm_head.weight"]
     emb = embed_tokens.to(w_old.dtype)
-    pos_old = {int(t): i for i, t in enumerate(old_vocab.tolist())}
-    kept_new = [j for j, t in enumerate(new_vocab.tolist()) if int(t) in pos_old]
-    kept_old = [pos_old[int(new_vocab[j])] for j in kept_new]
+    kept_new, kept_old = _kept_rows(old_vocab, new_vocab)
     if kept_old:
         ratio = (w_old[kept_old].norm(dim=-1) / emb[old_vocab[kept_old]].norm(dim=-1).clamp(min=1e-12)).mean()
     else:
@@ -160,9 +165,7 @@ def _remap_head_optimizer_state(opt_sd: dict, head_index: int, old_vocab: torch.
     st = opt_sd["state"].get(head_index)
     if not st:
         return opt_sd
-    pos_old = {int(t): i for i, t in enumerate(old_vocab.tolist())}
-    kept_new = [j for j, t in enumerate(new_vocab.tolist()) if int(t) in pos_old]
-    kept_old = [pos_old[int(new_vocab[j])] for j in kept_new]
+    kept_new, kept_old = _kept_rows(old_vocab, new_vocab)
     for k in ("exp_avg", "exp_avg_sq"):
         v = st[k]
         nv = v.new_zeros((len(new_vocab), *v.shape[1:]))
@@ -410,7 +413,6 @@ def main(argv: list[str] | None = None) -> None:
     from safetensors.torch import load_file
     from tqdm import tqdm
 
-    from vllm_ddtree.drafter.io import save_drafter
     from vllm_ddtree.models.target import prepare_target
 
     producer_alive = args.watch_pid is not None and _alive(args.watch_pid)
