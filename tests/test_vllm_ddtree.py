@@ -123,6 +123,41 @@ def test_ddtree_applies_penalties_and_returns_logprobs_like_the_target(tmp_path,
                 assert len(common) >= 3 and all(abs(got[k] - want[k]) < 1e-3 for k in common), spec
 
 
+def test_min_tokens_bad_words_and_allowed_token_ids_apply_per_tree_path(tmp_path, drafter):
+    # Constraints that depend on the output so far (min_tokens: its length; bad_words: its last
+    # tokens) are applied to each tree node for its own root-to-node path. Each constrained request
+    # sits next to the same prompt unconstrained, in one mixed batch (one request samples).
+    from transformers import AutoTokenizer
+
+    from vllm_ddtree.models.target import prepare_target
+
+    path, _ = drafter
+    tok = AutoTokenizer.from_pretrained(prepare_target())
+    allowed = sorted(set(tok.encode(" 1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13, 14, 15, 16, 17, 19")))
+    plain = {"temperature": 0, "max_tokens": 40}
+    requests = [
+        [1, plain], [1, plain | {"min_tokens": 36}],  # plain stops on EOS after 30 tokens
+        [2, plain], [2, plain | {"min_tokens": 20}],  # ... after 12 tokens
+        [0, plain], [0, plain | {"bad_words": [" fibonacci(n", "print"]}],  # multi-token word
+        [3, plain], [3, plain | {"allowed_token_ids": allowed}],  # no "8"
+        [3, {"temperature": 1.0, "max_tokens": 24, "allowed_token_ids": allowed}],
+    ]
+    specs = [None, {"method": "ddtree", "model": str(path), "tree_budget": 8},
+             {"method": "ddtree", "model": str(path), "tree_budget": 64, "ngram_weight": 0}]
+    res = run(tmp_path / "out.json", specs, "--requests", json.dumps(requests))
+    base, finish = res["outputs"][0], res["finish"][0]
+    # The scenarios really constrain: each constrained greedy output differs from its plain twin.
+    for k in (1, 3, 5, 7):
+        assert base[k] != base[k - 1], requests[k]
+    assert finish[0][0] == finish[2][0] == "stop" and len(base[0]) < 36 and len(base[2]) < 20
+    assert len(base[1]) >= 36 and len(base[3]) >= 20
+    assert "fibonacci(n" in finish[4][2] and "fibonacci(n" not in finish[5][2] and "print" not in finish[5][2]
+    assert set(base[7]) <= set(allowed) and set(base[8]) <= set(allowed) | {tok.eos_token_id}
+    for spec, outs in zip(specs[1:], res["outputs"][1:]):
+        assert outs[:8] == base[:8], spec  # the greedy requests: token-identical to the target alone
+        assert set(outs[8]) <= set(allowed) | {tok.eos_token_id}, spec
+
+
 def test_ddtree_sampling_matches_the_target_distribution(tmp_path, drafter):
     # The first token after prefill is never speculated: compare the joint distribution of the
     # first three tokens (two of them from tree steps) over 300 samples; top_k=3 keeps it to 27 cells.

@@ -347,12 +347,15 @@ def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadat
     rows = rows.to(logits.device)
     md = runner.input_batch.sampling_metadata
     penalized = not md.no_penalties
-    if md.all_greedy and not penalized:
+    constrained = _has_constraints(md)
+    if md.all_greedy and not penalized and not constrained:
         row_tokens = logits.argmax(-1)[rows]  # argmax first: no [R, N, V] copy on the plain greedy path
     else:
         row_logits = logits[rows].float()  # [R, N, V]
         if penalized:
             row_logits = tree_penalties(row_logits, md, batch)
+        if constrained:
+            row_logits = tree_constraints(row_logits, md, batch)
         greedy = row_logits.argmax(-1)
         if md.all_greedy:
             row_tokens = greedy
@@ -450,6 +453,57 @@ def tree_penalties(row_logits: Tensor, md, batch: TreeBatch) -> Tensor:
                            per_row(md.presence_penalties), per_row(md.frequency_penalties),
                            per_row(md.repetition_penalties))
     return flat.view(r, n, v)
+
+
+def _min_tokens_state(md) -> dict:
+    """vLLM's min_tokens processor state: req index -> (min_tokens, output ids, stop ids, structured)."""
+    from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
+
+    for proc in md.logitsprocs.non_argmax_invariant:
+        if isinstance(proc, MinTokensLogitsProcessor):
+            return proc.min_toks
+    return {}
+
+
+def _has_constraints(md) -> bool:
+    return md.allowed_token_ids_mask is not None or bool(md.bad_words_token_ids) or bool(_min_tokens_state(md))
+
+
+def tree_constraints(row_logits: Tensor, md, batch: TreeBatch) -> Tensor:
+    """allowed_token_ids, bad_words and min_tokens for every verify row, as vLLM applies them to a chain.
+
+    Replaces the constraint part of ``RejectionSampler.apply_logits_processors`` (rejection_sampler.py:307),
+    which covers exactly these three (plus penalties, see :func:`tree_penalties`); logit_bias and
+    min_p are refused for every speculative method by vLLM itself. Each row is treated as the
+    next position after its root-to-node path: min_tokens masks the stop tokens while
+    ``len(output) + depth < min_tokens``; a bad word's last token is masked where the output so far
+    plus the row's path ends with the word's other tokens. row_logits [R, N, V] -> [R, N, V].
+    """
+    r, n, v = row_logits.shape
+    dev = row_logits.device
+    if md.allowed_token_ids_mask is not None:  # True = not allowed; the same for every row of a request
+        row_logits = row_logits.masked_fill(md.allowed_token_ids_mask[:r].unsqueeze(1).to(dev), float("-inf"))
+    for i, (min_toks, out_ids, stop_ids, _) in _min_tokens_state(md).items():
+        if i >= r or not stop_ids:
+            continue
+        too_short = (len(out_ids) + batch.depths[i].to(dev)) < min_toks  # [N]
+        stops = torch.tensor(sorted(stop_ids), device=dev)
+        row_logits[i, :, stops] = row_logits[i, :, stops].masked_fill(too_short.unsqueeze(1), float("-inf"))
+    if md.bad_words_token_ids:
+        from vllm.v1.sample.ops.bad_words import apply_bad_words
+
+        # Host-side, like vLLM's own (apply_bad_words_with_drafts): only requests that set bad_words pay.
+        tokens, depths = batch.tokens.tolist(), batch.depths.tolist()
+        on_path = (batch.ancestors & batch.valid.unsqueeze(1)).tolist()
+        for i, words in md.bad_words_token_ids.items():
+            if i >= r:
+                continue
+            pasts = []
+            for j in range(int(batch.num_rows[i])):
+                path = sorted((k for k in range(1, n) if on_path[i][j][k]), key=lambda k: depths[i][k])
+                pasts.append(list(md.output_token_ids[i]) + [tokens[i][k] for k in path])
+            apply_bad_words(row_logits[i], {j: words for j in range(len(pasts))}, pasts)
+    return row_logits
 
 
 def path_logprobs(sampler, logits: Tensor, path_rows: Tensor, out: Tensor, num_logprobs: int):

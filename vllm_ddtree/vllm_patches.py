@@ -40,9 +40,10 @@ P8  ``SamplingParams._validate_spec_decode`` (sampling_params.py:1182, called fr
     requests with a clear error: vLLM's grammar validates drafts as one chain
     (v1/structured_output/__init__.py:315 ``strip_speculative_padding``), a tree is not one.
     Structured outputs are per request, so this is the earliest point they can be refused.
-    Also refuses the sampling parameters the tree sampler does not apply yet (min_tokens,
-    logit_bias, allowed_token_ids, bad_words, whole-vocabulary logprobs, logprob_token_ids, min_p,
-    logits processors) instead of silently ignoring them. (P3 refuses the processed logprobs modes.)
+    Also refuses the sampling parameters the tree sampler does not apply yet (whole-vocabulary
+    logprobs, logprob_token_ids, per-request logits processors) instead of silently ignoring them.
+    (vLLM itself refuses min_p and logit_bias for every speculative method; P3 refuses the
+    processed logprobs modes.)
 P9  ``vllm.v1.attention.selector._cached_get_attn_backend`` (v1/attention/selector.py:201, memoised
     per process) — wrapped: for a ddtree config, CPU_ATTN (whose kernel takes no mask, design notes
     §5) becomes :mod:`vllm_ddtree.attention.cpu_tree`'s backend. Decided after the memo, which is
@@ -480,8 +481,8 @@ def _patch_sampling_params() -> None:
 
                 raise VLLMValidationError(
                     f"{', '.join(unsupported)} not supported yet with speculative method 'ddtree': its tree "
-                    "sampler applies temperature, top_k, top_p, seed, presence/frequency/repetition penalties and "
-                    "logprobs (top-n). Drop those parameters or send the "
+                    "sampler applies temperature, top_k, top_p, seed, presence/frequency/repetition penalties, "
+                    "min_tokens, allowed_token_ids, bad_words and logprobs (top-n). Drop those parameters or send the "
                     "request to an engine without ddtree."
                 )
 
@@ -491,10 +492,7 @@ def _patch_sampling_params() -> None:
 def _unsupported_sampling(params) -> list[str]:
     """Sampling parameters the tree sampler (vllm_ddtree.engine.sample_tree_step) does not apply."""
     checks = {
-        "min_tokens": bool(params.min_tokens),
         "logit_bias": bool(params.logit_bias),
-        "allowed_token_ids": bool(params.allowed_token_ids),
-        "bad_words": bool(params.bad_words),
         "logprobs=-1 (whole vocabulary)": params.logprobs == -1,
         "logprob_token_ids": bool(getattr(params, "logprob_token_ids", None)),
         "min_p": bool(getattr(params, "min_p", 0.0)),

@@ -4,7 +4,8 @@
 
 SPEC_JSON "none" runs without speculation. --engine adds LLM(...) keyword arguments, --sampling
 SamplingParams keyword arguments (default greedy, 40 tokens), --repeat N sends only the first
-prompt, N times. Writes {"outputs": [[token ids per prompt] per spec], "metrics": [spec-decode
+prompt, N times, --requests JSON sends [[prompt index, SamplingParams keyword arguments], ...] instead
+(one batch, per-request parameters). Writes {"outputs": [[token ids per prompt] per spec], "metrics": [spec-decode
 counters per spec], "ddtree": [the tree proposer's summary per spec, or null], "finish": [per spec: per prompt
 [finish_reason, stop_reason, text]], "logprobs": [per spec: per prompt, per token {token id: logprob}] (null without
 logprobs in --sampling)}.
@@ -58,16 +59,22 @@ if __name__ == "__main__":
     ap.add_argument("--engine", default="{}")
     ap.add_argument("--sampling", default='{"temperature": 0, "max_tokens": 40}')
     ap.add_argument("--repeat", type=int, default=0)
+    ap.add_argument("--requests", default=None)
     args = ap.parse_args()
     target = str(prepare_target())
     prompts = [PROMPTS[0]] * args.repeat if args.repeat else PROMPTS
+    sampling = SamplingParams(**json.loads(args.sampling))
+    if args.requests:
+        reqs = json.loads(args.requests)
+        prompts = [PROMPTS[i] for i, _ in reqs]
+        sampling = [SamplingParams(**kw) for _, kw in reqs]
     engine = dict(dtype="float32", max_model_len=1024, enforce_eager=True, seed=0, max_num_batched_tokens=256,
                   disable_log_stats=False) | json.loads(args.engine)
     result = {"outputs": [], "metrics": [], "logprobs": [], "ddtree": [], "finish": []}
     for arg in args.specs:
         spec = None if arg == "none" else json.loads(arg)
         llm = LLM(model=target, speculative_config=spec, **engine)
-        outs = llm.generate(prompts, SamplingParams(**json.loads(args.sampling)))
+        outs = llm.generate(prompts, sampling)
         result["outputs"].append([o.outputs[0].token_ids for o in outs])
         result["metrics"].append(counters(llm))
         result["ddtree"].append(ddtree_summary(llm))
