@@ -1,0 +1,77 @@
+"""Plot a drafter's training log: loss and held-out mean accepted run against step, data size marked.
+
+    python -m vllm_ddtree.train.plot_log checkpoints/smollm2-dflash/train_log.jsonl --out training.png
+
+The log may span several resumed runs (one ``start`` record each): every start and every shard the
+trainer picked up mid-run is a vertical line labelled with the training response tokens it had then.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def read_log(path: str | Path) -> dict:
+    """Split a train_log.jsonl into loss points, held-out evaluations and data-size events."""
+    loss, evals, data = [], [], []
+    tokens_per_seq = None
+    for line in Path(path).read_text().splitlines():
+        rec = json.loads(line)
+        if "loss_ema" in rec:
+            loss.append((rec["step"], rec["loss_ema"]))
+        elif "eval" in rec and "event" not in rec:
+            evals.append((rec["step"], rec["eval"]["mean_accepted"]))
+        elif rec.get("event") == "start":
+            tokens_per_seq = rec["train_resp_tokens"] / max(rec["train_seqs"], 1)
+            data.append((rec["step"], rec["train_resp_tokens"], True))
+        elif rec.get("event") == "new_shard" and tokens_per_seq:
+            # new_shard records carry sequence counts only: tokens estimated at the run's mean length.
+            data.append((rec["step"], rec["train_seqs"] * tokens_per_seq, False))
+    return {"loss": loss, "evals": evals, "data": data}
+
+
+def plot_log(path: str | Path, out: str | Path) -> None:
+    """Write a two-panel PNG (loss EMA; held-out mean accepted run) for the log at `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    log = read_log(path)
+    fig, (ax_loss, ax_eval) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
+    if log["loss"]:
+        ax_loss.plot(*zip(*log["loss"]), lw=0.8, color="tab:blue")
+        settled = [v for _, v in log["loss"][len(log["loss"]) // 20:]]  # skip the first descent
+        ax_loss.set_ylim(min(settled) - 0.2, max(settled) + 0.2)
+    ax_loss.set_ylabel("training loss (EMA, weighted CE)")
+    if log["evals"]:
+        ax_eval.plot(*zip(*log["evals"]), "o-", ms=3, color="tab:green")
+    ax_eval.set_ylabel("held-out mean accepted run\n(first 48 held-out responses)")
+    ax_eval.set_xlabel("training step (4 sequences x 32 blocks of 16)")
+    for step, tokens, is_start in log["data"]:
+        for ax in (ax_loss, ax_eval):
+            ax.axvline(step, color="grey", ls="-" if is_start else ":", lw=0.8)
+        if is_start:
+            ax_loss.annotate(f"{tokens / 1000:.0f}K tok", (step, 1), xycoords=("data", "axes fraction"),
+                             rotation=90, va="top", ha="right", fontsize=7, color="grey")
+    for ax in (ax_loss, ax_eval):
+        ax.grid(alpha=0.3)
+    ax_loss.set_title("DFlash drafter training (vertical lines: run starts with their training response tokens; "
+                      "dotted: new data picked up)", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("log")
+    ap.add_argument("--out", default="training.png")
+    args = ap.parse_args(argv)
+    plot_log(args.log, args.out)
+    print(args.out)
+
+
+if __name__ == "__main__":
+    main()
