@@ -14,12 +14,8 @@ pytest.importorskip("vllm")
 
 from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
 
-from vllm_ddtree.attention.cpu_tree import (  # noqa: E402
-    TreeAttentionImpl,
-    TreeAttentionMetadataBuilder,
-    TreeStepMasks,
-    set_step_tree_masks,
-)
+from vllm_ddtree.attention.cpu_tree import TreeAttentionImpl, TreeAttentionMetadataBuilder  # noqa: E402
+from vllm_ddtree.attention.tree_mask import TreeStepMasks, set_step_tree_masks  # noqa: E402
 from vllm_ddtree.tree import build_tree, compile_tree, dense_attention_mask, topk_per_depth  # noqa: E402
 
 HEADS, KV_HEADS, HD, BS = 4, 2, 16, 8

@@ -273,7 +273,7 @@ class DDTreeProposer(DFlashProposer):
 
 def prepare_tree_step(runner, spec_decode_metadata, total_tokens: int) -> TreeStep | None:
     """Positions = context + depth for the scheduled tree rows; tree masks to the attention backend."""
-    from vllm_ddtree.attention.cpu_tree import TreeStepMasks, set_step_tree_masks
+    from vllm_ddtree.attention.tree_mask import TreeStepMasks, set_step_tree_masks
 
     if spec_decode_metadata is None:
         set_step_tree_masks(None)
@@ -335,7 +335,7 @@ def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadat
     from vllm.v1.outputs import SamplerOutput
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
-    from vllm_ddtree.attention.cpu_tree import set_step_tree_masks
+    from vllm_ddtree.attention.tree_mask import set_step_tree_masks
 
     set_step_tree_masks(None)  # the drafter's attention is built next: plain masks for it
     batch = step.batch

@@ -15,11 +15,10 @@ Per step the builder does everything that is the same for all layers once: the K
 (request, kv position) -> (block, offset), the padded query index, and the boolean mask
 [R, max_q, max_kv]. Each layer's forward is then one gather, one SDPA and one scatter.
 
-Tree masks: CommonAttentionMetadata has no field for a per-request mask (design notes §5), so the
-model runner hands them over through `set_step_tree_masks` before it builds attention metadata
-for a verify step; the builder of the layers named by `TreeStepMasks.layer_prefix` consumes them.
-A request's tree rows are the last `num_rows` query tokens of that request; its row i sees every
-context position and the rows j with `ancestors[i, j]` (compile.TreeBatch's mask, unchanged).
+Tree masks: the model runner hands them over through `tree_mask.set_step_tree_masks` before it
+builds attention metadata for a verify step; the builder of the layers named by
+`TreeStepMasks.layer_prefix` consumes them. Which position each query may see is decided in
+:mod:`vllm_ddtree.attention.tree_mask` (shared with the GPU kernels' metadata).
 """
 
 from __future__ import annotations
@@ -34,34 +33,12 @@ from vllm.logger import init_logger
 from vllm.v1.attention.backend import AttentionImpl, AttentionMetadataBuilder, AttentionType, CommonAttentionMetadata
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
+from vllm_ddtree.attention.tree_mask import TreeStepMasks, build_attention_mask, get_step_tree_masks
+
+__all__ = ["TreeAttentionBackend", "TreeStepMasks", "build_attention_mask", "register"]
+
 # Under the "vllm" namespace so vLLM's log configuration (format, level) applies to our lines.
 logger = init_logger("vllm.ddtree.attention")
-
-
-@dataclass
-class TreeStepMasks:
-    """Tree masks for one verify step, by request row of the batch.
-
-    has_tree   [R] bool      which requests verify a tree this step
-    num_rows   [R] int64     tree rows (root + nodes) of each such request: its last query tokens
-    ancestors  [R, N, N] bool  `TreeBatch.ancestors` (row i may see row j)
-    layer_prefix str         only builders whose layer names start with this use the masks
-                             (the target's layers, not the drafter's)
-    """
-
-    has_tree: Tensor
-    num_rows: Tensor
-    ancestors: Tensor
-    layer_prefix: str = ""
-
-
-_step_tree_masks: TreeStepMasks | None = None
-
-
-def set_step_tree_masks(masks: TreeStepMasks | None) -> None:
-    """Hand the next metadata build its tree masks (None: plain causal attention)."""
-    global _step_tree_masks
-    _step_tree_masks = masks
 
 
 @dataclass
@@ -80,41 +57,6 @@ class TreeAttentionMetadata:
     causal: bool | Tensor = True  # what the caller asked for (the DFlash drafter checks `causal is False`)
     max_query_len: int = 0
     max_seq_len: int = 0
-
-
-def build_attention_mask(
-    query_lens: Tensor, seq_lens: Tensor, causal: Tensor, max_q: int, max_kv: int, tree: TreeStepMasks | None = None
-) -> Tensor:
-    """[R, max_q, max_kv] bool: query i of request r may attend to kv position p.
-
-    causal [R] bool per request. Query i sits at position ctx + i with ctx = seq_len - q_len.
-    Tree requests: the last num_rows queries are tree rows; row a sees positions < ctx + q_len -
-    num_rows (the committed context) and the tree rows b with ancestors[a, b].
-    Padding queries see position 0 only, so no softmax row is empty (their output is discarded).
-    """
-    r = query_lens.shape[0]
-    dev = query_lens.device
-    i = torch.arange(max_q, device=dev).view(1, max_q, 1)
-    p = torch.arange(max_kv, device=dev).view(1, 1, max_kv)
-    ctx = (seq_lens - query_lens).view(r, 1, 1)
-    qlen = query_lens.view(r, 1, 1)
-    in_kv = p < seq_lens.view(r, 1, 1)
-    causal_ok = p <= ctx + i
-    mask = in_kv & torch.where(causal.view(r, 1, 1), causal_ok, True)
-    if tree is not None:
-        n = tree.ancestors.shape[1]
-        rows = tree.num_rows.view(r, 1, 1)
-        tree_start = ctx + qlen - rows  # position of the root row
-        a = i - (qlen - rows)  # tree row of query i
-        b = p - tree_start  # tree row stored at kv position p
-        in_tree_q = (a >= 0) & tree.has_tree.view(r, 1, 1)
-        seen = tree.ancestors.gather(
-            1, a.clamp(0, n - 1).expand(r, max_q, n)
-        ).gather(2, b.clamp(0, n - 1).expand(r, max_q, max_kv))
-        tree_ok = (p < tree_start) | ((b >= 0) & (b < rows) & seen)
-        mask = torch.where(in_tree_q, in_kv & tree_ok, mask)
-    valid_q = i < qlen
-    return torch.where(valid_q, mask, p == 0)
 
 
 class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadata]):
@@ -136,7 +78,7 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
         max_kv = max(int(cm.max_seq_len), 1)
         causal = cm.causal
         causal_t = causal.bool()[:r] if isinstance(causal, Tensor) else torch.full((r,), bool(causal))
-        tree = _step_tree_masks
+        tree = get_step_tree_masks()
         if tree is not None and not all(name.startswith(tree.layer_prefix) for name in self.layer_names):
             tree = None
         if tree is not None and tree.has_tree.shape[0] != r:

@@ -1,0 +1,158 @@
+"""Which KV positions each query row of a verify step may attend to, in every layout a kernel takes.
+
+Pure PyTorch, no vLLM import: the CPU backend (:mod:`vllm_ddtree.attention.cpu_tree`) and the GPU
+kernels' metadata are built from one rule, :func:`may_attend`, so the mask a GPU kernel would get
+is tested on the CPU against the mask the CPU path runs with.
+
+The rule, per request r of the batch (q = query tokens this step, kv = its KV length after them,
+ctx = kv - q the tokens cached before them): query i sits at position ctx + i.
+- causal requests (prefill chunks, plain decode): i sees positions <= ctx + i;
+- non-causal requests (the DFlash drafter's block): i sees every position < kv;
+- tree requests: the last ``num_rows`` queries are the tree's rows (root first); row a sees the
+  committed context (positions < kv - num_rows) and the tree rows b with ``ancestors[a, b]``.
+
+Layouts:
+- :func:`build_attention_mask` — dense [R, max_q, max_kv] (the CPU SDPA backend);
+- :func:`flashinfer_custom_mask` — FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper.plan(...,
+  custom_mask=...)``: one flat bool vector, request after request, each request's [q, kv] block
+  row-major, prefix columns included (design notes §5);
+- :func:`pack_tree_spec_mask` — the packed per-row bitmask over a request's new tokens that vLLM's
+  XQA speculative-decode path takes (``_pack_draft_block_bool_mask``, flashinfer.py:148 in 0.32):
+  bit j of row a set = row a may see new token j; 32-bit words least-significant bit first, stored
+  as little-endian uint16 pairs. The committed context is implicitly visible in that layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class TreeStepMasks:
+    """Tree masks for one verify step, by request row of the batch.
+
+    has_tree   [R] bool      which requests verify a tree this step
+    num_rows   [R] int64     tree rows (root + nodes) of each such request: its last query tokens
+    ancestors  [R, N, N] bool  `TreeBatch.ancestors` (row i may see row j)
+    layer_prefix str         only builders whose layer names start with this use the masks
+                             (the target's layers, not the drafter's)
+    """
+
+    has_tree: Tensor
+    num_rows: Tensor
+    ancestors: Tensor
+    layer_prefix: str = ""
+
+
+_step_tree_masks: TreeStepMasks | None = None
+
+
+def set_step_tree_masks(masks: TreeStepMasks | None) -> None:
+    """Hand the next metadata build its tree masks (None: plain attention).
+
+    CommonAttentionMetadata has no field for a per-request mask (design notes §5), so the model
+    runner sets them here before it builds attention metadata for a verify step."""
+    global _step_tree_masks
+    _step_tree_masks = masks
+
+
+def get_step_tree_masks() -> TreeStepMasks | None:
+    """The masks set for the current step, if any."""
+    return _step_tree_masks
+
+
+def may_attend(req: Tensor, i: Tensor, p: Tensor, query_lens: Tensor, seq_lens: Tensor, causal: Tensor,
+               tree: TreeStepMasks | None = None) -> Tensor:
+    """Whether query i of request req may attend to KV position p (broadcasting int64 index tensors).
+
+    Queries and positions outside the request (i >= q or p >= kv) get False."""
+    q, kv = query_lens[req], seq_lens[req]
+    ctx = kv - q
+    ok = (i < q) & (p < kv) & (~causal[req] | (p <= ctx + i))
+    if tree is None:
+        return ok
+    n = tree.ancestors.shape[1]
+    rows = tree.num_rows[req]
+    a = i - (q - rows)  # tree row of query i (negative: not a tree row)
+    b = p - (kv - rows)  # tree row whose K/V sits at position p (negative: committed context)
+    seen = tree.ancestors[req, a.clamp(0, n - 1), b.clamp(0, n - 1)]
+    tree_ok = (i < q) & (p < kv) & ((b < 0) | seen)
+    return torch.where(tree.has_tree[req] & (a >= 0), tree_ok, ok)
+
+
+def build_attention_mask(
+    query_lens: Tensor, seq_lens: Tensor, causal: Tensor, max_q: int, max_kv: int, tree: TreeStepMasks | None = None
+) -> Tensor:
+    """[R, max_q, max_kv] bool: query i of request r may attend to kv position p (:func:`may_attend`).
+
+    Padding queries (i >= q) see position 0 only, so no softmax row is empty (their output is discarded).
+    """
+    r = query_lens.shape[0]
+    dev = query_lens.device
+    req = torch.arange(r, device=dev).view(r, 1, 1)
+    i = torch.arange(max_q, device=dev).view(1, max_q, 1)
+    p = torch.arange(max_kv, device=dev).view(1, 1, max_kv)
+    mask = may_attend(req, i, p, query_lens, seq_lens, causal, tree)
+    return torch.where(i < query_lens.view(r, 1, 1), mask, p == 0)
+
+
+@dataclass
+class FlashInferMask:
+    """Arguments for FlashInfer's prefill ``plan()`` with a custom mask.
+
+    custom_mask  [sum(q * kv)] bool  request after request, each [q, kv] block row-major
+    mask_indptr  [R + 1] int64       where each request's block starts in custom_mask
+    qo_indptr    [R + 1] int64       query offsets (vLLM's query_start_loc)
+    kv_lens      [R] int64           KV length of each request after this step's tokens
+    """
+
+    custom_mask: Tensor
+    mask_indptr: Tensor
+    qo_indptr: Tensor
+    kv_lens: Tensor
+
+
+def flashinfer_custom_mask(query_lens: Tensor, seq_lens: Tensor, causal: Tensor,
+                           tree: TreeStepMasks | None = None) -> FlashInferMask:
+    """The flat custom mask for a whole step (tree, causal and non-causal requests alike), on device.
+
+    Built element by element from :func:`may_attend` (no dense [R, max_q, max_kv] intermediate),
+    so its size is the sum over requests of q * kv. Pass it unpacked: with ``packed_custom_mask``
+    FlashInfer's plan() keeps an element-count indptr and later requests read garbage (design notes §5).
+    """
+    dev = query_lens.device
+    sizes = query_lens * seq_lens
+    mask_indptr = torch.zeros(sizes.shape[0] + 1, dtype=torch.int64, device=dev)
+    mask_indptr[1:] = torch.cumsum(sizes, 0)
+    req = torch.repeat_interleave(torch.arange(sizes.shape[0], device=dev), sizes)
+    local = torch.arange(req.shape[0], device=dev) - mask_indptr[req]
+    kv = seq_lens[req]
+    mask = may_attend(req, local // kv, local % kv, query_lens, seq_lens, causal, tree)
+    qo_indptr = torch.zeros_like(mask_indptr)
+    qo_indptr[1:] = torch.cumsum(query_lens, 0)
+    return FlashInferMask(mask, mask_indptr, qo_indptr, seq_lens.long())
+
+
+def pack_tree_spec_mask(tree: TreeStepMasks, max_q: int) -> Tensor:
+    """[sum(num_rows of tree requests), 2 * ceil(max_q / 32)] uint16: each tree row's bitmask over its
+    request's new tokens (the tree rows), in the XQA speculative-decode layout (see module docstring).
+
+    Every request in ``tree.has_tree`` contributes its ``num_rows`` rows, in batch order.
+    """
+    words = (max_q + 31) // 32
+    n = tree.ancestors.shape[1]
+    width = words * 32
+    anc = torch.zeros(tree.ancestors.shape[0], n, width, dtype=torch.bool, device=tree.ancestors.device)
+    anc[:, :, :n] = tree.ancestors
+    b = torch.arange(width, device=anc.device)
+    anc &= (b < tree.num_rows.view(-1, 1, 1))  # no bits for padding rows
+    keep = tree.has_tree.view(-1, 1) & (torch.arange(n, device=anc.device) < tree.num_rows.view(-1, 1))
+    rows = anc[keep]  # [sum rows, width]
+    bits = torch.ones(32, dtype=torch.int64, device=anc.device) << torch.arange(32, device=anc.device)
+    u32 = (rows.view(-1, words, 32).long() * bits).sum(-1)  # [rows, words], values < 2**32
+    lo, hi = u32 & 0xFFFF, u32 >> 16
+    u16 = torch.stack([lo, hi], -1).view(-1, words * 2)  # little-endian halves of each 32-bit word
+    return u16.to(torch.int32).to(torch.uint16)
