@@ -196,13 +196,21 @@ class DDTreeProposer(DFlashProposer):
         self._last_propose = now
 
     def _sample_draft_tokens(self, hidden_states: Tensor, sampling_metadata):
-        """Keep the mask rows' logits for the tree (parallel drafting: [R * W, H]).
+        """Keep the mask rows' logits for the tree (parallel drafting: hidden_states [R * W, H]).
 
         With a reduced draft vocabulary, vLLM's compute_logits scatters into the full target
         vocabulary (-inf elsewhere); the tree only needs the top-K, so take the draft-vocabulary
         logits and map the chosen ids through d2t instead (smaller top-k, no scatter).
         """
         model = self.model
+        # A tree of `build` nodes is at most `build` deep: the LM head (the drafter's largest matmul,
+        # 49152 x H with a shared target head) only runs on the depths the tree can use. The block's
+        # hidden states still come from all W mask rows (its attention is bidirectional).
+        self._build = self.options.tree_budget if self.auto is None else self.auto.build_width()
+        self._depth = min(self.width, self._build)
+        rows = hidden_states.shape[0]
+        r = rows // self.width
+        hidden_states = hidden_states.view(r, self.width, -1)[:, : self._depth].reshape(r * self._depth, -1)
         d2t = getattr(model, "draft_id_to_target_id", None)
         if d2t is not None and hasattr(model, "logits_processor") and hasattr(model, "lm_head"):
             self._logits = model.logits_processor(model.lm_head, hidden_states)
@@ -210,14 +218,14 @@ class DDTreeProposer(DFlashProposer):
         else:
             self._logits = model.compute_logits(hidden_states)
             self._draft_to_target = None
-        return torch.zeros(hidden_states.shape[0], dtype=torch.int64, device=hidden_states.device), None
+        return torch.zeros(rows, dtype=torch.int64, device=hidden_states.device), None  # vLLM views it [R, W]
 
     def _tree_drafts(self, cad) -> list[list[int]]:
         runner = self.runner
         req_ids = list(runner.input_batch.req_ids)
         r = len(req_ids)
-        logits = self._logits.view(r, self.width, -1)
-        build = self.options.tree_budget if self.auto is None else self.auto.build_width()
+        logits = self._logits.view(r, self._depth, -1)  # [R, depth, V]: the depths a tree can reach
+        build = self._build
         k = min(build, logits.shape[-1])
         top_logp, top_ids = topk_per_depth(logits, k)
         if self._draft_to_target is not None:
