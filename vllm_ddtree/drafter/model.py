@@ -236,17 +236,20 @@ class DFlashDrafter(nn.Module):
         ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],
         mask: torch.Tensor | None = None,
         compute_logits: bool = True,
+        logit_positions: int | None = None,
     ) -> DrafterOutput:
         """Run block queries [B, Q] at ``block_positions`` [B, Q] against per-layer context K/V.
 
         ``mask`` bool [B, Q, C + Q]: which context and block keys each query may see (None = all).
+        ``logit_positions``: LM head on the first n block positions only (the block attention still
+        spans all Q; a tree of B nodes needs at most 1 + B).
         """
         x = self.embed(block_token_ids)
         cos, sin = rope_cos_sin(block_positions, self.cfg.head_dim, self.cfg.rope_theta)
         for layer, (ck, cv) in zip(self.layers, ctx_kv):
             x = layer(x, cos, sin, ck, cv, mask)
         hidden = self.norm(x)
-        logits = self.lm_head(hidden) if compute_logits else hidden.new_zeros(0)
+        logits = self.lm_head(hidden[:, :logit_positions]) if compute_logits else hidden.new_zeros(0)
         return DrafterOutput(hidden=hidden, logits=logits)
 
     # ---- the API the reference decoder calls ----------------------------------------------
@@ -258,6 +261,7 @@ class DFlashDrafter(nn.Module):
         context_positions: torch.Tensor | None = None,
         cache: "DrafterKVCache | None" = None,
         context_mask: torch.Tensor | None = None,
+        logit_positions: int | None = None,
     ) -> DrafterOutput:
         """Draft one block per row.
 
@@ -270,6 +274,7 @@ class DFlashDrafter(nn.Module):
             cache: committed context K/V (see :class:`DrafterKVCache`); may be None when all
                 context comes in ``context_features``.
             context_mask: optional bool [B, C_total] marking valid context columns (padding).
+            logit_positions: compute logits for the first n block positions only (default all).
 
         Returns: :class:`DrafterOutput` with logits over the draft vocabulary; use
         :meth:`to_target_logits` for target-vocabulary logits.
@@ -290,7 +295,7 @@ class DFlashDrafter(nn.Module):
             B, Q = block_token_ids.shape
             blk = torch.ones((B, Q), dtype=torch.bool, device=block_token_ids.device)
             mask = torch.cat([context_mask.bool(), blk], 1)[:, None, :].expand(B, Q, -1)
-        return self.run_blocks(block_token_ids, block_positions, kv, mask)
+        return self.run_blocks(block_token_ids, block_positions, kv, mask, logit_positions=logit_positions)
 
 
 def make_block(root_ids: torch.Tensor, start_positions: torch.Tensor, block_size: int, mask_token_id: int = MASK_TOKEN_ID) -> tuple[torch.Tensor, torch.Tensor]:

@@ -235,10 +235,12 @@ class ReferenceDecoder:
             t_step = time.perf_counter()
             # 1. Draft: one block [root, MASK x L] against the committed context.
             block, bpos = make_block(torch.tensor([root]), torch.tensor([ctx]), self.depth + 1)
-            draft = self.drafter(block, bpos, new_feats, new_pos, cache=drafter_cache)
             budget = self.depth if spec.method == "dflash" else spec.budget
             if auto is not None:
                 budget = auto.build_width()
+            # A tree of `budget` nodes is at most `budget` deep: logits for the root + those depths only.
+            draft = self.drafter(block, bpos, new_feats, new_pos, cache=drafter_cache,
+                                 logit_positions=1 + min(self.depth, budget))
             top_logp, top_draft_ids = self._candidates(draft.logits[:, 1:], spec, budget)
             top_ids = self.draft_to_target[top_draft_ids]
             # 2. Tree.
