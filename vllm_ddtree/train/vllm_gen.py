@@ -19,6 +19,23 @@ import time
 from pathlib import Path
 
 
+SITE_ID_BASE, SITE_CHUNK_BASE = 100000, 1000
+
+
+def select_prompts(source: str, site_root: str | None = None) -> tuple[list[str], int, int]:
+    """(prompts, first prompt id, first chunk number) of a source: "stdlib", or "site" (installed
+    packages, minus any prompt stdlib also gives) in its own id and file ranges, so chunks of the two
+    sources never collide."""
+    from vllm_ddtree.train.prompts import site_prompts, stdlib_prompts
+
+    prompts = stdlib_prompts()
+    if source == "stdlib":
+        return prompts, 0, 0
+    if source == "site":
+        return site_prompts(exclude_prompts=set(prompts), root=site_root), SITE_ID_BASE, SITE_CHUNK_BASE
+    raise ValueError(f"unknown prompt source {source!r}: use 'stdlib' or 'site'")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/gen")
@@ -27,6 +44,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--minutes", type=float, default=35.0)
     ap.add_argument("--sample-every", type=int, default=3, help="every k-th chunk samples at T=1, others greedy")
     ap.add_argument("--skip-prompts", default="", help="comma-separated prompt ids already covered elsewhere")
+    ap.add_argument("--source", choices=["stdlib", "site"], default="stdlib",
+                    help="site: prompts from installed packages; prompt ids from 100000, chunk files from 1000")
     args = ap.parse_args(argv)
 
     t0 = time.time()
@@ -35,11 +54,10 @@ def main(argv: list[str] | None = None) -> None:
 
     from vllm_ddtree.data.humaneval import chat_prompt
     from vllm_ddtree.models.target import prepare_target
-    from vllm_ddtree.train.prompts import stdlib_prompts
 
     tdir = prepare_target()
     tok = AutoTokenizer.from_pretrained(tdir)
-    prompts = stdlib_prompts()
+    prompts, id_base, chunk_base = select_prompts(args.source)
     skip = {int(x) for x in args.skip_prompts.split(",") if x}
     ids = [tok(chat_prompt(tok, p), add_special_tokens=False)["input_ids"] for p in prompts]
     keep = [i for i in range(len(ids)) if len(ids[i]) <= 384 and i not in skip]
@@ -49,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     log = open(out / "gen.log", "a")
     total = 0
     for c in range(0, (len(keep) + args.chunk - 1) // args.chunk):
-        path = out / f"responses_{c:04d}.jsonl"
+        path = out / f"responses_{chunk_base + c:04d}.jsonl"
         if path.exists():
             continue
         if time.time() - t0 > args.minutes * 60:
@@ -67,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
             for m, o in zip(members, outs):
                 resp = list(o.outputs[0].token_ids)
                 n += len(resp)
-                f.write(json.dumps({"prompt_id": m, "mode": "t1" if temp else "greedy",
+                f.write(json.dumps({"prompt_id": id_base + m, "mode": "t1" if temp else "greedy",
                                     "prompt_ids": ids[m], "response_ids": resp}) + "\n")
         os.replace(tmp, path)
         total += n
