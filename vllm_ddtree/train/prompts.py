@@ -80,9 +80,13 @@ def stdlib_prompts(exclude_names: set[str] | None = None, seed: int = 0, root: s
         from vllm_ddtree.data.humaneval import load_humaneval
 
         exclude_names = {p["entry_point"] for p in load_humaneval()}
-    seen: set[str] = set()
+    return _collect(stdlib_files(root), exclude_names, seed, set())
+
+
+def _collect(files: list[Path], exclude_names: set[str], seed: int, seen: set[str]) -> list[str]:
+    """Function prompts of `files`, minus those in `seen`, deduplicated and shuffled with `seed`."""
     prompts: list[str] = []
-    for path in stdlib_files(root):
+    for path in files:
         for p in _function_prompts(path, exclude_names):
             if p not in seen:
                 seen.add(p)
@@ -106,14 +110,6 @@ def site_prompts(exclude_names: set[str] | None = None, seed: int = 0, root: str
 
         exclude_names = {p["entry_point"] for p in load_humaneval()}
     base = Path(root or sysconfig.get_paths()["purelib"])
-    seen: set[str] = set(exclude_prompts or ())
-    prompts: list[str] = []
-    for path in sorted(base.rglob("*.py")):
-        if any(part in _SITE_SKIP or part.endswith(".dist-info") for part in path.relative_to(base).parts):
-            continue
-        for p in _function_prompts(path, exclude_names):
-            if p not in seen:
-                seen.add(p)
-                prompts.append(p)
-    random.Random(seed).shuffle(prompts)
-    return prompts
+    files = [path for path in sorted(base.rglob("*.py"))
+             if not any(part in _SITE_SKIP or part.endswith(".dist-info") for part in path.relative_to(base).parts)]
+    return _collect(files, exclude_names, seed, set(exclude_prompts or ()))
