@@ -200,3 +200,46 @@ def test_training_log_plot_reads_resumed_runs_and_picked_up_shards(tmp_path):
     assert log["data"] == [(0, 20000, True), (100, 30000.0, False), (300, 33000, True)]
     plot_log(path, tmp_path / "t.png")
     assert (tmp_path / "t.png").stat().st_size > 10_000
+
+
+def test_grow_layers_keeps_the_trained_drafter_and_its_adam_state():
+    """Deepening a trained 1-layer drafter to 2 layers: same logits before any step (the new layer
+    adds zero), the old parameters keep their Adam moments, and training then moves the new layer."""
+    from vllm_ddtree.train.dflash import grow_layers
+
+    small, cfg = _tiny()
+    cfg1 = DrafterConfig(**{**cfg.__dict__, "num_hidden_layers": 1})
+    torch.manual_seed(1)
+    m1 = DFlashDrafter(cfg1, small.embed_tokens)
+    for p in m1.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    r = _record(cfg, 12, 3, 5)
+    ids, pos = make_block(r["tokens"][6:7].long(), torch.tensor([6]), cfg.block_size, cfg.mask_token_id)
+    kw = dict(context_features=r["features"][:6].float()[None], context_positions=torch.arange(6)[None])
+
+    def step(m, opt):
+        opt.zero_grad()
+        m(ids, pos, **kw).logits.logsumexp(-1).sum().backward()
+        opt.step()
+
+    opt1 = torch.optim.AdamW(list(m1.parameters()), lr=1e-2)
+    step(m1, opt1)
+    m2 = DFlashDrafter(cfg, small.embed_tokens)  # 2 layers, fresh (random) second layer
+    params2 = list(m2.parameters())
+    opt2 = torch.optim.AdamW(params2, lr=1e-2)
+    sd, osd = grow_layers(m2, m1.state_dict(), opt1.state_dict(), params2)
+    m2.load_state_dict(sd)
+    opt2.load_state_dict(osd)
+    with torch.no_grad():
+        torch.testing.assert_close(m2(ids, pos, **kw).logits, m1(ids, pos, **kw).logits)
+    assert not m2.layers[1].self_attn.o_proj.weight.any() and m2.layers[1].self_attn.q_proj.weight.any()
+    moved = {n: opt2.state[p]["exp_avg"].clone() for n, p in m2.named_parameters() if p in opt2.state}
+    assert set(moved) == {n for n, _ in m1.named_parameters()}  # exactly the trained parameters
+    torch.testing.assert_close(moved["layers.0.mlp.up_proj.weight"], opt1.state[m1.layers[0].mlp.up_proj.weight]["exp_avg"])
+    step(m2, opt2)
+    assert m2.layers[1].self_attn.o_proj.weight.any()  # the new layer trains
+    assert float(opt2.state[m2.layers[0].mlp.up_proj.weight]["step"]) == 2.0  # the old ones continue
+    import pytest
+
+    with pytest.raises(ValueError, match="only add layers"):
+        grow_layers(m1, m2.state_dict(), opt2.state_dict(), list(m1.parameters()))

@@ -12,6 +12,7 @@ accuracy).
 
 Resumable: ``--out`` holds ``state.pt`` (model, optimiser, step, elapsed time) written every
 ``--ckpt-every`` steps; rerunning the same command continues. ``train_log.jsonl`` logs loss.
+Rerunning it with a larger ``--layers`` deepens the trained drafter (:func:`grow_layers`).
 """
 
 from __future__ import annotations
@@ -172,6 +173,36 @@ def _remap_head_optimizer_state(opt_sd: dict, head_index: int, old_vocab: torch.
         nv[kept_new] = v[kept_old]
         st[k] = nv
     return opt_sd
+
+
+def grow_layers(model: DFlashDrafter, model_sd: dict, opt_sd: dict, params: list[torch.nn.Parameter]) -> tuple[dict, dict]:
+    """Deepen a trained drafter on resume (``--layers`` above the checkpoint's): a state dict and an
+    AdamW state for ``model``, which has more layers than ``model_sd``.
+
+    The trained layers keep their weights; each new layer keeps ``model``'s initialisation (the
+    target's next layer, see :func:`init_from_target`) with ``o_proj`` and ``down_proj`` zeroed, so it
+    adds nothing to the residual stream: the grown drafter computes exactly what the trained one
+    did, and training goes on from there instead of from scratch. Adam moments follow their
+    parameters by name; new parameters start without any. ``params``: the optimiser's parameters,
+    in its order.
+    """
+    sd = model.state_dict()
+    missing = [k for k in model_sd if k not in sd]
+    if missing:
+        raise ValueError(f"checkpoint has entries the grown drafter lacks: {missing[:4]}; "
+                         "--layers can only add layers")
+    new_keys = [k for k in sd if k not in model_sd]
+    sd.update(model_sd)
+    for k in new_keys:
+        if k.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
+            sd[k] = torch.zeros_like(sd[k])
+    names = {id(p): n for n, p in model.named_parameters()}
+    new_names = [names[id(p)] for p in params]
+    old_names = [n for n in new_names if n in model_sd]  # new layers come after the old ones: same order
+    where = {n: i for i, n in enumerate(new_names)}
+    state = {where[old_names[i]]: st for i, st in opt_sd["state"].items()}
+    groups = [{**opt_sd["param_groups"][0], "params": list(range(len(new_names)))}]
+    return sd, {"state": state, "param_groups": groups}
 
 
 @dataclass
@@ -384,7 +415,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--data", default="runs/data")
     ap.add_argument("--out", default="runs/train")
     ap.add_argument("--minutes", type=float, default=50.0, help="training time budget (lr schedule spans it)")
-    ap.add_argument("--layers", type=int, default=1)
+    ap.add_argument("--layers", type=int, default=1,
+                    help="decoder layers; on resume, more than the checkpoint's grows it (grow_layers)")
     ap.add_argument("--target-layer-ids", default="1,8,14,20,27")
     ap.add_argument("--draft-vocab", type=int, default=8192)
     ap.add_argument("--vocab-file", default=None,
@@ -469,6 +501,13 @@ def main(argv: list[str] | None = None) -> None:
             if model.lm_head.weight.requires_grad:
                 head_index = next(i for i, p in enumerate(params) if p is model.lm_head.weight)
                 osd = _remap_head_optimizer_state(osd, head_index, old_vocab, draft_vocab)
+        resumed_layers = 1 + max(int(k.split(".")[1]) for k in msd if k.startswith("layers."))
+        if resumed_layers > cfg.num_hidden_layers:
+            raise ValueError(f"{state_path} has {resumed_layers} layers but --layers is {cfg.num_hidden_layers}; "
+                             f"pass --layers {resumed_layers} or more")
+        if resumed_layers < cfg.num_hidden_layers:
+            msd, osd = grow_layers(model, msd, osd, params)
+            print(f"grew the drafter from {resumed_layers} to {cfg.num_hidden_layers} layers", flush=True)
         model.load_state_dict(msd)
         opt.load_state_dict(osd)
         step, elapsed = resume["step"], resume["elapsed"]
