@@ -32,6 +32,10 @@ def method_grid(budgets: list[int], ngram_weight: float, adaptive_max: int) -> l
     grid += [("ddtree", b, SpecConfig(method="ddtree", budget=b)) for b in budgets]
     grid += [("ddtree+ngram", b, SpecConfig(method="ddtree", budget=b, ngram_weight=ngram_weight)) for b in budgets]
     grid.append(("ddtree-auto", None, SpecConfig(method="ddtree", budget=adaptive_max, adaptive=True)))
+    # What `tree_budget="auto"` serves by default in vLLM (n-gram rescoring on): compared with the
+    # best fixed budget of the same scoring.
+    grid.append(("ddtree+ngram-auto", None,
+                 SpecConfig(method="ddtree", budget=adaptive_max, adaptive=True, ngram_weight=ngram_weight)))
     return grid
 
 
@@ -77,7 +81,7 @@ def main() -> None:
                     mismatches[(name, budget)] += 1
         # The adaptive controller carries over between temperatures (as a server would): record its
         # state at the end of each temperature's prompts.
-        calibration[temp] = decoder.auto_budget(grid[-1][2]).summary()
+        calibration[temp] = {name: decoder.auto_budget(spec).summary() for name, _, spec in grid if spec.adaptive}
 
     rows = []
     for temp in temps:
@@ -102,8 +106,8 @@ def main() -> None:
                     prompts=len(res),
                 )
             )
-            if name == "ddtree-auto":
-                rows[-1]["calibration"] = calibration[temp]
+            if name in calibration[temp]:
+                rows[-1]["calibration"] = calibration[temp][name]
     print(f"\n{n_prompts} HumanEval prompts, max_new_tokens {max_new}, float32, batch 1, {args.threads} threads")
     print(f"{'method':<14}{'B':>5}{'T':>4}{'tau':>7}{'tok/s':>8}{'vs AR':>7}{'nodes':>7}{'diff':>6}")
     for r in rows:
@@ -127,7 +131,8 @@ def plot_rows(rows: list[dict], temps: list[float], path: str) -> None:
 
     plot_vs_budget(rows, "temperature", temps, "T = {:g}",
                    series=[("ddtree", "o-", "ddtree"), ("ddtree+ngram", "s--", "ddtree+ngram")],
-                   lines=[("dflash", "tab:red"), ("ddtree-auto", "tab:green"), ("ar", "gray")],
+                   lines=[("dflash", "tab:red"), ("ddtree-auto", "tab:green"), ("ddtree+ngram-auto", "tab:olive"),
+                          ("ar", "gray")],
                    metrics=[("tau", "tau (tokens / target forward)"), ("speedup_vs_ar", "speedup vs AR")], path=path)
 
 

@@ -141,7 +141,9 @@ class ReferenceDecoder:
         self.target = target.eval()
         self.drafter = drafter.eval() if drafter is not None else None
         self.eos = set(eos_token_ids)
-        self.auto: dict[tuple[int, int], AutoBudget] = {}  # (min_budget, budget) -> its calibrated controller
+        # (min_budget, budget, ngram_weight) -> its calibrated controller: n-gram rescoring changes how
+        # far the drafter's prefix probabilities can be trusted, so each scoring learns its own.
+        self.auto: dict[tuple[int, int, float], AutoBudget] = {}
         if drafter is not None:
             self.layer_ids = list(drafter.cfg.target_layer_ids)
             self.depth = drafter.cfg.block_size - 1
@@ -174,8 +176,8 @@ class ReferenceDecoder:
         return sample_tokens(process_logits(logits, sampling), generator=gen)
 
     def auto_budget(self, spec: SpecConfig) -> AutoBudget:
-        """The adaptive budget's controller for this range, created on first use (roofline prior)."""
-        key = (spec.min_budget, spec.budget)
+        """The adaptive budget's controller for this range and scoring, created on first use (roofline prior)."""
+        key = (spec.min_budget, spec.budget, spec.ngram_weight)
         if key not in self.auto:
             shape = ModelShape.from_hf_config(self.target.config, str(self.target.dtype))
             self.auto[key] = AutoBudget(CostModel(shape, get_profile("cpu")), spec.min_budget, spec.budget)
