@@ -185,11 +185,11 @@ def test_training_log_plot_reads_resumed_runs_and_picked_up_shards(tmp_path):
     from vllm_ddtree.train.plot_log import plot_log, read_log
 
     recs = [
-        {"event": "start", "step": 0, "train_seqs": 100, "train_resp_tokens": 20000},
+        {"event": "start", "step": 0, "train_seqs": 100, "train_resp_tokens": 20000, "cfg": {"num_hidden_layers": 1}},
         {"step": 10, "elapsed": 5.0, "loss": 9.0, "loss_ema": 9.0, "lr": 1e-4},
         {"event": "new_shard", "step": 100, "shard": "s.pt", "train_seqs": 150, "heldout_seqs": 5},
-        {"step": 300, "eval": {"mean_accepted": 0.2}},
-        {"event": "start", "step": 300, "train_seqs": 150, "train_resp_tokens": 33000},
+        {"step": 300, "eval": {"mean_accepted": 0.2, "loss": 4.5}},
+        {"event": "start", "step": 300, "train_seqs": 150, "train_resp_tokens": 33000, "cfg": {"num_hidden_layers": 2}},
         {"step": 310, "elapsed": 9.0, "loss": 5.0, "loss_ema": 6.0, "lr": 1e-4},
         {"event": "final", "step": 310, "eval": {"mean_accepted": 0.25}},  # not a curve point
     ]
@@ -198,6 +198,7 @@ def test_training_log_plot_reads_resumed_runs_and_picked_up_shards(tmp_path):
     log = read_log(path)
     assert log["loss"] == [(10, 9.0), (310, 6.0)] and log["evals"] == [(300, 0.2)]
     assert log["data"] == [(0, 20000, True), (100, 30000.0, False), (300, 33000, True)]
+    assert log["eval_loss"] == [(300, 4.5)] and log["layers"] == [(0, 1), (300, 2)]
     plot_log(path, tmp_path / "t.png")
     assert (tmp_path / "t.png").stat().st_size > 10_000
 

@@ -14,8 +14,9 @@ from pathlib import Path
 
 
 def read_log(path: str | Path) -> dict:
-    """Split a train_log.jsonl into loss points, held-out evaluations and data-size events."""
-    loss, evals, data = [], [], []
+    """Split a train_log.jsonl into loss points, held-out evaluations (mean accepted run, and loss),
+    data-size events and the drafter's layer count at each run start."""
+    loss, evals, eval_loss, data, layers = [], [], [], [], []
     tokens_per_seq = None
     for line in Path(path).read_text().splitlines():
         rec = json.loads(line)
@@ -23,13 +24,17 @@ def read_log(path: str | Path) -> dict:
             loss.append((rec["step"], rec["loss_ema"]))
         elif "eval" in rec and "event" not in rec:
             evals.append((rec["step"], rec["eval"]["mean_accepted"]))
+            if "loss" in rec["eval"]:
+                eval_loss.append((rec["step"], rec["eval"]["loss"]))
         elif rec.get("event") == "start":
+            if "cfg" in rec and isinstance(rec["cfg"], dict):
+                layers.append((rec["step"], rec["cfg"]["num_hidden_layers"]))
             tokens_per_seq = rec["train_resp_tokens"] / max(rec["train_seqs"], 1)
             data.append((rec["step"], rec["train_resp_tokens"], True))
         elif rec.get("event") == "new_shard" and tokens_per_seq:
             # new_shard records carry sequence counts only: tokens estimated at the run's mean length.
             data.append((rec["step"], rec["train_seqs"] * tokens_per_seq, False))
-    return {"loss": loss, "evals": evals, "data": data}
+    return {"loss": loss, "evals": evals, "eval_loss": eval_loss, "data": data, "layers": layers}
 
 
 def plot_log(path: str | Path, out: str | Path) -> None:
@@ -45,7 +50,10 @@ def plot_log(path: str | Path, out: str | Path) -> None:
         ax_loss.plot(*zip(*log["loss"]), lw=0.8, color="tab:blue")
         settled = [v for _, v in log["loss"][len(log["loss"]) // 20:]]  # skip the first descent
         ax_loss.set_ylim(min(settled) - 0.2, max(settled) + 0.2)
-    ax_loss.set_ylabel("training loss (EMA, weighted CE)")
+    if log["eval_loss"]:  # far less noisy than the mean run of 48 responses below
+        ax_loss.plot(*zip(*log["eval_loss"]), "o-", ms=3, color="tab:orange", label="held-out (first 48)")
+        ax_loss.legend(loc="upper right", fontsize=7)
+    ax_loss.set_ylabel("loss (weighted CE)\ntraining EMA / held-out")
     if log["evals"]:
         ax_eval.plot(*zip(*log["evals"]), "o-", ms=3, color="tab:green")
     ax_eval.set_ylabel("held-out mean accepted run\n(first 48 held-out responses)")
@@ -56,6 +64,12 @@ def plot_log(path: str | Path, out: str | Path) -> None:
         if is_start:
             ax_loss.annotate(f"{tokens / 1000:.0f}K tok", (step, 1), xycoords=("data", "axes fraction"),
                              rotation=90, va="top", ha="right", fontsize=7, color="grey")
+    prev = None
+    for step, n in log["layers"]:
+        if n != prev:
+            ax_eval.annotate(f"{n} layer{'s' if n > 1 else ''}", (step, 0.02), xycoords=("data", "axes fraction"),
+                             rotation=90, va="bottom", ha="left", fontsize=7, color="tab:purple")
+        prev = n
     for ax in (ax_loss, ax_eval):
         ax.grid(alpha=0.3)
     ax_loss.set_title("DFlash drafter training (vertical lines: run starts with their training response tokens; "
