@@ -11,6 +11,8 @@ Cycle cost C = T_draft + T_aux + T_verify, T_verify from a roofline of the targe
 grow with the step's total tokens), times a linear calibration fitted to measured step times and an
 online EMA correction. Estimated speedup A(N) / C(N) is maximised exactly over [min, max] budget
 with a cumulative sum and an argmax on device (no host round trip, no first-descent heuristic).
+While decoding, the automatic budget maximises A(N) - rate * C(N) instead, rate = the throughput its
+plans reach: over many steps that, not each step's own A / C, maximises tokens per second.
 
 Batch-aware allocation: one step verifies every request's tree together, so the cost depends on the
 *total* number of tree tokens. `allocate_batch` merges all requests' (non-increasing) gains in one
@@ -259,13 +261,21 @@ def choose_budgets(
 
 
 def allocate_batch(
-    draft_logp: Tensor, context_lens: Tensor, cost: CostModel, min_budget: int = 1, max_budget: int | None = None
+    draft_logp: Tensor, context_lens: Tensor, cost: CostModel, min_budget: int = 1, max_budget: int | None = None,
+    rate: Tensor | float | None = None,
 ) -> BudgetPlan:
     """Batch-aware BASTION: one best-first over all requests' nodes against the batch step cost.
 
     Every request gets at least `min_budget` nodes; the remaining node slots (up to `max_budget`
     each) are merged across requests by gain, and the total that maximises the batch's expected
     tokens per second is kept. Runs on device: a sort, a cumulative sum, an argmax.
+
+    `rate` (tokens/s, a [] tensor or float): maximise expected tokens - rate * step seconds instead.
+    Decoding runs many steps, and its throughput is sum(A) / sum(C), not the mean of A / C: that
+    ratio of sums is maximised by buying each node whose gain exceeds `rate` times its cost, with
+    `rate` the throughput achieved (Dinkelbach). One step's own A / C as the bar instead buys too
+    little on confident steps and too much on unsure ones. With `rate` equal to this step's best
+    A / C both objectives choose the same plan.
     """
     r, width = draft_logp.shape
     max_budget = max_budget or width
@@ -281,8 +291,9 @@ def allocate_batch(
     extra = torch.arange(r * w + 1, device=flat.device, dtype=torch.float32)
     total_nodes = extra + r * min_budget
     expected = r + forced + cum
-    speed = expected / cost.step_seconds(total_nodes, context_lens.sum(), r)
-    best = speed.argmax()
+    secs = cost.step_seconds(total_nodes, context_lens.sum(), r)
+    score = expected / secs if rate is None else expected - torch.as_tensor(rate, device=secs.device) * secs
+    best = score.argmax()
     chosen = torch.arange(r * w, device=flat.device) < best
     picked = torch.zeros(r * w, dtype=torch.int64, device=flat.device).scatter_(0, order, chosen.long())
     budgets = min_budget + picked.view(r, w).sum(dim=1)
@@ -423,6 +434,10 @@ class AutoBudget:
     sizes (every step stays lossless; only its size is forced). After that, trees are built only
     twice as wide as the largest one kept last step (at least 8): candidate selection and n-gram
     scoring cost grow with the width, and the controller can still double each step.
+
+    Each step buys the nodes worth more than the throughput the controller's own plans have reached
+    (`rate`: EMA of planned tokens over EMA of planned seconds; see `allocate_batch`), not the nodes
+    that maximise that one step's tokens per second.
     """
 
     cost: CostModel
@@ -431,9 +446,14 @@ class AutoBudget:
     calibration: CostCalibration | None = None
     acceptance: AcceptanceCalibration = field(default_factory=AcceptanceCalibration)
     build_cap: int = 0
+    rate_alpha: float = 0.05
+    planned_tokens: Tensor | None = None  # [] EMA of the chosen plans' expected tokens
+    planned_seconds: Tensor | None = None  # [] EMA of their predicted step seconds
 
     def __post_init__(self) -> None:
         _check_bounds(self.min_budget, self.max_budget, self.max_budget)
+        if not 0 < self.rate_alpha <= 1:
+            raise ValueError(f"rate_alpha must be in (0, 1], got {self.rate_alpha}")
         if self.calibration is None:
             self.calibration = CostCalibration.for_range(self.cost, self.min_budget, self.max_budget)
         self.build_cap = self.build_cap or self.max_budget
@@ -453,7 +473,21 @@ class AutoBudget:
             return None
         width = draft_logp.shape[1]
         logp = self.acceptance.rescale(draft_logp)
-        return allocate_batch(logp, context_lens.float(), self.cost, min(self.min_budget, width), width).budgets
+        plan = allocate_batch(logp, context_lens.float(), self.cost, min(self.min_budget, width), width, self.rate)
+        if self.planned_tokens is None:  # the first plan (a step's own best ratio) seeds the rate
+            self.planned_tokens, self.planned_seconds = plan.expected_tokens.clone(), plan.step_seconds.clone()
+        else:
+            a = self.rate_alpha
+            self.planned_tokens.mul_(1 - a).add_(plan.expected_tokens, alpha=a)
+            self.planned_seconds.mul_(1 - a).add_(plan.step_seconds, alpha=a)
+        return plan.budgets
+
+    @property
+    def rate(self) -> Tensor | None:
+        """[] tokens per second the chosen plans are expected to reach (None before the first)."""
+        if self.planned_tokens is None:
+            return None
+        return self.planned_tokens / self.planned_seconds
 
     def grow(self, largest: int) -> None:
         """Next step's width from the largest tree kept this step (a host int the caller already has)."""
@@ -472,4 +506,5 @@ class AutoBudget:
         c = self.cost
         return {"cost_calibrated": self.calibration.calibrated, "cost_intercept_ms": 1e3 * c.intercept,
                 "cost_per_token_ms": 1e3 * c.per_token, "cost_roofline_slope": c.slope,
-                "drafter_confidence_exponent": float(self.acceptance.beta)}
+                "drafter_confidence_exponent": float(self.acceptance.beta),
+                "planned_tokens_per_s": None if self.rate is None else float(self.rate)}
