@@ -3,7 +3,8 @@
 A tiny random Llama target with a 32-token vocabulary and a random DFlash drafter: a budget of 64
 covers every depth-1 token, so every step accepts a node (usually off the drafter's top-1 spine),
 and n-gram rescoring follows the target's short cycles to accept 3-4 deep paths: KV compaction
-runs on every step. (The real SmolLM2 pair is tested in the vLLM tests.)
+runs on every step. (The real SmolLM2 pair is tested in the vLLM tests.) At the end: replaying a
+fixed budget on teacher-forced trees (`reference.replay`) gives the decoder's accepted lengths.
 """
 
 import pytest
@@ -13,6 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from vllm_ddtree.drafter import DFlashDrafter, DrafterConfig
 from vllm_ddtree.reference import ReferenceDecoder, SamplingConfig, SpecConfig
+from vllm_ddtree.reference.replay import PositionTree, fit_step_cost, replay, teacher_forced_trees
 
 VOCAB = 32
 SHARPEN = 4.0
@@ -133,3 +135,40 @@ def test_bad_configs_raise(decoder):
         SpecConfig(method="dflash", adaptive=True)
     with pytest.raises(ValueError, match="needs a drafter"):
         ReferenceDecoder(decoder.target).generate([1], 3, SpecConfig(method="ddtree"))
+
+
+# ---- replay of budget rules on teacher-forced trees (vllm_ddtree.reference.replay) ----
+@pytest.mark.parametrize("budget,width,ngram", [(1, 1, 0.0), (8, 8, 0.0), (8, 64, 0.0), (64, 64, 0.0), (24, 24, 1.0)])
+def test_fixed_budget_replays_to_the_decoders_accepted_lengths(decoder, budget, width, ngram):
+    for prompt in PROMPTS:
+        spec = SpecConfig(method="ddtree", budget=budget, ngram_weight=ngram)
+        real = decoder.generate(prompt, 40, spec)
+        out = decoder.generate(prompt, 40, SpecConfig(method="ar")).tokens
+        trees = teacher_forced_trees(decoder, prompt, out, width, ngram_weight=ngram)
+        lengths = []
+        replay(trees, lambda t: budget, observe=lambda t, n, a: lengths.append(min(a + 1, t.remaining)))
+        assert lengths == real.accept_lengths
+
+
+def test_replay_steps_and_caps():
+    # Three roots; the path's nodes sit at best-first ranks 0 and 5 at the first root.
+    t0 = PositionTree(torch.zeros(8), torch.tensor([0, 5]), remaining=3, context=10)
+    t1 = PositionTree(torch.zeros(8), torch.tensor([0]), remaining=2, context=11)
+    t2 = PositionTree(torch.zeros(8), torch.tensor([], dtype=torch.long), remaining=1, context=12)
+    trees = [t0, t1, t2]
+    r = replay(trees, lambda t: 4, seconds=lambda n: 0.1 + 0.01 * n)
+    # budget 4: accepts rank 0 only at t0 -> emits 2, lands on t2 (remaining 1) -> emits 1.
+    assert (r.steps, r.tokens, r.nodes) == (2, 3, 8) and r.seconds == pytest.approx(0.28)
+    r = replay(trees, lambda t: 6)  # both path nodes, capped by the 3 tokens left
+    assert (r.steps, r.tokens) == (1, 3)
+    with pytest.raises(ValueError):
+        replay(trees, lambda t: -1)
+
+
+def test_step_cost_fit_recovers_a_line():
+    rows = [{"budget": b, "tau": 2.0, "tokens_per_s": 2.0 / (0.1 + 0.002 * b)} for b in (4, 8, 32, 64)]
+    rows.append({"budget": None, "tau": 1.0, "tokens_per_s": 20.0})  # AR and auto rows are ignored
+    c0, c1 = fit_step_cost(rows)
+    assert c0 == pytest.approx(0.1) and c1 == pytest.approx(0.002)
+    with pytest.raises(ValueError):
+        fit_step_cost(rows[:1])

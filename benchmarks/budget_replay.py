@@ -1,0 +1,141 @@
+"""Tree-budget rules replayed on the same greedy decodes: exact τ per rule, no timing noise.
+
+    python benchmarks/budget_replay.py [--prompts 10] [--max-new-tokens 64] --cost-from STUDY.json --json PATH
+
+For each HumanEval prompt the target's greedy output is decoded once, the drafter's tree at every
+root position is built once (teacher-forced, `vllm_ddtree.reference.replay`), and each rule is
+replayed on those trees: every fixed budget 1..width, the automatic budget as served
+(`AutoBudget`: calibrated drafter confidence, running-rate objective, width capped at twice the last
+choice), the previous rule (each step maximises its own A/C), and an oracle that knows each step's
+accepted path (an upper bound for any rule that sees only the draft). Accepted lengths are exact;
+tokens/s are modelled with a step cost c0 + c1 * nodes fitted to the fixed-budget rows of an
+acceptance study run on this machine (`--cost-from`), so rules are compared on identical trees and
+the same cost. A measurement, not a test. Writes JSON rows and a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from tqdm import tqdm
+
+from vllm_ddtree.data.humaneval import chat_prompt, load_humaneval
+from vllm_ddtree.reference import ReferenceDecoder, SpecConfig
+from vllm_ddtree.reference.pair import load_pair
+from vllm_ddtree.reference.replay import (
+    ReplayResult,
+    best_budget_in_hindsight,
+    fit_step_cost,
+    replay,
+    teacher_forced_trees,
+)
+from vllm_ddtree.tree import AcceptanceCalibration, AutoBudget, CostCalibration, CostModel, ModelShape, allocate_batch, get_profile
+
+
+def cost_model_for(shape: ModelShape, c0: float, c1: float) -> CostModel:
+    """A CostModel whose step time is c0 + c1 * nodes (a step verifies nodes + 1 rows)."""
+    return CostModel(shape, get_profile("cpu"), slope=1e-12, per_token=c1, intercept=max(c0 - c1, 0.0))
+
+
+def run_rules(trees_per_prompt, cost: CostModel, seconds, width: int) -> dict[str, ReplayResult]:
+    """Every rule over all prompts (online rules keep their state from one prompt to the next)."""
+    def total(choose, observe=None):
+        out = ReplayResult(0, 0, 0, 0.0)
+        for trees in trees_per_prompt:
+            out = out + replay(trees, choose, seconds, observe)
+        return out
+
+    res = {f"fixed-{n}": total(lambda t, n=n: n) for n in range(1, width + 1)}
+    ctx = lambda t: torch.tensor([float(t.context)])  # noqa: E731
+
+    cal = AcceptanceCalibration()  # the previous rule: each step's own best A/C
+    res["step-ratio"] = total(
+        lambda t: int(allocate_batch(cal.rescale(t.draft_logp[None]), ctx(t), cost, 1, width).budgets[0]),
+        lambda t, n, a: cal.update(t.draft_logp[None], (torch.arange(width) < n)[None], torch.tensor([a])))
+
+    auto = AutoBudget(cost, 1, width, calibration=CostCalibration(cost, ()))  # calibrated from the start
+
+    def auto_choose(t):
+        w = auto.build_width()
+        n = int(auto.choose(t.draft_logp[None, :w], ctx(t))[0])
+        auto.grow(n)
+        return n
+
+    res["auto"] = total(auto_choose, lambda t, n, a: auto.observe_acceptance(
+        t.draft_logp[None], (torch.arange(width) < n)[None], torch.tensor([a])))
+
+    rate = max(r.tokens_per_second for r in res.values())
+    for _ in range(3):  # the oracle's own rate: a few fixed-point rounds
+        oracle = total(lambda t: best_budget_in_hindsight(t, rate, seconds, width))
+        rate = oracle.tokens_per_second
+    res["oracle"] = oracle
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=10)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--width", type=int, default=64, help="tree width built at every position (the largest budget)")
+    ap.add_argument("--ngram-weights", default="0,0.2", help="comma-separated n-gram weights, one panel each")
+    ap.add_argument("--cost-from", default="benchmarks/results/acceptance_quick.json",
+                    help="acceptance-study JSON whose T=0 fixed-budget rows give the step cost")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--drafter", default=None)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None, help="PNG path (default: next to --json)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    weights = [float(w) for w in args.ngram_weights.split(",")]
+    study = json.load(open(args.cost_from))
+
+    pair = load_pair(args.drafter)
+    decoder = ReferenceDecoder(pair.target, pair.drafter, eos_token_ids=pair.eos_token_ids)
+    shape = ModelShape.from_hf_config(pair.target.config, str(pair.target.dtype))
+    prompts = [pair.tokenizer(chat_prompt(pair.tokenizer, p["prompt"]), add_special_tokens=False)["input_ids"]
+               for p in load_humaneval(args.prompts)]
+    outputs = [decoder.generate(ids, args.max_new_tokens, SpecConfig(method="ar")).tokens
+               for ids in tqdm(prompts, desc="greedy decodes")]
+
+    rows = []
+    print(f"\n{args.prompts} HumanEval prompts, {args.max_new_tokens} tokens, trees of width {args.width}; "
+          f"step cost fitted to {args.cost_from}")
+    for lam in weights:
+        method = "ddtree+ngram" if lam > 0 else "ddtree"
+        c0, c1 = fit_step_cost([r for r in study if r["method"] == method and r["temperature"] == 0])
+        seconds = lambda n, c0=c0, c1=c1: c0 + c1 * n  # noqa: E731
+        trees = [teacher_forced_trees(decoder, ids, out, args.width, ngram_weight=lam)
+                 for ids, out in tqdm(list(zip(prompts, outputs)), desc=f"trees (n-gram {lam:g})")]
+        res = run_rules(trees, cost_model_for(shape, c0, c1), seconds, args.width)
+        best_fixed = max((r for k, r in res.items() if k.startswith("fixed-")), key=lambda r: r.tokens_per_second)
+        print(f"\nn-gram weight {lam:g}: step cost {1e3 * c0:.1f} ms + {1e3 * c1:.2f} ms/node")
+        print(f"{'rule':<12}{'tau':>7}{'nodes':>7}{'tok/s':>8}{'vs best fixed':>15}")
+        for name, r in res.items():
+            n = int(name.split("-")[1]) if name.startswith("fixed-") else None
+            rows.append(dict(method="fixed" if n else name, budget=n, ngram_weight=lam, tau=r.tau,
+                             mean_nodes=r.mean_nodes, tokens_per_s=r.tokens_per_second,
+                             vs_best_fixed=r.tokens_per_second / best_fixed.tokens_per_second,
+                             step_ms=1e3 * c0, node_ms=1e3 * c1))
+            if n is None or n in (1, 2, 4, 8, 16, 32, 64) or r is best_fixed:
+                print(f"{name:<12}{r.tau:>7.2f}{r.mean_nodes:>7.1f}{r.tokens_per_second:>8.1f}"
+                      f"{rows[-1]['vs_best_fixed']:>15.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+        print(f"wrote {args.json}")
+    plot = args.plot or (args.json.rsplit(".", 1)[0] + ".png" if args.json else None)
+    if plot:
+        from plotting import plot_vs_budget
+
+        plot_vs_budget(rows, "ngram_weight", weights, "n-gram weight {:g}",
+                       series=[("fixed", "o-", "fixed budget")],
+                       lines=[("auto", "tab:green"), ("step-ratio", "tab:purple"), ("oracle", "black")],
+                       metrics=[("tau", "tau (exact, replayed)"), ("tokens_per_s", "tokens/s (modelled step cost)")],
+                       path=plot)
+        print(f"wrote {plot}")
+
+
+if __name__ == "__main__":
+    main()
