@@ -4,10 +4,12 @@
 
 For each HumanEval prompt the target's greedy output is decoded once, the drafter's tree at every
 root position is built once (teacher-forced, `vllm_ddtree.reference.replay`), and each rule is
-replayed on those trees: every fixed budget 1..width, the automatic budget as served
-(`AutoBudget`: calibrated drafter confidence, running-rate objective, width capped at twice the last
-choice), the previous rule (each step maximises its own A/C), and an oracle that knows each step's
-accepted path (an upper bound for any rule that sees only the draft). Accepted lengths are exact;
+replayed on those trees: every fixed budget 1..width; the automatic budget as served ("auto":
+`AutoBudget` on the tree's scores, calibrated confidence, running-rate objective, width capped at
+twice the last choice); the same fed the drafter's log-probabilities alone ("auto-logp", the signal
+before n-gram scores were used); each step maximising its own A/C ("step-ratio", the objective before
+the running rate; no width cap); and an oracle that knows each step's accepted path (an upper bound
+for any rule that sees only the draft). Accepted lengths are exact;
 tokens/s are modelled with a step cost c0 + c1 * nodes fitted to the fixed-budget rows of an
 acceptance study run on this machine (`--cost-from`), so rules are compared on identical trees and
 the same cost. A measurement, not a test. Writes JSON rows and a PNG.
@@ -50,21 +52,25 @@ def run_rules(trees_per_prompt, cost: CostModel, seconds, width: int) -> dict[st
     res = {f"fixed-{n}": total(lambda t, n=n: n) for n in range(1, width + 1)}
     ctx = lambda t: torch.tensor([float(t.context)])  # noqa: E731
 
-    cal = AcceptanceCalibration()  # the previous rule: each step's own best A/C
+    def served(signal):
+        """`AutoBudget` as served, calibrated from the start, fed `signal(tree)` as its node scores."""
+        auto = AutoBudget(cost, 1, width, calibration=CostCalibration(cost, ()))
+
+        def choose(t):
+            w = auto.build_width()
+            n = int(auto.choose(signal(t)[None, :w], ctx(t))[0])
+            auto.grow(n)
+            return n
+
+        return choose, lambda t, n, a: auto.observe_acceptance(
+            signal(t)[None], (torch.arange(width) < n)[None], torch.tensor([a]))
+
+    res["auto"] = total(*served(lambda t: t.scores))
+    res["auto-logp"] = total(*served(lambda t: t.draft_logp))  # the drafter's log-prob alone as the signal
+    cal = AcceptanceCalibration()  # each step's own best A/C (the objective before the running rate)
     res["step-ratio"] = total(
-        lambda t: int(allocate_batch(cal.rescale(t.draft_logp[None]), ctx(t), cost, 1, width).budgets[0]),
-        lambda t, n, a: cal.update(t.draft_logp[None], (torch.arange(width) < n)[None], torch.tensor([a])))
-
-    auto = AutoBudget(cost, 1, width, calibration=CostCalibration(cost, ()))  # calibrated from the start
-
-    def auto_choose(t):
-        w = auto.build_width()
-        n = int(auto.choose(t.draft_logp[None, :w], ctx(t))[0])
-        auto.grow(n)
-        return n
-
-    res["auto"] = total(auto_choose, lambda t, n, a: auto.observe_acceptance(
-        t.draft_logp[None], (torch.arange(width) < n)[None], torch.tensor([a])))
+        lambda t: int(allocate_batch(cal.rescale(t.scores[None]), ctx(t), cost, 1, width).budgets[0]),
+        lambda t, n, a: cal.update(t.scores[None], (torch.arange(width) < n)[None], torch.tensor([a])))
 
     rate = max(r.tokens_per_second for r in res.values())
     for _ in range(3):  # the oracle's own rate: a few fixed-point rounds
@@ -131,7 +137,8 @@ def main() -> None:
 
         plot_vs_budget(rows, "ngram_weight", weights, "n-gram weight {:g}",
                        series=[("fixed", "o-", "fixed budget")],
-                       lines=[("auto", "tab:green"), ("step-ratio", "tab:purple"), ("oracle", "black")],
+                       lines=[("auto", "tab:green"), ("auto-logp", "tab:olive"), ("step-ratio", "tab:purple"),
+                              ("oracle", "black")],
                        metrics=[("tau", "tau (exact, replayed)"), ("tokens_per_s", "tokens/s (modelled step cost)")],
                        path=plot)
         print(f"wrote {plot}")

@@ -152,9 +152,9 @@ def test_fixed_budget_replays_to_the_decoders_accepted_lengths(decoder, budget, 
 
 def test_replay_steps_and_caps():
     # Three roots; the path's nodes sit at best-first ranks 0 and 5 at the first root.
-    t0 = PositionTree(torch.zeros(8), torch.tensor([0, 5]), remaining=3, context=10)
-    t1 = PositionTree(torch.zeros(8), torch.tensor([0]), remaining=2, context=11)
-    t2 = PositionTree(torch.zeros(8), torch.tensor([], dtype=torch.long), remaining=1, context=12)
+    t0 = PositionTree(torch.zeros(8), torch.zeros(8), torch.tensor([0, 5]), remaining=3, context=10)
+    t1 = PositionTree(torch.zeros(8), torch.zeros(8), torch.tensor([0]), remaining=2, context=11)
+    t2 = PositionTree(torch.zeros(8), torch.zeros(8), torch.tensor([], dtype=torch.long), remaining=1, context=12)
     trees = [t0, t1, t2]
     r = replay(trees, lambda t: 4, seconds=lambda n: 0.1 + 0.01 * n)
     # budget 4: accepts rank 0 only at t0 -> emits 2, lands on t2 (remaining 1) -> emits 1.

@@ -62,7 +62,7 @@ class RequestTree:
     tokens: list[int]
     parents: list[int]  # -1: child of the root
     depths: list[int]
-    logp: list[float] | None = None  # prefix log-probabilities (automatic budget only: its calibration)
+    scores: list[float] | None = None  # prefix scores (automatic budget only: its calibration)
 
 
 @dataclass
@@ -73,7 +73,7 @@ class TreeStep:
     row_index: Tensor  # [R, N] flat token index of each verify row (0 where padding)
     slot_mapping: Tensor  # [T] KV slot of every scheduled token (sequential positions)
     sequential_positions: Tensor | None = None  # [T] positions before the tree's context + depth rewrite
-    draft_logp: Tensor | None = None  # [R, N - 1] prefix log-prob of each node (automatic budget only)
+    node_scores: Tensor | None = None  # [R, N - 1] prefix score of each node (automatic budget only)
     from_tree: Tensor | None = None  # [R] bool: the request's drafts are its proposed tree (not a fallback chain)
 
 
@@ -236,7 +236,7 @@ class DDTreeProposer(DFlashProposer):
             scorer, tail = self.ngram.scorer(slots), self.ngram.context_tail(slots)
         tree = build_tree(top_logp, top_ids, build, max_budget=build, scorer=scorer,
                           context_tail=tail, lam=self.options.ngram_weight, validate=False)
-        budgets = None if self.auto is None else self.auto.choose(tree.draft_logp, cad.seq_lens[:r])
+        budgets = None if self.auto is None else self.auto.choose(tree.scores, cad.seq_lens[:r])
         if budgets is None:  # a fixed budget, or a calibration step (a forced size, still lossless)
             return self._store(req_ids, tree)
         drafts = self._store(req_ids, tree.truncate(budgets))
@@ -247,14 +247,14 @@ class DDTreeProposer(DFlashProposer):
         # The one host copy per step: the scheduler takes draft tokens as Python lists.
         counts = tree.num_nodes.tolist()
         tokens, parents, depths = tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()
-        logps = tree.draft_logp.tolist() if self.auto is not None else None
+        scores = tree.scores.tolist() if self.auto is not None else None
         drafts = []
         live = set(req_ids)
         self.trees = {rid: t for rid, t in self.trees.items() if rid in live}  # finished requests leave
         for i, rid in enumerate(req_ids):
             n = counts[i]
             self.trees[rid] = RequestTree(tokens[i][:n], parents[i][:n], depths[i][:n],
-                                          logps[i][:n] if logps is not None else None)
+                                          scores[i][:n] if scores is not None else None)
             drafts.append(tokens[i][:n])
         return drafts
 
@@ -293,7 +293,7 @@ def prepare_tree_step(runner, spec_decode_metadata, total_tokens: int) -> TreeSt
     width = max(drafted)
     calibrating = proposer.auto is not None
     # Rows as padded Python lists, one tensor each at the end (no per-request tensor creation).
-    tok_rows, par_rows, dep_rows, logp_rows, from_tree_rows = [], [], [], [], []
+    tok_rows, par_rows, dep_rows, score_rows, from_tree_rows = [], [], [], [], []
     scheduled = spec_decode_metadata.draft_token_ids.tolist()
     start = 0
     for i, rid in enumerate(req_ids):
@@ -314,10 +314,10 @@ def prepare_tree_step(runner, spec_decode_metadata, total_tokens: int) -> TreeSt
         tok_rows.append(drafts + [0] * pad)
         from_tree_rows.append(from_tree)
         if calibrating:
-            logp_rows.append((t.logp[:n] if from_tree else [-math.inf] * n) + [-math.inf] * pad)
+            score_rows.append((t.scores[:n] if from_tree else [-math.inf] * n) + [-math.inf] * pad)
     tok, par, dep = (torch.tensor(x, dtype=torch.int64) for x in (tok_rows, par_rows, dep_rows))
     from_tree = torch.tensor(from_tree_rows, dtype=torch.bool)
-    logp = torch.tensor(logp_rows, dtype=torch.float32) if calibrating else None
+    node_scores = torch.tensor(score_rows, dtype=torch.float32) if calibrating else None
     valid = dep > 0
     zeros = torch.zeros(r, width)
     tree = DraftTree(tok, par, dep, zeros, zeros, valid, valid.sum(1), max(proposer.width, width))
@@ -334,7 +334,7 @@ def prepare_tree_step(runner, spec_decode_metadata, total_tokens: int) -> TreeSt
     runner.positions[flat.to(runner.positions.device)] = batch.positions[batch.valid].to(runner.positions.device)
     set_step_tree_masks(TreeStepMasks(has_tree=drafted_t > 0, num_rows=batch.num_rows, ancestors=batch.ancestors))
     slot_mapping = runner.input_batch.block_table[0].slot_mapping.gpu[:total_tokens].clone()
-    return TreeStep(batch=batch, row_index=row_index, slot_mapping=slot_mapping, draft_logp=logp, from_tree=from_tree,
+    return TreeStep(batch=batch, row_index=row_index, slot_mapping=slot_mapping, node_scores=node_scores, from_tree=from_tree,
                     sequential_positions=sequential)
 
 
@@ -426,7 +426,7 @@ def _calibrate(proposer: DDTreeProposer, step: TreeStep, num_accepted: Tensor) -
     batch = step.batch
     verified = batch.valid[:, 1:] & step.from_tree.view(-1, 1)
     accepted = torch.where(step.from_tree.to(num_accepted.device), num_accepted, 0)
-    proposer.auto.observe_acceptance(step.draft_logp, verified, accepted)
+    proposer.auto.observe_acceptance(step.node_scores, verified, accepted)
     rows = batch.num_rows.double()
     if int(rows.sum()) == step.slot_mapping.shape[0]:  # the step verified trees only: its cost is known
         ctx = batch.context_lens.double()

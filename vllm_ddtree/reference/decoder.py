@@ -250,7 +250,7 @@ class ReferenceDecoder:
             if ngram is not None:
                 scorer, tail = ngram.scorer([0]), ngram.context_tail([0])
             tree = build_tree(top_logp, top_ids, budget, scorer=scorer, context_tail=tail, lam=spec.ngram_weight)
-            chosen = auto.choose(tree.draft_logp, torch.tensor([ctx])) if auto is not None else None
+            chosen = auto.choose(tree.scores, torch.tensor([ctx])) if auto is not None else None
             if chosen is not None:
                 tree = tree.truncate(chosen)
                 auto.grow(int(chosen.max()))
@@ -284,7 +284,7 @@ class ReferenceDecoder:
             if ngram is not None:
                 ngram.observe(0, emitted)
             if auto is not None:  # what the controller predicted vs what happened, and what it cost
-                auto.observe_acceptance(tree.draft_logp, tree.valid, walk.num_accepted)
+                auto.observe_acceptance(tree.scores, tree.valid, walk.num_accepted)
                 prev = ctx - k
                 if len(result.accept_lengths) > 1:  # the first step also drafts over the whole prompt
                     auto.observe_step(n, n * (prev + n), prev, time.perf_counter() - t_step)

@@ -33,12 +33,14 @@ class PositionTree:
     """The tree proposed at one root position of a greedy decode.
 
     draft_logp  [W] float  drafter prefix log-probabilities, best-first (-inf past the tree)
+    scores      [W] float  the tree's prefix scores (= draft_logp without n-gram rescoring)
     path_ranks  [k] int64  best-first index of the true continuation's nodes, depth 1..k (k <= 15)
     remaining   int        tokens the decode still emits after this root (the cap of a step)
     context     int        context length at this root (root excluded)
     """
 
     draft_logp: Tensor
+    scores: Tensor
     path_ranks: Tensor
     remaining: int
     context: int
@@ -110,7 +112,7 @@ def teacher_forced_trees(decoder: ReferenceDecoder, prompt_ids: list[int], outpu
                 break
             parent = int(hit.nonzero()[0, 0])
             ranks.append(parent)
-        trees.append(PositionTree(tree.draft_logp[0], torch.tensor(ranks, dtype=torch.long), n_full - 1 - p, p))
+        trees.append(PositionTree(tree.draft_logp[0], tree.scores[0], torch.tensor(ranks, dtype=torch.long), n_full - 1 - p, p))
         if ngram is not None:
             ngram.observe(0, [full[p + 1]])
     return trees
