@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import statistics
 
 import torch
@@ -115,14 +114,9 @@ def main() -> None:
         diff = "-" if r["mismatches_vs_ar"] is None else r["mismatches_vs_ar"]
         print(f"{r['method']:<14}{b:>5}{r['temperature']:>4g}{r['tau']:>7.2f}{r['tokens_per_s']:>8.1f}"
               f"{r['speedup_vs_ar']:>7.2f}{r['mean_verified_nodes']:>7.1f}{diff:>6}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-        print(f"wrote {args.json}")
-    plot = args.plot or (args.json.rsplit(".", 1)[0] + ".png" if args.json else None)
-    if plot:
-        plot_rows(rows, temps, plot)
-        print(f"wrote {plot}")
+    from plotting import save_results
+
+    save_results(rows, args.json, args.plot, lambda png: plot_rows(rows, temps, png))
 
 
 def plot_rows(rows: list[dict], temps: list[float], path: str) -> None:

@@ -127,21 +127,12 @@ def main() -> None:
             if n is None or n in (1, 2, 4, 8, 16, 32, 64) or r is best_fixed:
                 print(f"{name:<12}{r.tau:>7.2f}{r.mean_nodes:>7.1f}{r.tokens_per_second:>8.1f}"
                       f"{rows[-1]['vs_best_fixed']:>15.3f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-        print(f"wrote {args.json}")
-    plot = args.plot or (args.json.rsplit(".", 1)[0] + ".png" if args.json else None)
-    if plot:
-        from plotting import plot_vs_budget
+    from plotting import plot_vs_budget, save_results
 
-        plot_vs_budget(rows, "ngram_weight", weights, "n-gram weight {:g}",
-                       series=[("fixed", "o-", "fixed budget")],
-                       lines=[("auto", "tab:green"), ("auto-logp", "tab:olive"), ("step-ratio", "tab:purple"),
-                              ("oracle", "black")],
-                       metrics=[("tau", "tau (exact, replayed)"), ("tokens_per_s", "tokens/s (modelled step cost)")],
-                       path=plot)
-        print(f"wrote {plot}")
+    save_results(rows, args.json, args.plot, lambda png: plot_vs_budget(
+        rows, "ngram_weight", weights, "n-gram weight {:g}", series=[("fixed", "o-", "fixed budget")],
+        lines=[("auto", "tab:green"), ("auto-logp", "tab:olive"), ("step-ratio", "tab:purple"), ("oracle", "black")],
+        metrics=[("tau", "tau (exact, replayed)"), ("tokens_per_s", "tokens/s (modelled step cost)")], path=png))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,22 @@
-"""One plot shape for the benchmarks: metrics against tree budget, one column per panel value."""
+"""One plot shape for the benchmarks (metrics against tree budget, one column per panel value) and
+the one way they write their results."""
 
 from __future__ import annotations
+
+import json
+from typing import Callable
+
+
+def save_results(rows: list[dict], json_path: str | None, plot_path: str | None, plot: Callable[[str], None]) -> None:
+    """Write `rows` to `json_path` (if given) and call `plot(png)`: `plot_path`, else next to the JSON."""
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(rows, f, indent=1)
+        print(f"wrote {json_path}")
+    png = plot_path or (json_path.rsplit(".", 1)[0] + ".png" if json_path else None)
+    if png:
+        plot(png)
+        print(f"wrote {png}")
 
 
 def plot_vs_budget(rows: list[dict], panel_key: str, panel_values: list, panel_title: str,

