@@ -98,6 +98,6 @@ def test_packed_spec_mask_holds_each_rows_ancestors_bit_by_bit():
         n = int(tree.num_rows[0])
         want = torch.zeros(n, words * 32, dtype=torch.bool)
         want[:, :n] = tree.ancestors[0, :n, :n]
-        assert torch.equal(bits[start : start + n], want), t
+        assert torch.equal(bits[start : start + n], want)
         assert bits[start : start + n, 0].all()  # every row sees the root
         start += n
