@@ -9,7 +9,11 @@ replayed on those trees: every fixed budget 1..width; the automatic budget as se
 twice the last choice); the same fed the drafter's log-probabilities alone ("auto-logp", the signal
 before n-gram scores were used); each step maximising its own A/C ("step-ratio", the objective before
 the running rate; no width cap); and an oracle that knows each step's accepted path (an upper bound
-for any rule that sees only the draft). Accepted lengths are exact;
+for any rule that sees only the draft). DFlash's chain (top-1 at every depth) is replayed on the
+same positions, and AR and the chain keep the step times the cost study measured for them, so the
+JSON also carries the acceptance study's fields at T = 0 (tau, tokens_per_s, speedup_vs_ar) for a
+run too long to decode method by method (the full HumanEval set at 256 tokens: `--prompts 164
+--max-new-tokens 256 --width 128`). Accepted lengths are exact;
 tokens/s are modelled with a step cost c0 + c1 * nodes fitted to the fixed-budget rows of an
 acceptance study run on this machine (`--cost-from`), so rules are compared on identical trees and
 the same cost. A measurement, not a test. Writes JSON rows and a PNG.
@@ -105,7 +109,12 @@ def main() -> None:
     outputs = [decoder.generate(ids, args.max_new_tokens, SpecConfig(method="ar")).tokens
                for ids in tqdm(prompts, desc="greedy decodes")]
 
-    rows = []
+    # AR and the chain keep the step times measured for them in the cost study (tokens/s = tau / step).
+    measured = {r["method"]: r["tau"] / r["tokens_per_s"] for r in study
+                if r["temperature"] == 0 and r["method"] in ("ar", "dflash") and r["tokens_per_s"] > 0}
+    ar_tok_s = 1.0 / measured["ar"]
+    rows = [dict(method="ar", budget=None, ngram_weight=0.0, temperature=0.0, tau=1.0, mean_nodes=0.0,
+                 tokens_per_s=ar_tok_s, speedup_vs_ar=1.0, vs_best_fixed=None, step_ms=1e3 * measured["ar"])]
     print(f"\n{args.prompts} HumanEval prompts, {args.max_new_tokens} tokens, trees of width {args.width}; "
           f"step cost fitted to {args.cost_from}")
     for lam in weights:
@@ -115,23 +124,31 @@ def main() -> None:
         trees = [teacher_forced_trees(decoder, ids, out, args.width, ngram_weight=lam)
                  for ids, out in tqdm(list(zip(prompts, outputs)), desc=f"trees (n-gram {lam:g})")]
         res = run_rules(trees, cost_model_for(shape, c0, c1), seconds, args.width)
+        if lam == 0:  # DFlash's chain: top-1 at every depth, the n-gram model plays no part
+            chain = ReplayResult(0, 0, 0, 0.0)
+            for ts in trees:
+                chain = chain + replay([t.as_chain() for t in ts], lambda t: decoder.depth, lambda n: measured["dflash"])
+            res = {"dflash": chain, **res}
         best_fixed = max((r for k, r in res.items() if k.startswith("fixed-")), key=lambda r: r.tokens_per_second)
-        print(f"\nn-gram weight {lam:g}: step cost {1e3 * c0:.1f} ms + {1e3 * c1:.2f} ms/node")
-        print(f"{'rule':<12}{'tau':>7}{'nodes':>7}{'tok/s':>8}{'vs best fixed':>15}")
+        print(f"\nn-gram weight {lam:g}: step cost {1e3 * c0:.1f} ms + {1e3 * c1:.2f} ms/node; AR {ar_tok_s:.1f} tok/s")
+        print(f"{'rule':<12}{'tau':>7}{'nodes':>7}{'tok/s':>8}{'vs AR':>7}{'vs best fixed':>15}")
         for name, r in res.items():
             n = int(name.split("-")[1]) if name.startswith("fixed-") else None
-            rows.append(dict(method="fixed" if n else name, budget=n, ngram_weight=lam, tau=r.tau,
+            rows.append(dict(method="fixed" if n else name, budget=n, ngram_weight=lam, temperature=0.0, tau=r.tau,
                              mean_nodes=r.mean_nodes, tokens_per_s=r.tokens_per_second,
+                             speedup_vs_ar=r.tokens_per_second / ar_tok_s,
                              vs_best_fixed=r.tokens_per_second / best_fixed.tokens_per_second,
-                             step_ms=1e3 * c0, node_ms=1e3 * c1))
-            if n is None or n in (1, 2, 4, 8, 16, 32, 64) or r is best_fixed:
+                             step_ms=1e3 * (measured["dflash"] if name == "dflash" else c0),
+                             node_ms=None if name == "dflash" else 1e3 * c1))
+            if n is None or n in (1, 2, 4, 8, 16, 32, 64, 128) or r is best_fixed:
                 print(f"{name:<12}{r.tau:>7.2f}{r.mean_nodes:>7.1f}{r.tokens_per_second:>8.1f}"
-                      f"{rows[-1]['vs_best_fixed']:>15.3f}")
+                      f"{rows[-1]['speedup_vs_ar']:>7.2f}{rows[-1]['vs_best_fixed']:>15.3f}")
     from plotting import plot_vs_budget, save_results
 
     save_results(rows, args.json, args.plot, lambda png: plot_vs_budget(
         rows, "ngram_weight", weights, "n-gram weight {:g}", series=[("fixed", "o-", "fixed budget")],
-        lines=[("auto", "tab:green"), ("auto-logp", "tab:olive"), ("step-ratio", "tab:purple"), ("oracle", "black")],
+        lines=[("auto", "tab:green"), ("auto-logp", "tab:olive"), ("step-ratio", "tab:purple"), ("oracle", "black"),
+               ("dflash", "tab:red"), ("ar", "gray")],
         metrics=[("tau", "tau (exact, replayed)"), ("tokens_per_s", "tokens/s (modelled step cost)")], path=png))
 
 

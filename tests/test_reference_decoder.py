@@ -150,6 +150,37 @@ def test_fixed_budget_replays_to_the_decoders_accepted_lengths(decoder, budget, 
         assert lengths == real.accept_lengths
 
 
+def test_chain_replays_to_the_dflash_decoders_accepted_lengths(decoder):
+    seen = []
+    for prompt in PROMPTS:
+        real = decoder.generate(prompt, 40, SpecConfig(method="dflash"))
+        out = decoder.generate(prompt, 40, SpecConfig(method="ar")).tokens
+        chains = [t.as_chain() for t in teacher_forced_trees(decoder, prompt, out, 4)]
+        lengths = []
+        replay(chains, lambda t: decoder.depth, observe=lambda t, n, a: lengths.append(min(a + 1, t.remaining)))
+        assert lengths == real.accept_lengths
+
+
+@pytest.mark.slow
+def test_chain_replay_on_the_real_pair():
+    """The toy drafter is random and its chain never accepts; the committed drafter's does."""
+    from vllm_ddtree.data.humaneval import chat_prompt, load_humaneval
+    from vllm_ddtree.reference.pair import load_pair
+
+    pair = load_pair()
+    dec = ReferenceDecoder(pair.target, pair.drafter, eos_token_ids=pair.eos_token_ids)
+    prompt = pair.tokenizer(chat_prompt(pair.tokenizer, load_humaneval(1)[0]["prompt"]),
+                            add_special_tokens=False)["input_ids"]
+    real = dec.generate(prompt, 48, SpecConfig(method="dflash"))
+    out = dec.generate(prompt, 48, SpecConfig(method="ar")).tokens
+    assert real.tokens == out
+    chains = [t.as_chain() for t in teacher_forced_trees(dec, prompt, out, 4)]
+    lengths = []
+    replay(chains, lambda t: dec.depth, observe=lambda t, n, a: lengths.append(min(a + 1, t.remaining)))
+    assert lengths == real.accept_lengths
+    assert max(lengths) > 2  # drafts were accepted: the comparison has teeth
+
+
 def test_replay_steps_and_caps():
     # Three roots; the path's nodes sit at best-first ranks 0 and 5 at the first root.
     t0 = PositionTree(torch.zeros(8), torch.zeros(8), torch.tensor([0, 5]), remaining=3, context=10)

@@ -37,6 +37,7 @@ class PositionTree:
     path_ranks  [k] int64  best-first index of the true continuation's nodes, depth 1..k (k <= 15)
     remaining   int        tokens the decode still emits after this root (the cap of a step)
     context     int        context length at this root (root excluded)
+    chain_accepted  int    draft tokens DFlash's chain (top-1 at every depth) accepts here
     """
 
     draft_logp: Tensor
@@ -44,10 +45,17 @@ class PositionTree:
     path_ranks: Tensor
     remaining: int
     context: int
+    chain_accepted: int = 0
 
     def accepted(self, budget: int) -> int:
         """Draft tokens a step with `budget` nodes accepts here."""
         return int((self.path_ranks < budget).sum())
+
+    def as_chain(self) -> "PositionTree":
+        """The chain's step at this root as a tree: its depth-d node is best-first node d - 1, so
+        `replay(chains, lambda t: depth)` replays DFlash's chain."""
+        k = self.chain_accepted
+        return PositionTree(self.draft_logp, self.scores, torch.arange(k), self.remaining, self.context, k)
 
 
 @dataclass
@@ -98,8 +106,14 @@ def teacher_forced_trees(decoder: ReferenceDecoder, prompt_ids: list[int], outpu
         new = slice(0, p) if p == n_prompt else slice(p - 1, p)
         block, bpos = make_block(torch.tensor([full[p]]), torch.tensor([p]), decoder.depth + 1)
         draft = decoder.drafter(block, bpos, feats[:, new], torch.arange(new.start, new.stop)[None], cache=cache,
-                                logit_positions=1 + min(decoder.depth, width))
-        top_logp, top_ids = topk_per_depth(draft.logits[:, 1:], min(width, draft.logits.shape[-1]))
+                                logit_positions=1 + decoder.depth)  # every depth: the chain uses all of them
+        depth_logits = draft.logits[0, 1:]  # [depth, V_draft]
+        # The chain: the drafter's top-1 at every depth, accepted while it matches the true continuation.
+        chain = decoder.draft_to_target[depth_logits.argmax(-1)].tolist()
+        truth = full[p + 1 : p + 1 + decoder.depth]
+        chain_accepted = next((d for d, (c, t) in enumerate(zip(chain, truth)) if c != t), len(truth))
+        tree_logits = draft.logits[:, 1 : 1 + min(decoder.depth, width)]
+        top_logp, top_ids = topk_per_depth(tree_logits, min(width, draft.logits.shape[-1]))
         scorer = tail = None
         if ngram is not None:
             scorer, tail = ngram.scorer([0]), ngram.context_tail([0])
@@ -112,7 +126,8 @@ def teacher_forced_trees(decoder: ReferenceDecoder, prompt_ids: list[int], outpu
                 break
             parent = int(hit.nonzero()[0, 0])
             ranks.append(parent)
-        trees.append(PositionTree(tree.draft_logp[0], tree.scores[0], torch.tensor(ranks, dtype=torch.long), n_full - 1 - p, p))
+        trees.append(PositionTree(tree.draft_logp[0], tree.scores[0], torch.tensor(ranks, dtype=torch.long),
+                                  n_full - 1 - p, p, chain_accepted))
         if ngram is not None:
             ngram.observe(0, [full[p + 1]])
     return trees
