@@ -40,6 +40,22 @@ from vllm_ddtree.reference.replay import (
 from vllm_ddtree.tree import AcceptanceCalibration, AutoBudget, CostCalibration, CostModel, ModelShape, allocate_batch, get_profile
 
 
+def heldout_prompts(tokenizer, count: int) -> list[list[int]]:
+    """The first `count` chat-templated standard-library prompts whose responses the drafter's
+    training held out (the same ids and length cut as `train.datagen`)."""
+    from vllm_ddtree.train.dflash import is_heldout
+    from vllm_ddtree.train.prompts import stdlib_prompts
+
+    out = []
+    for i, p in enumerate(stdlib_prompts()):
+        ids = tokenizer(chat_prompt(tokenizer, p), add_special_tokens=False)["input_ids"]
+        if len(ids) <= 384 and is_heldout({"prompt_id": i}):
+            out.append(ids)
+            if len(out) == count:
+                break
+    return out
+
+
 def cost_model_for(shape: ModelShape, c0: float, c1: float) -> CostModel:
     """A CostModel whose step time is c0 + c1 * nodes (a step verifies nodes + 1 rows)."""
     return CostModel(shape, get_profile("cpu"), slope=1e-12, per_token=c1, intercept=max(c0 - c1, 0.0))
@@ -87,6 +103,8 @@ def run_rules(trees_per_prompt, cost: CostModel, seconds, width: int) -> dict[st
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=10)
+    ap.add_argument("--prompt-set", choices=("humaneval", "heldout"), default="humaneval",
+                    help="heldout: standard-library prompts the drafter's training held out (train.dflash.is_heldout)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--width", type=int, default=64, help="tree width built at every position (the largest budget)")
     ap.add_argument("--ngram-weights", default="0,0.2", help="comma-separated n-gram weights, one panel each")
@@ -104,18 +122,21 @@ def main() -> None:
     pair = load_pair(args.drafter)
     decoder = ReferenceDecoder(pair.target, pair.drafter, eos_token_ids=pair.eos_token_ids)
     shape = ModelShape.from_hf_config(pair.target.config, str(pair.target.dtype))
-    prompts = [pair.tokenizer(chat_prompt(pair.tokenizer, p["prompt"]), add_special_tokens=False)["input_ids"]
-               for p in load_humaneval(args.prompts)]
+    prompts = (heldout_prompts(pair.tokenizer, args.prompts) if args.prompt_set == "heldout" else
+               [pair.tokenizer(chat_prompt(pair.tokenizer, p["prompt"]), add_special_tokens=False)["input_ids"]
+                for p in load_humaneval(args.prompts)])
     outputs = [decoder.generate(ids, args.max_new_tokens, SpecConfig(method="ar")).tokens
                for ids in tqdm(prompts, desc="greedy decodes")]
 
     # AR and the chain keep the step times measured for them in the cost study (tokens/s = tau / step).
     measured = {r["method"]: r["tau"] / r["tokens_per_s"] for r in study
                 if r["temperature"] == 0 and r["method"] in ("ar", "dflash") and r["tokens_per_s"] > 0}
+    if len(measured) < 2:
+        raise SystemExit(f"{args.cost_from} needs T = 0 rows for 'ar' and 'dflash' (an acceptance.py JSON)")
     ar_tok_s = 1.0 / measured["ar"]
     rows = [dict(method="ar", budget=None, ngram_weight=0.0, temperature=0.0, tau=1.0, mean_nodes=0.0,
                  tokens_per_s=ar_tok_s, speedup_vs_ar=1.0, vs_best_fixed=None, step_ms=1e3 * measured["ar"])]
-    print(f"\n{args.prompts} HumanEval prompts, {args.max_new_tokens} tokens, trees of width {args.width}; "
+    print(f"\n{len(prompts)} {args.prompt_set} prompts, {args.max_new_tokens} tokens, trees of width {args.width}; "
           f"step cost fitted to {args.cost_from}")
     for lam in weights:
         method = "ddtree+ngram" if lam > 0 else "ddtree"

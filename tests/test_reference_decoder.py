@@ -150,20 +150,9 @@ def test_fixed_budget_replays_to_the_decoders_accepted_lengths(decoder, budget, 
         assert lengths == real.accept_lengths
 
 
-def test_chain_replays_to_the_dflash_decoders_accepted_lengths(decoder):
-    seen = []
-    for prompt in PROMPTS:
-        real = decoder.generate(prompt, 40, SpecConfig(method="dflash"))
-        out = decoder.generate(prompt, 40, SpecConfig(method="ar")).tokens
-        chains = [t.as_chain() for t in teacher_forced_trees(decoder, prompt, out, 4)]
-        lengths = []
-        replay(chains, lambda t: decoder.depth, observe=lambda t, n, a: lengths.append(min(a + 1, t.remaining)))
-        assert lengths == real.accept_lengths
-
-
 @pytest.mark.slow
 def test_chain_replay_on_the_real_pair():
-    """The toy drafter is random and its chain never accepts; the committed drafter's does."""
+    """On the real pair (the toy drafter is random: its chain never accepts, a toy check could not fail)."""
     from vllm_ddtree.data.humaneval import chat_prompt, load_humaneval
     from vllm_ddtree.reference.pair import load_pair
 
