@@ -1,8 +1,10 @@
-"""Tree-budget rules replayed on the same greedy decodes: exact τ per rule, no timing noise.
+"""Tree-budget rules replayed on the same decodes: exact τ per rule, no timing noise.
 
-    python benchmarks/budget_replay.py [--prompts 10] [--max-new-tokens 64] --cost-from STUDY.json --json PATH
+    python benchmarks/budget_replay.py [--prompts 10] [--max-new-tokens 64] [--temperature 1] --cost-from STUDY.json --json PATH
 
-For each HumanEval prompt the target's greedy output is decoded once, the drafter's tree at every
+For each HumanEval prompt the target's output is decoded once (greedy; at --temperature > 0 one
+seeded sample of the target alone, on which the replay is exact in distribution: see
+`vllm_ddtree.reference.replay`), the drafter's tree at every
 root position is built once (teacher-forced, `vllm_ddtree.reference.replay`), and each rule is
 replayed on those trees: every fixed budget 1..width; the automatic budget as served ("auto":
 `AutoBudget` on the tree's scores, calibrated confidence, running-rate objective, width capped at
@@ -11,11 +13,12 @@ before n-gram scores were used); each step maximising its own A/C ("step-ratio",
 the running rate; no width cap); and an oracle that knows each step's accepted path (an upper bound
 for any rule that sees only the draft). DFlash's chain (top-1 at every depth) is replayed on the
 same positions, and AR and the chain keep the step times the cost study measured for them, so the
-JSON also carries the acceptance study's fields at T = 0 (tau, tokens_per_s, speedup_vs_ar) for a
-run too long to decode method by method (the full HumanEval set at 256 tokens: `--prompts 164
---max-new-tokens 256 --width 128`). Accepted lengths are exact;
+JSON also carries the acceptance study's fields (tau, tokens_per_s, speedup_vs_ar, and
+accept_hist: steps per emitted length 1..16) for a run too long to decode method by method (the
+full HumanEval set at 256 tokens: `--prompts 164 --max-new-tokens 256 --width 128`). Accepted
+lengths are exact (at T > 0: one draw of them per prompt, the same draw for every rule);
 tokens/s are modelled with a step cost c0 + c1 * nodes fitted to the fixed-budget rows of an
-acceptance study run on this machine (`--cost-from`), so rules are compared on identical trees and
+acceptance study run on this machine at the same temperature (`--cost-from`), so rules are compared on identical trees and
 the same cost. A measurement, not a test. Writes JSON rows and a PNG.
 """
 
@@ -28,7 +31,7 @@ import torch
 from tqdm import tqdm
 
 from vllm_ddtree.data.humaneval import chat_prompt, load_humaneval
-from vllm_ddtree.reference import ReferenceDecoder, SpecConfig
+from vllm_ddtree.reference import ReferenceDecoder, SamplingConfig, SpecConfig
 from vllm_ddtree.reference.pair import load_pair
 from vllm_ddtree.reference.replay import (
     ReplayResult,
@@ -110,6 +113,11 @@ def main() -> None:
     ap.add_argument("--ngram-weights", default="0,0.2", help="comma-separated n-gram weights, one panel each")
     ap.add_argument("--cost-from", default="benchmarks/results/acceptance_quick.json",
                     help="acceptance-study JSON whose T=0 fixed-budget rows give the step cost")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="> 0: replay along one seeded sample of the target per prompt (exact in distribution)")
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0, help="prompt i is sampled with seed + i")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--drafter", default=None)
     ap.add_argument("--json", default=None)
@@ -125,22 +133,30 @@ def main() -> None:
     prompts = (heldout_prompts(pair.tokenizer, args.prompts) if args.prompt_set == "heldout" else
                [pair.tokenizer(chat_prompt(pair.tokenizer, p["prompt"]), add_special_tokens=False)["input_ids"]
                 for p in load_humaneval(args.prompts)])
-    outputs = [decoder.generate(ids, args.max_new_tokens, SpecConfig(method="ar")).tokens
-               for ids in tqdm(prompts, desc="greedy decodes")]
-
+    temp = args.temperature
+    sampling = [SamplingConfig(temperature=temp, top_k=args.top_k, top_p=args.top_p, seed=args.seed + i)
+                for i in range(len(prompts))]  # validates the sampling arguments before any decode
+    # Cost rows at this temperature (a sampled step also samples every verify row).
+    study = [r for r in study if r["temperature"] == temp]
     # AR and the chain keep the step times measured for them in the cost study (tokens/s = tau / step).
     measured = {r["method"]: r["tau"] / r["tokens_per_s"] for r in study
-                if r["temperature"] == 0 and r["method"] in ("ar", "dflash") and r["tokens_per_s"] > 0}
+                if r["method"] in ("ar", "dflash") and r["tokens_per_s"] > 0}
     if len(measured) < 2:
-        raise SystemExit(f"{args.cost_from} needs T = 0 rows for 'ar' and 'dflash' (an acceptance.py JSON)")
+        raise SystemExit(f"{args.cost_from} needs T = {temp:g} rows for 'ar' and 'dflash' (an acceptance.py JSON "
+                         f"run at that temperature); pass another --cost-from")
+    outputs = [decoder.generate(ids, args.max_new_tokens, SpecConfig(method="ar"), s).tokens
+               for ids, s in tqdm(list(zip(prompts, sampling)), desc="greedy decodes" if temp == 0 else
+                                  f"target samples (T = {temp:g})")]
     ar_tok_s = 1.0 / measured["ar"]
-    rows = [dict(method="ar", budget=None, ngram_weight=0.0, temperature=0.0, tau=1.0, mean_nodes=0.0,
-                 tokens_per_s=ar_tok_s, speedup_vs_ar=1.0, vs_best_fixed=None, step_ms=1e3 * measured["ar"])]
-    print(f"\n{len(prompts)} {args.prompt_set} prompts, {args.max_new_tokens} tokens, trees of width {args.width}; "
-          f"step cost fitted to {args.cost_from}")
+    ar_steps = sum(len(o) - 1 for o in outputs)  # the prefill token is not a step's
+    rows = [dict(method="ar", budget=None, ngram_weight=0.0, temperature=temp, tau=1.0, mean_nodes=0.0,
+                 tokens_per_s=ar_tok_s, speedup_vs_ar=1.0, vs_best_fixed=None, step_ms=1e3 * measured["ar"],
+                 accept_hist=[ar_steps])]
+    print(f"\n{len(prompts)} {args.prompt_set} prompts, {args.max_new_tokens} tokens, T = {temp:g}, trees of width "
+          f"{args.width}; step cost fitted to {args.cost_from}")
     for lam in weights:
         method = "ddtree+ngram" if lam > 0 else "ddtree"
-        c0, c1 = fit_step_cost([r for r in study if r["method"] == method and r["temperature"] == 0])
+        c0, c1 = fit_step_cost([r for r in study if r["method"] == method])
         seconds = lambda n, c0=c0, c1=c1: c0 + c1 * n  # noqa: E731
         trees = [teacher_forced_trees(decoder, ids, out, args.width, ngram_weight=lam)
                  for ids, out in tqdm(list(zip(prompts, outputs)), desc=f"trees (n-gram {lam:g})")]
@@ -155,19 +171,19 @@ def main() -> None:
         print(f"{'rule':<12}{'tau':>7}{'nodes':>7}{'tok/s':>8}{'vs AR':>7}{'vs best fixed':>15}")
         for name, r in res.items():
             n = int(name.split("-")[1]) if name.startswith("fixed-") else None
-            rows.append(dict(method="fixed" if n else name, budget=n, ngram_weight=lam, temperature=0.0, tau=r.tau,
+            rows.append(dict(method="fixed" if n else name, budget=n, ngram_weight=lam, temperature=temp, tau=r.tau,
                              mean_nodes=r.mean_nodes, tokens_per_s=r.tokens_per_second,
                              speedup_vs_ar=r.tokens_per_second / ar_tok_s,
                              vs_best_fixed=r.tokens_per_second / best_fixed.tokens_per_second,
                              step_ms=1e3 * (measured["dflash"] if name == "dflash" else c0),
-                             node_ms=None if name == "dflash" else 1e3 * c1))
+                             node_ms=None if name == "dflash" else 1e3 * c1, accept_hist=list(r.histogram[1:])))
             if n is None or n in (1, 2, 4, 8, 16, 32, 64, 128) or r is best_fixed:
                 print(f"{name:<12}{r.tau:>7.2f}{r.mean_nodes:>7.1f}{r.tokens_per_second:>8.1f}"
                       f"{rows[-1]['speedup_vs_ar']:>7.2f}{rows[-1]['vs_best_fixed']:>15.3f}")
     from plotting import plot_vs_budget, save_results
 
     save_results(rows, args.json, args.plot, lambda png: plot_vs_budget(
-        rows, "ngram_weight", weights, "n-gram weight {:g}", series=[("fixed", "o-", "fixed budget")],
+        rows, "ngram_weight", weights, f"T = {temp:g}, n-gram weight {{:g}}", series=[("fixed", "o-", "fixed budget")],
         lines=[("auto", "tab:green"), ("auto-logp", "tab:olive"), ("step-ratio", "tab:purple"), ("oracle", "black"),
                ("dflash", "tab:red"), ("ar", "gray")],
         metrics=[("tau", "tau (exact, replayed)"), ("tokens_per_s", "tokens/s (modelled step cost)")], path=png))

@@ -150,6 +150,23 @@ def test_fixed_budget_replays_to_the_decoders_accepted_lengths(decoder, budget, 
         assert lengths == real.accept_lengths
 
 
+@pytest.mark.parametrize("budget,ngram", [(8, 0.0), (64, 0.0), (24, 1.0)])
+def test_sampled_decode_replays_to_its_own_accepted_lengths(decoder, budget, ngram):
+    """At T > 0 a step's accepted length is the tree path that spells the next output tokens, so
+    replaying along a sampled speculative decode's own output gives back its accepted lengths
+    (what makes the replay along a sampled AR decode exact in distribution)."""
+    accepted_deep = 0
+    for seed, prompt in enumerate(PROMPTS):
+        spec = SpecConfig(method="ddtree", budget=budget, ngram_weight=ngram)
+        real = decoder.generate(prompt, 40, spec, SamplingConfig(temperature=1.0, seed=seed))
+        trees = teacher_forced_trees(decoder, prompt, real.tokens, budget, ngram_weight=ngram)
+        lengths = []
+        replay(trees, lambda t: budget, observe=lambda t, n, a: lengths.append(min(a + 1, t.remaining)))
+        assert lengths == real.accept_lengths
+        accepted_deep += sum(k > 1 for k in lengths)
+    assert accepted_deep > 0, "no step accepted a draft node"  # the comparison has teeth
+
+
 @pytest.mark.slow
 def test_chain_replay_on_the_real_pair():
     """On the real pair (the toy drafter is random: its chain never accepts, a toy check could not fail)."""
@@ -179,8 +196,9 @@ def test_replay_steps_and_caps():
     r = replay(trees, lambda t: 4, seconds=lambda n: 0.1 + 0.01 * n)
     # budget 4: accepts rank 0 only at t0 -> emits 2, lands on t2 (remaining 1) -> emits 1.
     assert (r.steps, r.tokens, r.nodes) == (2, 3, 8) and r.seconds == pytest.approx(0.28)
+    assert r.histogram == (0, 1, 1)  # one step emitted 1 token, one emitted 2
     r = replay(trees, lambda t: 6)  # both path nodes, capped by the 3 tokens left
-    assert (r.steps, r.tokens) == (1, 3)
+    assert (r.steps, r.tokens, r.histogram) == (1, 3, (0, 0, 0, 1))
     with pytest.raises(ValueError):
         replay(trees, lambda t: -1)
 

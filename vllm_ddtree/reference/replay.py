@@ -1,4 +1,4 @@
-"""Tree-budget policies replayed exactly on one greedy decode: τ without timing noise.
+"""Tree-budget policies replayed exactly on one decode: τ without timing noise.
 
 At T = 0 the output is the target's greedy continuation whatever trees were verified, so the tree
 the drafter proposes at each position can be built once, teacher-forced (drafter context = the
@@ -8,6 +8,15 @@ nodes accepts exactly the true path's nodes among the tree's first N (best-first
 ancestor before its descendants), then emits the bonus token and moves to the next root. This
 compares fixed budgets and adaptive rules on identical trees; the reference decoder itself is the
 check (a fixed budget replays to its accepted lengths, tested).
+
+At T > 0 the same replay is exact in distribution. The tree walk (`tree.verify`) draws one target
+token at each row it visits and follows the child carrying it, so a decode's accepted lengths are a
+function of its output alone: the longest path of the tree's first N nodes that spells the next
+output tokens. A speculative decode's output has the target's distribution (lossless), so replaying
+the rules along one sampled AR decode of the target gives each rule's accepted lengths with exactly
+the distribution a speculative run of that rule would have (and all rules see the same sample,
+which pairs their comparison). Replaying along a speculative run's own output gives back its
+accepted lengths (tested).
 
 Trees are built at one width for every rule. With n-gram rescoring a wider candidate set can
 reorder a tree's first N nodes slightly against a tree built at width N; without it they agree.
@@ -66,6 +75,7 @@ class ReplayResult:
     tokens: int  # emitted by the steps (bonus included; the prefill token is not a step's)
     nodes: int  # draft nodes verified, summed over steps
     seconds: float  # sum of the cost function over the steps
+    histogram: tuple[int, ...] = ()  # histogram[k]: steps that emitted k tokens (k = 1 .. depth + 1)
 
     @property
     def tau(self) -> float:
@@ -80,15 +90,19 @@ class ReplayResult:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
     def __add__(self, other: "ReplayResult") -> "ReplayResult":
+        a, b = self.histogram, other.histogram
+        size = max(len(a), len(b))
+        hist = tuple((a[k] if k < len(a) else 0) + (b[k] if k < len(b) else 0) for k in range(size))
         return ReplayResult(self.steps + other.steps, self.tokens + other.tokens, self.nodes + other.nodes,
-                            self.seconds + other.seconds)
+                            self.seconds + other.seconds, hist)
 
 
 @torch.inference_mode()
 def teacher_forced_trees(decoder: ReferenceDecoder, prompt_ids: list[int], output_ids: list[int], width: int,
                          ngram_weight: float = 0.0, ngram_order: int = 3) -> list[PositionTree]:
-    """The width-`width` tree at every root position of a greedy decode (`output_ids`: the target's
-    greedy output for `prompt_ids`, its first token included); one drafter forward per position."""
+    """The width-`width` tree at every root position of a decode (`output_ids`: the target's output
+    for `prompt_ids`, its first token included: greedy, or one sample at T > 0, see the module
+    docstring); one drafter forward per position. `path_ranks` follow `output_ids`."""
     if decoder.drafter is None:
         raise ValueError("teacher_forced_trees needs a decoder with a drafter")
     if width < 1 or not prompt_ids or not output_ids:
@@ -146,7 +160,7 @@ def replay(trees: list[PositionTree], choose: Callable[[PositionTree], int],
             raise ValueError(f"a budget rule returned {n} nodes")
         a = t.accepted(n)
         emit = min(a + 1, t.remaining)
-        res = res + ReplayResult(1, emit, n, seconds(n))
+        res = res + ReplayResult(1, emit, n, seconds(n), (0,) * emit + (1,))
         if observe is not None:
             observe(t, n, a)
         i += emit
