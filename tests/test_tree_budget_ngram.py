@@ -154,6 +154,48 @@ def test_ngram_backoff_floor_and_release():
     assert torch.allclose(rho, torch.full_like(rho, 1e-3))
 
 
+def test_ngram_scores_equal_a_plain_python_backoff_over_a_frontier_block():
+    """log rho over an [R, F, K] block (several frontier histories, some reaching before the sequence
+    start, K tokens each) equals stupid backoff computed from plain counts of each slot's sequence."""
+    from collections import Counter
+
+    g = torch.Generator().manual_seed(3)
+    vocab, order, floor, backoff = 6, 3, 1e-3, 0.4
+    model = NGramModel(vocab, order=order, floor=floor, backoff=backoff)
+    seqs = {2: torch.randint(0, vocab, (40,), generator=g).tolist(), 5: torch.randint(0, 3, (25,), generator=g).tolist()}
+    for slot, seq in seqs.items():
+        model.observe(slot, seq[:17])
+        model.observe(slot, seq[17:])  # counts carry across calls
+
+    def rho(seq, hist, tok):
+        padded = [-1] * (order - 1) + seq
+        grams = Counter(tuple(padded[i : i + order]) for i in range(len(seq)))
+        factor = 1.0
+        for m in range(order - 1, -1, -1):
+            ctx = tuple(hist[len(hist) - m :]) if m else ()
+            if -1 in ctx:
+                factor *= backoff
+                continue
+            ng = sum(c for w, c in grams.items() if w[order - 1 - m :] == ctx + (tok,) and -1 not in w[order - 1 - m :])
+            cx = sum(c for w, c in grams.items() if w[order - 1 - m : order - 1] == ctx and -1 not in w[order - 1 - m :])
+            if ng:
+                return max(factor * ng / cx, floor)
+            factor *= backoff
+        return floor
+
+    slots = [5, 2]
+    hist = torch.randint(0, 3, (2, 4, order - 1), generator=g)
+    hist[0, 1, 0] = -1  # one context token before the sequence start
+    hist[1, 2] = -1  # no context at all
+    toks = torch.randint(0, vocab, (2, 4, 5), generator=g)
+    got = model.log_rho(torch.tensor(slots), hist, toks).exp()
+    for r, slot in enumerate(slots):
+        for f in range(4):
+            for k in range(5):
+                want = rho(seqs[slot], hist[r, f].tolist(), int(toks[r, f, k]))
+                assert got[r, f, k].item() == pytest.approx(want, rel=1e-5), (r, f, k)
+
+
 def test_corpus_table_roundtrip_and_mixing(tmp_path):
     class CharTokenizer:
         def __len__(self):

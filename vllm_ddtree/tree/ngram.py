@@ -98,19 +98,20 @@ class NGramCounts:
             )
 
     def lookup(self, namespace: Tensor, history: Tensor, tokens: Tensor, m: int) -> tuple[Tensor, Tensor]:
-        """count(c_m, t) and count(c_m) for the last m tokens of history. Shapes: [R,F,K] each."""
-        r, f, k = tokens.shape
-        ns = namespace.to(self.device).long().view(r, 1, 1).expand(r, f, k)
+        """count(c_m, t) [R, F, K] and count(c_m) [R, F] for the last m tokens of history [R, F, n-1].
+
+        A context reaching before the sequence start (a PAD digit, 0) is never counted at its order
+        (`add` skips it and real tokens pack as digits >= 1), so its keys simply miss: no mask needed.
+        """
+        r, f, _ = tokens.shape
+        ns = namespace.to(self.device).long().view(r, 1).expand(r, f)
         ctx = history[:, :, history.shape[2] - m :] if m > 0 else history[:, :, :0]
-        ctx_full = ctx[:, :, None, :].expand(r, f, k, m)
-        ng_key = _pack(ns, torch.cat([ctx_full, tokens[..., None]], dim=-1), self.radix)
-        cx_key = _pack(ns, ctx_full, self.radix)
+        # The context part of a key is shared by a frontier node's K candidates: pack and look it up
+        # once per node; the n-gram key appends the token (the same mixed-radix arithmetic as _pack).
+        cx_key = _pack(ns, ctx, self.radix)  # [R, F]
+        ng_key = cx_key[:, :, None] * self.radix + (tokens.long() + 1)  # [R, F, K]
         ng = _find(self.ngram_keys[m], self.ngram_counts[m], ng_key)
         cx = _find(self.context_keys[m], self.context_counts[m], cx_key)
-        if m > 0:  # contexts reaching before the sequence start were never counted at this order
-            real = (ctx_full >= 0).all(dim=-1)
-            ng = torch.where(real, ng, 0)
-            cx = torch.where(real, cx, 0)
         return ng, cx
 
     def save(self, path: str | Path) -> None:
@@ -262,17 +263,13 @@ class NGramModel:
         return torch.log(rho.clamp(min=self.floor))
 
     def _backoff(self, counts: NGramCounts, slots: Tensor, history: Tensor, tokens: Tensor) -> Tensor:
-        # Longest context first: the first order with count(c, t) > 0 decides; each step down costs
-        # a factor `backoff`.
+        # The longest context with count(c, t) > 0 decides; each step down costs a factor `backoff`.
+        # Shortest context first, so a longer context's hit overwrites (few ops: this runs per depth).
         rho = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
-        decided = torch.zeros(tokens.shape, dtype=torch.bool, device=tokens.device)
-        factor = 1.0
-        for m in range(self.order - 1, -1, -1):
+        for m in range(self.order):
             ng, cx = counts.lookup(slots, history, tokens, m)
-            hit = (ng > 0) & ~decided
-            rho = torch.where(hit, factor * ng.float() / cx.clamp(min=1).float(), rho)
-            decided |= hit
-            factor *= self.backoff
+            ratio = ng.float() / cx.clamp(min=1).float()[:, :, None]
+            rho = torch.where(ng > 0, ratio * self.backoff ** (self.order - 1 - m), rho)
         return rho
 
     def scorer(self, slots: Sequence[int] | Tensor) -> "NGramScorer":
