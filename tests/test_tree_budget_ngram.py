@@ -300,19 +300,21 @@ def test_auto_budget_explores_then_chooses_and_caps_the_width():
     # A drafter that claims 0.9 per depth along a chain but is accepted at 0.8: beta must absorb it.
     claimed = (torch.arange(1, 65).float() * math.log(0.9)).view(1, 64)
     g = torch.Generator().manual_seed(0)
-    widths = []
+    widths, kept = [], []
     for _ in range(200):
         width = auto.build_width()
         widths.append(width)
-        budgets = auto.choose(claimed[:, :width], torch.tensor([ctx]))
-        n = width if budgets is None else int(budgets[0])
-        if budgets is not None:
-            auto.grow(n)
+        exploring = auto.exploring
+        n = int(auto.choose(claimed[:, :width], torch.tensor([ctx]))[0])
+        if exploring:
+            kept.append(n)
+        auto.grow(n)
         accepted = int((torch.rand(n, generator=g) < 0.8).long().cumprod(0).sum())
         verified = torch.arange(width)[None] < n
         auto.observe_acceptance(claimed[:, :width], verified, torch.tensor([accepted]))
         auto.observe_step(1 + n, (1 + n) * (ctx + 1 + n), ctx, true_seconds(1 + n))
-    assert widths[:7] == [64, 64, 64, 1, 1, 8, 8]  # exploration: skip one, then 2 steps per size
+    # Exploration: skip one, then 2 steps per size, each kept from a tree at least min_width wide.
+    assert kept == [64, 64, 64, 1, 1, 8, 8] and widths[:7] == [64, 64, 64, 8, 8, 8, 8]
     assert not auto.exploring
     # Calibrated: the chosen budget is near the optimum of the *true* acceptance (0.8) and cost.
     n = torch.arange(1, 65).float()

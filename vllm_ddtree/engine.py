@@ -237,7 +237,7 @@ class DDTreeProposer(DFlashProposer):
         tree = build_tree(top_logp, top_ids, build, max_budget=build, scorer=scorer,
                           context_tail=tail, lam=self.options.ngram_weight, validate=False)
         budgets = None if self.auto is None else self.auto.choose(tree.scores, cad.seq_lens[:r])
-        if budgets is None:  # a fixed budget, or a calibration step (a forced size, still lossless)
+        if budgets is None:  # a fixed budget
             return self._store(req_ids, tree)
         drafts = self._store(req_ids, tree.truncate(budgets))
         self.auto.grow(max((len(d) for d in drafts), default=0))

@@ -424,16 +424,19 @@ class AutoBudget:
     drive it the same way each step:
 
         width = auto.build_width()                         # build the tree this wide (host int)
-        budgets = auto.choose(tree.scores, ctx_lens)       # [R] nodes per request; None: keep the whole tree
+        budgets = auto.choose(tree.scores, ctx_lens)       # [R] nodes per request (truncate the tree)
         auto.grow(largest)                                 # host int: the largest tree kept
         ... verify, walk ...
         auto.observe_acceptance(scores, verified, num_accepted)       # on device, no sync
         auto.observe_step(tokens, attn_pairs, context_total, seconds) # the step's measured cycle time
 
-    While the cost is uncalibrated, `choose` returns None and `build_width` walks the exploration
-    sizes (every step stays lossless; only its size is forced). After that, trees are built only
-    twice as wide as the largest one kept last step (at least 8): candidate selection and n-gram
-    scoring cost grow with the width, and the controller can still double each step.
+    While the cost is uncalibrated, `choose` returns the exploration sizes in turn (every step stays
+    lossless; only its size is forced), each kept from a tree built at least `min_width` wide, as in
+    operation: a 1-node step built 1 wide skips most of the drafter's LM head and would teach the fit
+    a cost no operating step has. After that, trees are built only twice as wide as the largest one
+    kept last step (at least `min_width`): the drafter's LM head runs on min(depth, width) positions,
+    and candidate selection and n-gram scoring cost grow with the width, while the controller can
+    still double each step.
 
     A node's predicted acceptance is exp(beta * its tree score): the score the tree was built by
     (`DraftTree.scores`: the drafter's prefix log-probability, plus the weighted n-gram term when
@@ -453,6 +456,7 @@ class AutoBudget:
     calibration: CostCalibration | None = None
     acceptance: AcceptanceCalibration = field(default_factory=AcceptanceCalibration)
     build_cap: int = 0
+    min_width: int = 8  # never build a tree narrower than this (the drafter's depths scale with it)
     rate_alpha: float = 0.05
     planned_tokens: Tensor | None = None  # [] EMA of the chosen plans' expected tokens
     planned_seconds: Tensor | None = None  # [] EMA of their predicted step seconds
@@ -472,13 +476,20 @@ class AutoBudget:
     def build_width(self) -> int:
         """Node slots to build this step: an exploration size, or the cap from the last choice."""
         explore = self.calibration.explore_budget()
-        return explore if explore is not None else self.build_cap
+        return self._width_for(explore) if explore is not None else self.build_cap
 
-    def choose(self, scores: Tensor, context_lens: Tensor) -> Tensor | None:
-        """[R] budgets for a tree built at `build_width()` (scores [R, width]: `DraftTree.scores`);
-        None while exploring."""
+    def _width_for(self, kept: int) -> int:
+        """The width built for a tree of `kept` nodes: at least `min_width`, at most `max_budget`."""
+        return min(self.max_budget, max(self.min_budget, self.min_width, kept))
+
+    def choose(self, scores: Tensor, context_lens: Tensor) -> Tensor:
+        """[R] budgets for a tree built at `build_width()` (scores [R, width]: `DraftTree.scores`).
+
+        While exploring: the exploration size, on a tree built as wide as any tree is (`min_width`),
+        so the measured step costs what a step of that size costs in operation."""
         if self.exploring:
-            return None
+            kept = min(self.calibration.explore_budget(), scores.shape[1])
+            return torch.full((scores.shape[0],), kept, dtype=torch.int64, device=scores.device)
         width = scores.shape[1]
         logp = self.acceptance.rescale(scores)
         plan = allocate_batch(logp, context_lens.float(), self.cost, min(self.min_budget, width), width, self.rate)
@@ -499,7 +510,7 @@ class AutoBudget:
 
     def grow(self, largest: int) -> None:
         """Next step's width from the largest tree kept this step (a host int the caller already has)."""
-        self.build_cap = min(self.max_budget, max(self.min_budget, 8, 2 * largest))
+        self.build_cap = self._width_for(2 * largest)
 
     def observe_acceptance(self, scores: Tensor, verified: Tensor, num_accepted: Tensor) -> None:
         """scores/verified [R, N] of the verified nodes (as given to `choose`); num_accepted [R] draft
