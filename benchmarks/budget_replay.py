@@ -112,7 +112,7 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=64, help="tree width built at every position (the largest budget)")
     ap.add_argument("--ngram-weights", default="0,0.2", help="comma-separated n-gram weights, one panel each")
     ap.add_argument("--cost-from", default="benchmarks/results/acceptance_quick.json",
-                    help="acceptance-study JSON whose T=0 fixed-budget rows give the step cost")
+                    help="acceptance-study JSON whose fixed-budget rows at --temperature give the step cost")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="> 0: replay along one seeded sample of the target per prompt (exact in distribution)")
     ap.add_argument("--top-k", type=int, default=0)

@@ -155,7 +155,7 @@ def test_sampled_decode_replays_to_its_own_accepted_lengths(decoder, budget, ngr
     """At T > 0 a step's accepted length is the tree path that spells the next output tokens, so
     replaying along a sampled speculative decode's own output gives back its accepted lengths
     (what makes the replay along a sampled AR decode exact in distribution)."""
-    accepted_deep = 0
+    steps_with_a_node = 0
     for seed, prompt in enumerate(PROMPTS):
         spec = SpecConfig(method="ddtree", budget=budget, ngram_weight=ngram)
         real = decoder.generate(prompt, 40, spec, SamplingConfig(temperature=1.0, seed=seed))
@@ -163,8 +163,8 @@ def test_sampled_decode_replays_to_its_own_accepted_lengths(decoder, budget, ngr
         lengths = []
         replay(trees, lambda t: budget, observe=lambda t, n, a: lengths.append(min(a + 1, t.remaining)))
         assert lengths == real.accept_lengths
-        accepted_deep += sum(k > 1 for k in lengths)
-    assert accepted_deep > 0, "no step accepted a draft node"  # the comparison has teeth
+        steps_with_a_node += sum(k > 1 for k in lengths)
+    assert steps_with_a_node > 0, "no step accepted a draft node"  # the comparison has teeth
 
 
 @pytest.mark.slow
