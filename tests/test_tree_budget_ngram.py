@@ -370,3 +370,32 @@ def test_auto_budget_rate_beats_per_step_ratio_over_a_mix_of_steps():
     assert auto.rate is not None and with_rate > 1.005 * per_step  # measured: 67.4 vs 66.6 tok/s
     best_fixed = max(throughput(lambda lp, b=b: b) for b in range(1, 65))
     assert with_rate > best_fixed
+
+
+def test_ngram_batched_observe_and_release_equal_one_request_at_a_time():
+    """observe_batch / release_batch (what the vLLM proposer calls once per step) leave exactly the
+    tables and tails that per-request observe / release calls leave: uneven lengths, empty lists,
+    tails carried across steps, a request longer than another's whole history."""
+    g = torch.Generator().manual_seed(5)
+    vocab, order = 9, 3
+    one, many = NGramModel(vocab, order=order), NGramModel(vocab, order=order)
+    steps = [
+        {0: 5, 3: 1, 7: 0},  # slot -> new tokens this step
+        {0: 1, 3: 12, 7: 2, 4: 3},
+        {0: 0, 3: 2, 7: 1, 4: 1},
+    ]
+    for step in steps:
+        new = {s: torch.randint(0, vocab, (k,), generator=g).tolist() for s, k in step.items()}
+        for s, toks in new.items():
+            one.observe(s, toks)
+        many.observe_batch(list(new), [torch.tensor(t, dtype=torch.int64) for t in new.values()])
+    one.release(3)
+    one.release(7)
+    many.release_batch([3, 7])
+    for a, b in [(one.online.ngram_keys, many.online.ngram_keys), (one.online.ngram_counts, many.online.ngram_counts),
+                 (one.online.context_keys, many.online.context_keys), (one.online.context_counts, many.online.context_counts)]:
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert one._tails == many._tails and sorted(many._tails) == [0, 4]
+    assert many.online.ngram_keys[order - 1].numel() > 0
+    with pytest.raises(ValueError, match="twice"):
+        many.observe_batch([0, 0], [[1], [2]])

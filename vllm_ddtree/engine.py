@@ -262,20 +262,21 @@ class DDTreeProposer(DFlashProposer):
         """Feed each request's newly committed tokens to the online n-gram model; its slot per row."""
         batch = self.runner.input_batch
         live = set(req_ids)
-        for rid in [x for x in self._slots if x not in live]:
-            self.ngram.release(self._slots.pop(rid))
+        finished = [x for x in self._slots if x not in live]
+        self.ngram.release_batch([self._slots.pop(rid) for rid in finished])
+        for rid in finished:
             self._seen.pop(rid, None)
         free = sorted(set(range(len(self._slots) + len(req_ids))) - set(self._slots.values()))
-        slots = []
+        slots, new = [], []
         for i, rid in enumerate(req_ids):
             if rid not in self._slots:
                 self._slots[rid] = free.pop(0)
                 self._seen[rid] = 0
             n = int(batch.num_tokens_no_spec[i])
-            new = batch.token_ids_cpu[i, self._seen[rid] : n]
-            self.ngram.observe(self._slots[rid], torch.from_numpy(new.copy()))
+            new.append(batch.token_ids_cpu[i, self._seen[rid] : n].tolist())
             self._seen[rid] = n
             slots.append(self._slots[rid])
+        self.ngram.observe_batch(slots, new)  # one table merge for the whole batch
         return slots
 
 
