@@ -244,10 +244,13 @@ class DDTreeProposer(DFlashProposer):
         return drafts
 
     def _store(self, req_ids: list[str], tree: DraftTree) -> list[list[int]]:
-        # The one host copy per step: the scheduler takes draft tokens as Python lists.
-        counts = tree.num_nodes.tolist()
-        tokens, parents, depths = tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()
-        scores = tree.scores.tolist() if self.auto is not None else None
+        # The one host copy per step (two with the automatic budget's scores): the scheduler takes
+        # draft tokens as Python lists. One packed tensor, not one .tolist() (a sync each) per field.
+        w = tree.tokens.shape[1]
+        packed = torch.cat([tree.tokens, tree.parents, tree.depths, tree.num_nodes[:, None]], dim=1).cpu()
+        tokens, parents, depths = packed[:, :w].tolist(), packed[:, w : 2 * w].tolist(), packed[:, 2 * w : 3 * w].tolist()
+        counts = packed[:, 3 * w].tolist()
+        scores = tree.scores.cpu().tolist() if self.auto is not None else None
         drafts = []
         live = set(req_ids)
         self.trees = {rid: t for rid, t in self.trees.items() if rid in live}  # finished requests leave
