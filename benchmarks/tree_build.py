@@ -5,7 +5,11 @@
 For B in {16, 64, 256, 512, 1024} x batch in {1, 8, 32}, L = 15 depths, vocab 151936 (Qwen3):
 the vocabulary top-k (K = B) is timed on its own ("topk"), then the tree work — `build_tree` +
 `compile_tree` — for the batched implementation ("batched") and the reference heap ("reference").
-Median of repeats. Prints a table and writes a JSON list of {"impl", "budget", "batch", "ms"}.
+With n-gram rescoring (λ = 0.2, order 3, each request's online table holding 512 tokens), for
+B <= 64 only (a rescored build expands every frontier node's K candidates: B^2 per depth): the same
+build ("ngram"), and one step's table update for the whole batch, two new tokens per request
+("observe", once per batch, budget null). Median of repeats. Prints a table and writes a JSON list
+of {"impl", "budget", "batch", "ms"}.
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ import time
 import torch
 from tqdm import tqdm
 
-from vllm_ddtree.tree import build_tree, build_tree_reference, compile_tree, topk_per_depth
+from vllm_ddtree.tree import NGramModel, build_tree, build_tree_reference, compile_tree, topk_per_depth
 
 DEPTH, VOCAB = 15, 151936
+NGRAM_MAX_BUDGET = 64
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -62,16 +67,34 @@ def main() -> None:
             compile_tree(build_tree_reference(lp, ids, b), roots, ctx)
 
         results.append(dict(impl="batched", budget=b, batch=r, ms=median_ms(batched, repeats)))
+        if b <= NGRAM_MAX_BUDGET:
+            ngram, slots = NGramModel(VOCAB, 3), list(range(r))
+            ngram.observe_batch(slots, [torch.randint(0, 4000, (512,), generator=g) for _ in slots])
+
+            def with_ngram():
+                tree = build_tree(lp, ids, b, scorer=ngram.scorer(slots), context_tail=ngram.context_tail(slots),
+                                  lam=0.2, validate=False)
+                compile_tree(tree, roots, ctx)
+
+            results.append(dict(impl="ngram", budget=b, batch=r, ms=median_ms(with_ngram, repeats)))
+            if b == budgets[0]:
+                new = [torch.randint(0, 4000, (2,), generator=g) for _ in slots]
+                results.append(dict(impl="observe", budget=None, batch=r,
+                                    ms=median_ms(lambda: ngram.observe_batch(slots, new), repeats)))
         if not args.quick or b <= 256:
             results.append(dict(impl="reference", budget=b, batch=r, ms=median_ms(reference, 1 if b * r > 2048 else 3)))
 
     print(f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads; L={DEPTH}, vocab={VOCAB}; median ms")
-    print(f"{'batch':>5} {'B':>5} {'topk':>9} {'batched':>9} {'reference':>10}")
+    print(f"{'batch':>5} {'B':>5} {'topk':>9} {'batched':>9} {'reference':>10} {'ngram':>9}")
     for r in batches:
         for b in budgets:
             row = {x["impl"]: x["ms"] for x in results if x["batch"] == r and x["budget"] == b}
             ref = f"{row['reference']:10.1f}" if "reference" in row else f"{'-':>10}"
-            print(f"{r:>5} {b:>5} {row['topk']:9.2f} {row['batched']:9.2f} {ref}")
+            ng = f"{row['ngram']:9.2f}" if "ngram" in row else f"{'-':>9}"
+            print(f"{r:>5} {b:>5} {row['topk']:9.2f} {row['batched']:9.2f} {ref} {ng}")
+    for x in results:
+        if x["impl"] == "observe":
+            print(f"n-gram table update, batch {x['batch']}: {x['ms']:.2f} ms")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
