@@ -109,6 +109,11 @@ class NGramCounts:
         (`add` skips it and real tokens pack as digits >= 1), so its keys simply miss: no mask needed.
         """
         r, f, _ = tokens.shape
+        if m == 0 and f > 1 and tokens.stride(1) == 0:
+            # Unigram counts do not depend on the history: when every frontier node has the same
+            # candidates (the tree build passes them expanded), look them up once per request.
+            ng, cx = self.lookup(namespace, history[:, :1], tokens[:, :1], 0)
+            return ng.expand(r, f, -1), cx.expand(r, f)
         ns = namespace.to(self.device).long().view(r, 1).expand(r, f)
         ctx = history[:, :, history.shape[2] - m :] if m > 0 else history[:, :, :0]
         # The context part of a key is shared by a frontier node's K candidates: pack and look it up
