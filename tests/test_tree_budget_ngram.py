@@ -326,6 +326,29 @@ def test_auto_budget_explores_then_chooses_and_caps_the_width():
     assert auto.summary()["cost_calibrated"]
 
 
+def test_exploration_at_a_large_batch_stays_near_the_sizes_it_will_choose():
+    """At batch 64 a 64-node tree per request would be a 4160-row exploration step: the sizes shrink
+    so an exploration step verifies at most ~4 x the largest size in total, with a spread left to fit."""
+    cal = CostCalibration.for_range(cost_model("cpu"), 1, 64)
+    assert cal.sizes_for(1) == cal.sizes_for(4) == (64, 1, 8)  # small batches: as at batch 1
+    assert cal.sizes_for(8) == (32, 1, 6)
+    assert cal.sizes_for(64) == (4, 1, 2)
+    assert cal.sizes_for(1000) == (3, 1, 2)  # never collapses to one size
+    auto = AutoBudget(cost_model("cpu"), 1, 64)
+    r, ctx = 64, 300.0
+    claimed = (torch.arange(1, 65).float() * math.log(0.5)).repeat(r, 1)
+    totals = []
+    while auto.exploring:
+        width = auto.build_width(r)
+        n = auto.choose(claimed[:, :width], torch.full((r,), ctx))
+        assert n.shape == (r,) and bool((n == n[0]).all())
+        rows = int(n.sum()) + r
+        totals.append(int(n.sum()))
+        auto.observe_step(rows, rows * (ctx + rows / r), ctx * r, 0.4 + 0.0025 * rows)
+    assert totals == [256, 256, 256, 64, 64, 128, 128]
+    assert auto.cost.per_token > 0 or auto.cost.slope > 1e-9  # the fit saw a spread of step sizes
+
+
 def test_rate_objective_agrees_with_the_step_ratio_at_that_steps_best_ratio():
     # Dinkelbach: max A - lam * C with lam = max A / C picks the same plan as max A / C.
     cost = cost_model("h100")

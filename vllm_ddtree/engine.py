@@ -206,10 +206,10 @@ class DDTreeProposer(DFlashProposer):
         # A tree of `build` nodes is at most `build` deep: the LM head (the drafter's largest matmul,
         # 49152 x H with a shared target head) only runs on the depths the tree can use. The block's
         # hidden states still come from all W mask rows (its attention is bidirectional).
-        self._build = self.options.tree_budget if self.auto is None else self.auto.build_width()
-        self._depth = min(self.width, self._build)
         rows = hidden_states.shape[0]
         r = rows // self.width
+        self._build = self.options.tree_budget if self.auto is None else self.auto.build_width(r)
+        self._depth = min(self.width, self._build)
         hidden_states = hidden_states.view(r, self.width, -1)[:, : self._depth].reshape(r * self._depth, -1)
         d2t = getattr(model, "draft_id_to_target_id", None)
         if d2t is not None and hasattr(model, "logits_processor") and hasattr(model, "lm_head"):

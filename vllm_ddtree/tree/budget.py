@@ -354,15 +354,20 @@ class CostCalibration:
     """Fits a CostModel to the step times measured while serving (BASTION's calibration, online).
 
     The first decisions are spread over the budget range (`explore_budget`, a few steps): a fit
-    needs steps of different sizes, and the budget controller alone would keep choosing similar ones. After that,
+    needs steps of different sizes, and the budget controller alone would keep choosing similar ones.
+    With many requests in the step the sizes shrink so that no exploration step verifies more than
+    about `max_explore_nodes` draft nodes in total (default 4 x the largest size): at batch 64 a
+    64-node tree per request is a 4160-row step (~11 s on this CPU, three of them a third of a
+    short run), and the controller never chooses anything near it there. After that,
     every `refit_every` measurements the model is refit (intercept + roofline + per-token term) on
     the exploration points plus a window of recent ones. Measurements far above the current
     prediction (an idle engine between requests, a stall) are dropped.
     """
 
     cost: CostModel
-    budgets: tuple[int, ...]  # per-request budgets to explore, in order
+    budgets: tuple[int, ...]  # per-request budgets to explore at batch 1, in order
     repeats: int = 2
+    max_explore_nodes: int = 0  # draft nodes of an exploration step, summed over requests (0: 4 x max size)
     skip: int = 1  # first measurement dropped (warm-up)
     refit_every: int = 8
     window: int = 128
@@ -383,11 +388,23 @@ class CostCalibration:
     def calibrated(self) -> bool:
         return len(self.explored) >= len(self.budgets) * self.repeats
 
-    def explore_budget(self) -> int | None:
-        """The per-request budget to use for the next step while exploring, else None."""
+    def explore_budget(self, num_requests: int = 1) -> int | None:
+        """The per-request budget for the next step of `num_requests` requests while exploring, else None."""
         if self.calibrated:
             return None
-        return self.budgets[len(self.explored) // self.repeats % len(self.budgets)]
+        return self.sizes_for(num_requests)[len(self.explored) // self.repeats % len(self.budgets)]
+
+    def sizes_for(self, num_requests: int) -> tuple[int, ...]:
+        """The exploration sizes for a step of `num_requests` requests: `budgets`, with the largest
+        cut to ~`max_explore_nodes` / requests (but at least 2 above the smallest, so the fit still
+        sees a spread) and the middle one its geometric mean with the smallest, in the same order."""
+        lo, hi = min(self.budgets), max(self.budgets)
+        cap = self.max_explore_nodes or 4 * hi
+        top = min(hi, max(lo + 2, -(-cap // max(num_requests, 1))))
+        if top == hi:
+            return self.budgets
+        mid = round(math.sqrt(lo * top))
+        return tuple(top if b == hi else lo if b == lo else mid for b in self.budgets)
 
     def add(self, tokens: float, attn_pairs: float, context_total: float, seconds: float) -> None:
         """One measured step: its total tokens, attention pairs, context and wall seconds."""
@@ -423,7 +440,7 @@ class AutoBudget:
     to what the decoder measures. One object per decoder; the vLLM proposer and the reference decoder
     drive it the same way each step:
 
-        width = auto.build_width()                         # build the tree this wide (host int)
+        width = auto.build_width(num_requests)             # build the tree this wide (host int)
         budgets = auto.choose(tree.scores, ctx_lens)       # [R] nodes per request (truncate the tree)
         auto.grow(largest)                                 # host int: the largest tree kept
         ... verify, walk ...
@@ -473,9 +490,10 @@ class AutoBudget:
     def exploring(self) -> bool:
         return not self.calibration.calibrated
 
-    def build_width(self) -> int:
-        """Node slots to build this step: an exploration size, or the cap from the last choice."""
-        explore = self.calibration.explore_budget()
+    def build_width(self, num_requests: int = 1) -> int:
+        """Node slots to build this step (for `num_requests` requests): an exploration size, or the
+        cap from the last choice."""
+        explore = self.calibration.explore_budget(num_requests)
         return self._width_for(explore) if explore is not None else self.build_cap
 
     def _width_for(self, kept: int) -> int:
@@ -488,7 +506,7 @@ class AutoBudget:
         While exploring: the exploration size, on a tree built as wide as any tree is (`min_width`),
         so the measured step costs what a step of that size costs in operation."""
         if self.exploring:
-            kept = min(self.calibration.explore_budget(), scores.shape[1])
+            kept = min(self.calibration.explore_budget(scores.shape[0]), scores.shape[1])
             return torch.full((scores.shape[0],), kept, dtype=torch.int64, device=scores.device)
         width = scores.shape[1]
         logp = self.acceptance.rescale(scores)
