@@ -44,6 +44,7 @@ from vllm_ddtree.tree import (
     get_profile,
     sample_tokens,
     topk_per_depth,
+    walk_position,
     walk_tree,
 )
 
@@ -530,16 +531,6 @@ def path_logprobs(sampler, logits: Tensor, path_rows: Tensor, out: Tensor, num_l
         raw = sampler.compute_logprobs(raw)
     tokens = out.reshape(-1).to(torch.int64).clamp(min=0)
     return sampler.gather_logprobs(raw, num_logprobs, tokens)
-
-
-def walk_position(path_rows: Tensor, n: int) -> Tensor:
-    """[R, N]: for each verify row, its index on the accepted path, or -1."""
-    r, steps = path_rows.shape
-    pos = torch.full((r, n), -1, dtype=torch.int64)
-    on_path = path_rows >= 0
-    req = torch.arange(r).view(r, 1).expand(r, steps)[on_path]
-    pos[req, path_rows[on_path]] = torch.arange(steps).expand(r, steps)[on_path]
-    return pos
 
 
 def _compact_target_caches(runner, src_slots: Tensor, dst_slots: Tensor) -> None:

@@ -32,6 +32,6 @@ from .compile import (
     flashinfer_tree_mask,
 )
 from .ngram import NGramCounts, NGramModel, NGramScorer, build_corpus_ngram, entropy_adaptive_lambda, windows_of
-from .verify import WalkResult, greedy_tokens, sample_tokens, walk_tree
+from .verify import WalkResult, greedy_tokens, sample_tokens, walk_position, walk_tree
 
 __all__ = [name for name in dir() if not name.startswith("_")]

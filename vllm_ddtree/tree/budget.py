@@ -342,7 +342,8 @@ class AcceptanceCalibration:
         if self.updates == 0:
             return torch.ones((), device=self.betas.device)
         gap = (self.predicted.clamp(min=1e-6).log() - self.accepted.clamp(min=1e-6).log()).abs()
-        return self.betas[gap.argmin()]
+        # index_select, not betas[argmin]: indexing with a 0-d tensor reads it on the host (a sync).
+        return self.betas.index_select(0, gap.argmin().view(1)).squeeze(0)
 
     def rescale(self, draft_logp: Tensor) -> Tensor:
         """Calibrated prefix log-probabilities (same shape; -inf stays -inf)."""

@@ -92,3 +92,14 @@ def walk_tree(batch: TreeBatch, row_tokens: Tensor) -> WalkResult:
         path[:, step] = torch.where(alive, cur, -1)
         out[:, step] = torch.where(alive, row_tokens.gather(1, cur[:, None]).squeeze(1), PAD_TOKEN)
     return WalkResult(output_tokens=out, num_emitted=(path >= 0).sum(dim=1), path_rows=path)
+
+
+def walk_position(path_rows: Tensor, n: int) -> Tensor:
+    """[R, N]: for each verify row, its index on the accepted path, or -1."""
+    r, steps = path_rows.shape
+    dev = path_rows.device
+    # Padding (-1) goes to an extra column that is dropped: a boolean-mask index would sync.
+    pos = torch.full((r, n + 1), -1, dtype=torch.int64, device=dev)
+    cols = torch.where(path_rows >= 0, path_rows, n)
+    pos.scatter_(1, cols, torch.arange(steps, device=dev).expand(r, steps).contiguous())
+    return pos[:, :n]

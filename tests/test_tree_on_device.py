@@ -1,0 +1,96 @@
+"""The per-step tree work runs on the tensors' device with no host synchronisation.
+
+No GPU here, so the proof uses PyTorch's "meta" device: meta tensors have shapes but no values, so
+any read of a value on the host (`.item()`, `.tolist()`, `int(t)`, indexing with a 0-d tensor,
+boolean-mask indexing, `nonzero`) raises, and so does mixing a meta tensor with one created on the
+CPU by a missing `device=`. Whatever passes here keeps a GPU step free of syncs and device
+mismatches. (Building the n-gram tables merges with `torch.unique`, a documented sync once per
+step; the tables are built on the CPU and moved.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_ddtree.tree import (
+    AcceptanceCalibration,
+    AutoBudget,
+    CostModel,
+    ModelShape,
+    NGramCounts,
+    NGramModel,
+    allocate_batch,
+    compaction_plan,
+    compile_tree,
+    get_profile,
+    greedy_tokens,
+    sample_tokens,
+    topk_per_depth,
+    walk_position,
+    walk_tree,
+)
+from vllm_ddtree.tree import build_tree
+
+META = torch.device("meta")
+R, DEPTH, VOCAB, WIDTH = 3, 6, 50, 8
+
+
+def on_meta(model: NGramModel) -> NGramModel:
+    t = model.online
+    model.online = NGramCounts(t.order, t.vocab_size, META, *[[x.to(META) for x in xs] for xs in
+                               (t.ngram_keys, t.ngram_counts, t.context_keys, t.context_counts)])
+    model.device = META
+    return model
+
+
+def cost_model() -> CostModel:
+    return CostModel(ModelShape(30, 576, 9, 3, 64, 1536, VOCAB, 4), get_profile("cpu"), per_token=0.002, intercept=0.05)
+
+
+def test_a_whole_tree_step_runs_on_the_device_without_a_host_sync():
+    logits = torch.randn(R, DEPTH, VOCAB, device=META)
+    top_logp, top_ids = topk_per_depth(logits, WIDTH)
+    ngram = NGramModel(VOCAB, 3)
+    ngram.observe_batch([0, 1, 2], [torch.randint(0, VOCAB, (30,)) for _ in range(R)])
+    ngram = on_meta(ngram)
+    ctx = torch.full((R,), 100, device=META)
+    for scorer, tail in [(None, None), (ngram.scorer([0, 1, 2]), ngram.context_tail([0, 1, 2]))]:
+        tree = build_tree(top_logp, top_ids, WIDTH, max_budget=WIDTH, scorer=scorer, context_tail=tail, lam=0.2,
+                          validate=False)
+        assert tree.tokens.device == META
+
+    # The automatic budget, after it has seen acceptances (its exponent is then read from a tensor).
+    auto = AutoBudget(cost_model(), 1, WIDTH)
+    auto.acceptance = AcceptanceCalibration(betas=torch.logspace(-0.6, 0.9, 31, device=META))
+    auto.calibration.explored = [(0, 0, 0, 0)] * 6  # calibrated: choose by the cost model
+    for _ in range(2):
+        budgets = auto.choose(tree.scores, ctx.float())
+        auto.observe_acceptance(tree.scores, tree.valid, torch.ones(R, device=META))
+    plan = allocate_batch(tree.scores, ctx.float(), cost_model(), 1, WIDTH, rate=torch.tensor(20.0, device=META))
+    assert budgets.device == plan.budgets.device == META
+
+    kept = tree.truncate(budgets)
+    batch = compile_tree(kept, torch.zeros(R, dtype=torch.int64, device=META), ctx)
+    target_logits = torch.randn(R, WIDTH + 1, VOCAB, device=META)
+    for row_tokens in (greedy_tokens(target_logits),
+                       sample_tokens(torch.softmax(target_logits, -1), torch.empty_like(target_logits).exponential_())):
+        walk = walk_tree(batch, row_tokens)
+        moves = compaction_plan(batch, walk.path_rows)
+        order = walk_position(walk.path_rows, WIDTH + 1)
+        assert walk.output_tokens.device == moves.src.device == order.device == META
+
+
+def test_a_host_read_does_fail_on_the_meta_device():
+    # The premise of the test above: a value read on the host raises.
+    t = torch.zeros(3, device=META)
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        t[t.argmin()]
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        t.tolist()
+
+
+def test_walk_position_gives_each_row_its_index_on_the_accepted_path():
+    path_rows = torch.tensor([[0, 2, 5, -1], [0, -1, -1, -1]])
+    got = walk_position(path_rows, 6)
+    assert got.tolist() == [[0, -1, 1, -1, -1, 2], [0, -1, -1, -1, -1, -1]]
