@@ -30,7 +30,8 @@ from vllm_ddtree.tree import (
     walk_position,
     walk_tree,
 )
-from vllm_ddtree.tree import build_tree
+from vllm_ddtree.compaction import accepted_path_moves
+from vllm_ddtree.tree import build_tree, compaction_plan
 
 META = torch.device("meta")
 R, DEPTH, VOCAB, WIDTH = 3, 6, 50, 8
@@ -94,3 +95,57 @@ def test_walk_position_gives_each_row_its_index_on_the_accepted_path():
     path_rows = torch.tensor([[0, 2, 5, -1], [0, -1, -1, -1]])
     got = walk_position(path_rows, 6)
     assert got.tolist() == [[0, -1, 1, -1, -1, 2], [0, -1, -1, -1, -1, -1]]
+
+
+def _walked_step(device, seed=0):
+    """Two requests' trees, walked, in a step whose token layout also holds a 5-token prefill."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(2, DEPTH, VOCAB, generator=g).to(device)
+    top_logp, top_ids = topk_per_depth(logits, WIDTH)
+    tree = build_tree(top_logp, top_ids, torch.tensor([WIDTH, 3]).to(device), max_budget=WIDTH, validate=False)
+    batch = compile_tree(tree, torch.tensor([7, 9]).to(device), torch.tensor([40, 12]).to(device))
+    # The target picks a random child of each row (so paths skip rows and must be reordered).
+    target = torch.full((2, WIDTH + 1), VOCAB - 1)
+    for r in range(2):
+        children: dict[int, list[int]] = {}
+        for i, p in enumerate(batch.parents[r].tolist()[: int(batch.num_rows[r])]):
+            if p >= 0:
+                children.setdefault(p, []).append(i)
+        for p, kids in children.items():
+            target[r, p] = batch.tokens[r, kids[int(torch.randint(len(kids), (1,), generator=g))]]
+    target = target.to(device)
+    walk = walk_tree(batch, target)
+    starts = torch.tensor([5, 5 + WIDTH + 1]).to(device)  # request 0's rows follow the prefill's 5 tokens
+    row_index = torch.where(batch.valid, starts[:, None] + torch.arange(WIDTH + 1, device=device), 0)
+    total = 5 + (WIDTH + 1) + 4
+    slot_mapping = (torch.randperm(total, generator=g) + 100).to(device)
+    return batch, walk, row_index, slot_mapping
+
+
+def test_accepted_path_moves_match_the_plain_host_computation():
+    reordered = 0
+    for seed in range(6):
+        batch, walk, row_index, slots = _walked_step(torch.device("cpu"), seed)
+        moves = accepted_path_moves(batch, walk.path_rows, row_index, slots)
+        # The same with host-side boolean indexing (what the engine did before).
+        plan = compaction_plan(batch, walk.path_rows)
+        root = batch.context_lens.view(-1, 1)
+        assert torch.equal(moves.src_slots, slots[row_index.gather(1, (plan.src - root).clamp(min=0)).reshape(-1)])
+        assert torch.equal(moves.dst_slots, slots[row_index.gather(1, (plan.dst - root).clamp(min=0)).reshape(-1)])
+        expected = list(range(slots.shape[0]))
+        for r in range(2):
+            path = [p for p in walk.path_rows[r].tolist() if p >= 0]
+            rows = path + [i for i in range(int(batch.num_rows[r])) if i not in path]
+            for i, row in enumerate(rows):
+                expected[int(row_index[r, i])] = int(row_index[r, row])
+        assert moves.context_order.tolist() == expected
+        reordered += int(any(rows[i] != i for r in range(2) for i in range(len(rows))))
+    assert reordered  # the cases include paths that are not a prefix of the rows
+
+
+def test_accepted_path_moves_run_on_the_device_without_a_host_sync():
+    batch, walk, row_index, slots = _walked_step(torch.device("cpu"))
+    to = lambda x: x.to(META)  # noqa: E731
+    meta_batch = type(batch)(**{k: to(v) if isinstance(v, torch.Tensor) else v for k, v in vars(batch).items()})
+    moves = accepted_path_moves(meta_batch, to(walk.path_rows), to(row_index), to(slots))
+    assert moves.context_order.device == META and moves.context_order.shape == slots.shape

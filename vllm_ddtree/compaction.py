@@ -10,10 +10,12 @@ through the block table and are applied to every layer's cache: gather all sourc
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
-from vllm_ddtree.tree import KVCompaction
+from vllm_ddtree.tree import KVCompaction, TreeBatch, compaction_plan, walk_position
 
 
 def positions_to_slots(block_table: Tensor, positions: Tensor, block_size: int) -> Tensor:
@@ -42,3 +44,43 @@ def move_slots_(kv_caches: list[Tensor], src_slots: Tensor, dst_slots: Tensor) -
         db, do = torch.div(dst_slots, bs, rounding_mode="floor"), dst_slots % bs
         moved = kv[sb, :, :, so]  # [moves, heads, 2, hd]  (gather first)
         kv[db, :, :, do] = moved
+
+
+@dataclass
+class PathMoves:
+    """What a verify step does to the engine's buffers after the walk (see `accepted_path_moves`).
+
+    src_slots, dst_slots [R * L]  physical KV slot moves for the target's caches (no-ops included)
+    context_order        [T]      a permutation of the step's T tokens: each request's accepted
+                                  path first, in path order, then its other rows
+    """
+
+    src_slots: Tensor
+    dst_slots: Tensor
+    context_order: Tensor
+
+
+def accepted_path_moves(batch: TreeBatch, path_rows: Tensor, row_index: Tensor, slot_mapping: Tensor) -> PathMoves:
+    """KV moves and the drafter's context order for a walked verify step, on the tensors' device.
+
+    batch: the step's `TreeBatch` [R, N]; path_rows [R, L + 1] from `walk_tree`; row_index [R, N]
+    the flat index of each verify row among the step's T scheduled tokens (0 where padding);
+    slot_mapping [T] each token's physical KV slot. No host synchronisation (no boolean-mask
+    indexing: padding rows write to a spare last entry that is dropped).
+    """
+    r, n = batch.tokens.shape
+    dev = row_index.device
+    plan = compaction_plan(batch, path_rows)
+    root = batch.context_lens.view(r, 1)
+    src_rows = row_index.gather(1, (plan.src - root).clamp(min=0))
+    dst_rows = row_index.gather(1, (plan.dst - root).clamp(min=0))
+    src, dst = slot_mapping[src_rows.reshape(-1)], slot_mapping[dst_rows.reshape(-1)]
+    # Accepted path first within each request: valid rows come first in a TreeBatch, and after the
+    # sort path rows (keys = path index < n) precede the other valid rows (n + row) and the padding.
+    on_path = walk_position(path_rows, n)
+    order = torch.where(on_path >= 0, on_path, n + torch.arange(n, device=dev)).argsort(dim=1)
+    t = slot_mapping.shape[0]
+    context_order = torch.arange(t + 1, device=dev)
+    context_order.scatter_(0, torch.where(batch.valid, row_index, t).reshape(-1),
+                           torch.where(batch.valid, row_index.gather(1, order), t).reshape(-1))
+    return PathMoves(src, dst, context_order[:t])

@@ -39,19 +39,17 @@ from vllm_ddtree.tree import (
     NGramModel,
     TreeBatch,
     build_tree,
-    compaction_plan,
     compile_tree,
     get_profile,
     sample_tokens,
     topk_per_depth,
-    walk_position,
     walk_tree,
 )
 
 from vllm.logger import init_logger
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
-from vllm_ddtree.compaction import move_slots_
+from vllm_ddtree.compaction import accepted_path_moves, move_slots_
 
 logger = init_logger("vllm.ddtree")  # under "vllm" so vLLM's log configuration applies
 
@@ -391,25 +389,13 @@ def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadat
     depth = max(spec_decode_metadata.num_draft_tokens)
     out = walk.output_tokens[:, : depth + 1].to(torch.int32)
 
-    # KV compaction in the target's caches: slot of row path[j] -> slot of row j.
-    plan = compaction_plan(batch, walk.path_rows)
-    root = batch.context_lens.view(r, 1)
-    src_rows = step.row_index.gather(1, (plan.src - root).clamp(min=0))
-    dst_rows = step.row_index.gather(1, (plan.dst - root).clamp(min=0))
-    src = step.slot_mapping[src_rows.reshape(-1)]
-    dst = step.slot_mapping[dst_rows.reshape(-1)]
-    _compact_target_caches(runner, src, dst)
-
-    # Accepted path first within each request: vLLM's DFlash input prep trims a rejected suffix.
-    # The proposer applies this order to the context it is handed (the runner's own buffers stay as
-    # they are: they are the target's step state).
-    on_path = walk_position(walk.path_rows, n)
-    order_key = torch.where(on_path >= 0, on_path, n + torch.arange(n))
-    order = order_key.argsort(dim=1)
-    keep = batch.valid.gather(1, order)
-    context_order = torch.arange(step.slot_mapping.shape[0])
-    context_order[step.row_index[batch.valid]] = step.row_index.gather(1, order)[keep]
-    runner.drafter.context_order = context_order
+    # KV compaction in the target's caches (slot of row path[j] -> slot of row j), and the order
+    # of the step's tokens with each request's accepted path first: vLLM's DFlash input prep trims
+    # a rejected suffix. The proposer applies that order to the context it is handed (the runner's
+    # own buffers stay as they are: they are the target's step state).
+    moves = accepted_path_moves(batch, walk.path_rows, step.row_index, step.slot_mapping)
+    _compact_target_caches(runner, moves.src_slots, moves.dst_slots)
+    runner.drafter.context_order = moves.context_order
     # The drafter's context positions stay sequential: after the reorder the accepted path sits at
     # ctx, ctx + 1, ... (its depths), and the rejected rows after it, at positions no accepted row
     # has. With the tree's positions (ctx + depth) a rejected row would share an accepted row's
