@@ -146,6 +146,9 @@ def test_accepted_path_moves_match_the_plain_host_computation():
 def test_accepted_path_moves_run_on_the_device_without_a_host_sync():
     batch, walk, row_index, slots = _walked_step(torch.device("cpu"))
     to = lambda x: x.to(META)  # noqa: E731
-    meta_batch = type(batch)(**{k: to(v) if isinstance(v, torch.Tensor) else v for k, v in vars(batch).items()})
+    meta_batch = batch.to(META)  # compiled on the host, as the engine does, then moved
+    assert all(v.device == META for v in vars(meta_batch).values() if isinstance(v, torch.Tensor))
+    meta_walk = walk_tree(meta_batch, torch.zeros(meta_batch.tokens.shape, dtype=torch.int64, device=META))
+    assert meta_walk.path_rows.device == META
     moves = accepted_path_moves(meta_batch, to(walk.path_rows), to(row_index), to(slots))
     assert moves.context_order.device == META and moves.context_order.shape == slots.shape

@@ -74,6 +74,7 @@ class TreeStep:
     sequential_positions: Tensor | None = None  # [T] positions before the tree's context + depth rewrite
     node_scores: Tensor | None = None  # [R, N - 1] prefix score of each node (automatic budget only)
     from_tree: Tensor | None = None  # [R] bool: the request's drafts are its proposed tree (not a fallback chain)
+    step_size: tuple[float, float, float] | None = None  # (rows, attention pairs, context) if the step verified trees only
 
 
 @dataclass
@@ -330,15 +331,25 @@ def prepare_tree_step(runner, spec_decode_metadata, total_tokens: int) -> TreeSt
     seq_lens = runner.seq_lens[:r].cpu().long()
     ctx = seq_lens - 1 - drafted_t
     roots = runner.input_ids.gpu[root_index.to(runner.input_ids.gpu.device)].cpu()
-    batch = compile_tree(tree, roots, ctx)
+    batch = compile_tree(tree, roots, ctx)  # on the host: the scheduled drafts are host lists
     row_index = torch.where(batch.valid, root_index[:, None] + torch.arange(width + 1), 0)
     flat = row_index[batch.valid]
+    dev = runner.positions.device
     sequential = runner.positions[:total_tokens].clone()  # the drafter's context positions (sample_tree_step)
-    runner.positions[flat.to(runner.positions.device)] = batch.positions[batch.valid].to(runner.positions.device)
-    set_step_tree_masks(TreeStepMasks(has_tree=drafted_t > 0, num_rows=batch.num_rows, ancestors=batch.ancestors))
+    runner.positions[flat.to(dev)] = batch.positions[batch.valid].to(dev)
+    # The step's size for the cost calibration, from host numbers (no device read later).
+    rows = batch.num_rows.double()
+    step_size = None
+    if calibrating and int(rows.sum()) == total_tokens:
+        c = ctx.double()
+        step_size = (float(rows.sum()), float((rows * (c + rows)).sum()), float(c.sum()))
+    # One copy to the device; everything after the forward (walk, compaction, masks) runs there.
+    batch = batch.to(dev, non_blocking=True)
+    set_step_tree_masks(TreeStepMasks(has_tree=(drafted_t > 0).to(dev), num_rows=batch.num_rows, ancestors=batch.ancestors))
     slot_mapping = runner.input_batch.block_table[0].slot_mapping.gpu[:total_tokens].clone()
-    return TreeStep(batch=batch, row_index=row_index, slot_mapping=slot_mapping, node_scores=node_scores, from_tree=from_tree,
-                    sequential_positions=sequential)
+    return TreeStep(batch=batch, row_index=row_index.to(dev), slot_mapping=slot_mapping,
+                    node_scores=None if node_scores is None else node_scores.to(dev), from_tree=from_tree.to(dev),
+                    sequential_positions=sequential, step_size=step_size)
 
 
 def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadata):
@@ -353,8 +364,8 @@ def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadat
     r, n = batch.tokens.shape
     # logits rows are request-major, 1 + drafts per request (spec_decode_metadata.logits_indices)
     counts = torch.tensor(spec_decode_metadata.num_draft_tokens) + 1
-    starts = torch.cumsum(counts, 0) - counts
-    rows = torch.where(batch.valid, starts[:, None] + torch.arange(n), 0)
+    starts = (torch.cumsum(counts, 0) - counts).to(batch.valid.device)
+    rows = torch.where(batch.valid, starts[:, None] + torch.arange(n, device=starts.device), 0)
     rows = rows.to(logits.device)
     md = runner.input_batch.sampling_metadata
     penalized = not md.no_penalties
@@ -418,10 +429,8 @@ def _calibrate(proposer: DDTreeProposer, step: TreeStep, num_accepted: Tensor) -
     verified = batch.valid[:, 1:] & step.from_tree.view(-1, 1)
     accepted = torch.where(step.from_tree.to(num_accepted.device), num_accepted, 0)
     proposer.auto.observe_acceptance(step.node_scores, verified, accepted)
-    rows = batch.num_rows.double()
-    if int(rows.sum()) == step.slot_mapping.shape[0]:  # the step verified trees only: its cost is known
-        ctx = batch.context_lens.double()
-        proposer.pending_step = (float(rows.sum()), float((rows * (ctx + rows)).sum()), float(ctx.sum()))
+    if step.step_size is not None:  # the step verified trees only: its cost is known
+        proposer.pending_step = step.step_size
 
 
 def tree_penalties(row_logits: Tensor, md, batch: TreeBatch) -> Tensor:

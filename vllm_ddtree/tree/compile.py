@@ -50,6 +50,15 @@ class TreeBatch:
     def max_rows(self) -> int:
         return self.tokens.shape[1]
 
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "TreeBatch":
+        """The same batch on `device` (one copy per field; the batch itself when already there)."""
+        if self.tokens.device == torch.device(device):
+            return self
+        move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
+        return TreeBatch(move(self.tokens), move(self.parents), move(self.depths), move(self.positions),
+                         move(self.valid), move(self.num_rows), move(self.context_lens), move(self.ancestors),
+                         self.max_depth)
+
 
 def compile_tree(tree: DraftTree, root_tokens: Tensor, context_lens: Tensor) -> TreeBatch:
     """Verify rows for `tree`: root first, positions = context + depth, ancestor-only mask.
