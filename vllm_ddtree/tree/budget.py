@@ -358,8 +358,8 @@ class CostCalibration:
     needs steps of different sizes, and the budget controller alone would keep choosing similar ones.
     With many requests in the step the sizes shrink so that no exploration step verifies more than
     about `max_explore_nodes` draft nodes in total (default 4 x the largest size): at batch 64 a
-    64-node tree per request is a 4160-row step (~11 s on this CPU, three of them a third of a
-    short run), and the controller never chooses anything near it there. After that,
+    64-node tree per request is a 4160-row step, and the controller never chooses anything near it
+    there. After that,
     every `refit_every` measurements the model is refit (intercept + roofline + per-token term) on
     the exploration points plus a window of recent ones. Measurements far above the current
     prediction (an idle engine between requests, a stall) are dropped.

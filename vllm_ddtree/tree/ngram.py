@@ -249,30 +249,24 @@ class NGramModel:
         """`observe` for many requests at once: tokens[i] is appended to slots[i]'s sequence.
 
         One merge of the count tables per step, not one per request: a merge is a `torch.unique`
-        over the whole table (a host synchronisation on a GPU), and per request it cost 250 ms a
-        step at batch 64 on this CPU. The windows of all requests are cut from one padded tensor.
+        over the whole table (a host synchronisation on a GPU), and per request its cost grew with
+        the batch times the table size.
         """
         if len(slots) != len(tokens):
             raise ValueError(f"observe_batch needs one token list per slot, got {len(slots)} slots and {len(tokens)} lists")
         if len(set(slots)) != len(slots):
             raise ValueError(f"observe_batch got a slot twice in one call: {list(slots)}")
-        n = self.order
-        rows, lengths = [], []
+        wins, namespaces = [], []
         for slot, toks in zip(slots, tokens):
-            toks = toks.flatten().tolist() if isinstance(toks, Tensor) else [int(t) for t in toks]
+            toks = torch.as_tensor(toks, dtype=torch.int64).flatten()
+            if toks.numel() == 0:
+                continue
             tail = self._tails.get(slot, [])
-            rows.append([PAD] * (n - 1 - len(tail)) + tail + toks)
-            lengths.append(len(toks))
-            if toks:
-                self._tails[slot] = (tail + toks)[-(n - 1) :]
-        longest = max(lengths, default=0)
-        if longest == 0:
-            return
-        seq = torch.tensor([r + [PAD] * (n - 1 + longest - len(r)) for r in rows], dtype=torch.int64)
-        wins = seq.unfold(1, n, 1)  # [R, longest, n]: window j ends at the request's j-th new token
-        real = torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None]
-        namespace = torch.tensor(list(slots), dtype=torch.int64)[:, None].expand(-1, longest)
-        self.online.add(namespace[real], wins[real])
+            wins.append(windows_of(toks, self.order, tail))
+            namespaces.append(torch.full((toks.numel(),), slot, dtype=torch.int64))
+            self._tails[slot] = (tail + toks.tolist())[-(self.order - 1) :]
+        if wins:
+            self.online.add(torch.cat(namespaces), torch.cat(wins))
 
     def release(self, slot: int) -> None:
         """Forget a finished request's counts so its slot can be reused."""
