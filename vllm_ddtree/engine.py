@@ -530,14 +530,20 @@ def path_logprobs(sampler, logits: Tensor, path_rows: Tensor, out: Tensor, num_l
 
 def _compact_target_caches(runner, src_slots: Tensor, dst_slots: Tensor) -> None:
     """Apply the slot moves to every target attention layer (the drafter rewrites its own context)."""
-    caches = getattr(runner, "_ddtree_target_caches", None)
-    if caches is None:  # the layer caches are allocated once; look them up on the first step
+    found = getattr(runner, "_ddtree_target_caches", None)
+    if found is None:  # the layer caches are allocated once; look them up on the first step
         from vllm.config import get_layers_from_vllm_config
         from vllm.model_executor.layers.attention import Attention
 
+        from vllm_ddtree.attention.cpu_tree import TreeAttentionImpl
+
         drafter_layers = getattr(runner.drafter, "_draft_attn_layer_names", set())
-        layers = get_layers_from_vllm_config(runner.vllm_config, Attention)
+        layers = {name: layer for name, layer in get_layers_from_vllm_config(runner.vllm_config, Attention).items()
+                  if name not in drafter_layers}
         caches = [layer.kv_cache[0] if isinstance(layer.kv_cache, list) else layer.kv_cache
-                  for name, layer in layers.items() if name not in drafter_layers]
-        runner._ddtree_target_caches = caches
-    move_slots_(caches, src_slots, dst_slots)
+                  for layer in layers.values()]
+        # On the CPU our backend serves every layer; on a GPU, vLLM's FlashInfer (P9).
+        cpu = all(isinstance(layer.impl, TreeAttentionImpl) for layer in layers.values())
+        found = runner._ddtree_target_caches = (caches, "cpu" if cpu else "flashinfer")
+    caches, layout = found
+    move_slots_(caches, src_slots, dst_slots, layout)

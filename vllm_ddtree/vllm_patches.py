@@ -49,6 +49,10 @@ P9  ``vllm.v1.attention.selector._cached_get_attn_backend`` (v1/attention/select
     §5) becomes :mod:`vllm_ddtree.attention.cpu_tree`'s backend. Decided after the memo, which is
     keyed on the layer's shape only: otherwise an earlier engine in the same process would hand its
     CPU_ATTN to a ddtree engine. Other configs keep CPU_ATTN (the PyTorch backend is slower at decode).
+    On a GPU, ddtree asks for FLASHINFER (:func:`gpu_tree_attention_backend`: another requested
+    backend or a missing ``flashinfer-python`` is a clear error — the platform's default, FlashAttention,
+    would let tree rows see their siblings) and gets :mod:`vllm_ddtree.attention.flashinfer_tree`'s
+    subclass of it.
 P10 ``DFlashProposer.__init__`` (v1/spec_decode/dflash.py:24) — for ddtree, called with the config
     presented as DFlash of the drafter's width W (it asserts the method and sizes its buffers from
     ``num_speculative_tokens``, which for ddtree is the verify width). ``GPUModelRunner.__init__``
@@ -504,6 +508,30 @@ def _unsupported_sampling(params) -> list[str]:
 # ---- P9: CPU attention backend selection ---------------------------------------------------------
 
 
+def gpu_tree_attention_backend(requested: Any) -> Any:
+    """The attention backend a ddtree engine's layers resolve through on a GPU: FlashInfer, the
+    only vLLM backend whose kernels take a per-request custom mask (design notes §5).
+
+    ``requested`` is the user's ``attention_config.backend`` (an ``AttentionBackendEnum`` or None).
+    Raises ValueError for another backend and ImportError without ``flashinfer-python``."""
+    import importlib.util
+
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    if requested is not None and requested != AttentionBackendEnum.FLASHINFER:
+        raise ValueError(
+            f"speculative method 'ddtree' verifies draft trees on GPUs with FlashInfer's custom-mask attention; "
+            f"attention backend {requested.name} takes no per-request tree mask: leave --attention-backend unset "
+            "or set it to FLASHINFER"
+        )
+    if importlib.util.find_spec("flashinfer") is None:
+        raise ImportError(
+            "speculative method 'ddtree' verifies draft trees on GPUs with FlashInfer; install it with "
+            "`pip install vllm-ddtree[gpu]` (flashinfer-python)"
+        )
+    return AttentionBackendEnum.FLASHINFER
+
+
 def _patch_cpu_attention_selection() -> None:
     from vllm.v1.attention import selector
 
@@ -514,14 +542,26 @@ def _patch_cpu_attention_selection() -> None:
     # its CPU_ATTN to a ddtree engine, whose tree rows would then attend causally to their siblings.
     @functools.wraps(cached)
     def _cached_get_attn_backend(*args, **kwargs):
-        cls = cached(*args, **kwargs)
         from vllm.config import get_current_vllm_config_or_none
+        from vllm.platforms import current_platform
 
         cfg = get_current_vllm_config_or_none()
-        if cfg is not None and _is_ddtree(cfg) and cls.__name__ == "CPUAttentionBackend":
+        ddtree = cfg is not None and _is_ddtree(cfg)
+        on_gpu = ddtree and not current_platform.is_cpu()
+        if on_gpu:  # FlashInfer for every layer (target and drafter), whatever the platform's default
+            if args:
+                args = (gpu_tree_attention_backend(args[0]), *args[1:])
+            else:
+                kwargs["backend"] = gpu_tree_attention_backend(kwargs.get("backend"))
+        cls = cached(*args, **kwargs)
+        if ddtree and cls.__name__ == "CPUAttentionBackend":
             from vllm_ddtree.attention.cpu_tree import TreeAttentionBackend
 
             return TreeAttentionBackend
+        if on_gpu and cls.__name__ == "FlashInferBackend":
+            from vllm_ddtree.attention.flashinfer_tree import TreeFlashInferBackend
+
+            return TreeFlashInferBackend
         return cls
 
     selector._cached_get_attn_backend = _cached_get_attn_backend

@@ -16,6 +16,9 @@ Layouts:
 - :func:`flashinfer_custom_mask` — FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper.plan(...,
   custom_mask=...)``: one flat bool vector, request after request, each request's [q, kv] block
   row-major, prefix columns included (design notes §5);
+- :func:`flashinfer_paged_plan` — that mask with the paged KV table (page indices, last-page lengths)
+  the same ``plan()`` takes: everything the GPU shim (:mod:`vllm_ddtree.attention.flashinfer_tree`)
+  hands FlashInfer for a verify step;
 - :func:`pack_tree_spec_mask` — the packed per-row bitmask over a request's new tokens that vLLM's
   XQA speculative-decode path takes (``_pack_draft_block_bool_mask``, flashinfer.py:148 in 0.32):
   bit j of row a set = row a may see new token j; 32-bit words least-significant bit first, stored
@@ -116,24 +119,85 @@ class FlashInferMask:
 
 
 def flashinfer_custom_mask(query_lens: Tensor, seq_lens: Tensor, causal: Tensor,
-                           tree: TreeStepMasks | None = None) -> FlashInferMask:
+                           tree: TreeStepMasks | None = None, total: int | None = None) -> FlashInferMask:
     """The flat custom mask for a whole step (tree, causal and non-causal requests alike), on device.
 
     Built element by element from :func:`may_attend` (no dense [R, max_q, max_kv] intermediate),
-    so its size is the sum over requests of q * kv. Pass it unpacked: with ``packed_custom_mask``
-    FlashInfer's plan() keeps an element-count indptr and later requests read garbage (design notes §5).
+    so its size is the sum over requests of q * kv; pass that sum as ``total`` when the caller knows
+    it on the host (on a GPU the mask's size is otherwise read back from the device).
+    Pass it unpacked: with ``packed_custom_mask`` FlashInfer's plan() keeps an element-count indptr
+    and later requests read garbage (design notes §5).
     """
     dev = query_lens.device
     sizes = query_lens * seq_lens
     mask_indptr = torch.zeros(sizes.shape[0] + 1, dtype=torch.int64, device=dev)
     mask_indptr[1:] = torch.cumsum(sizes, 0)
-    req = torch.repeat_interleave(torch.arange(sizes.shape[0], device=dev), sizes)
+    req = torch.repeat_interleave(torch.arange(sizes.shape[0], device=dev), sizes, output_size=total)
     local = torch.arange(req.shape[0], device=dev) - mask_indptr[req]
     kv = seq_lens[req]
     mask = may_attend(req, local // kv, local % kv, query_lens, seq_lens, causal, tree)
     qo_indptr = torch.zeros_like(mask_indptr)
     qo_indptr[1:] = torch.cumsum(query_lens, 0)
     return FlashInferMask(mask, mask_indptr, qo_indptr, seq_lens.long())
+
+
+@dataclass
+class FlashInferPagedPlan:
+    """The step-dependent arguments of FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper.plan()`` for
+    a verify step: the page table of every request and the custom mask (head counts, scale and
+    dtypes come from the attention backend). Host tensors are what plan() reads on the host anyway.
+
+    qo_indptr              [R + 1] int32, host    query offsets (vLLM's query_start_loc)
+    paged_kv_indptr        [R + 1] int32, host    where each request's pages start in paged_kv_indices
+    paged_kv_indices       [P] int32, device      each request's pages, in KV order (from its block table)
+    paged_kv_last_page_len [R] int32, host        KV tokens in each request's last page (1..page_size)
+    kv_lens                [R] int32, host        KV length of each request after this step's tokens
+    custom_mask            [sum q * kv] bool, device  row-major per request, prefix columns included
+    """
+
+    qo_indptr: Tensor
+    paged_kv_indptr: Tensor
+    paged_kv_indices: Tensor
+    paged_kv_last_page_len: Tensor
+    kv_lens: Tensor
+    custom_mask: Tensor
+
+    def plan_kwargs(self) -> dict:
+        """Keyword arguments of ``plan()`` this plan fixes (a custom mask, so ``causal=False``)."""
+        return dict(qo_indptr=self.qo_indptr, paged_kv_indptr=self.paged_kv_indptr,
+                    paged_kv_indices=self.paged_kv_indices, paged_kv_last_page_len=self.paged_kv_last_page_len,
+                    seq_lens=self.kv_lens, custom_mask=self.custom_mask, causal=False)
+
+
+def flashinfer_paged_plan(query_start_loc_cpu: Tensor, seq_lens_cpu: Tensor, block_table: Tensor, page_size: int,
+                          causal: bool | Tensor, tree: TreeStepMasks | None) -> FlashInferPagedPlan:
+    """Page table and custom mask of a whole step for FlashInfer's paged prefill ``plan()``.
+
+    query_start_loc_cpu [R + 1] and seq_lens_cpu [R] are host copies (vLLM's builders hold them);
+    block_table [R, max_blocks] and the tree masks live on the device, where the page indices and the
+    mask are built (no host synchronisation: every size comes from the host lengths). ``causal`` is
+    the step's flag for requests without a tree (True for the target's layers).
+    """
+    dev = block_table.device
+    r = seq_lens_cpu.shape[0]
+    qsl = query_start_loc_cpu[: r + 1].long()
+    seq = seq_lens_cpu[:r].long()
+    query_lens = qsl[1:] - qsl[:-1]
+    num_pages = (seq + page_size - 1) // page_size
+    paged_kv_indptr = torch.zeros(r + 1, dtype=torch.int64)
+    paged_kv_indptr[1:] = torch.cumsum(num_pages, 0)
+    total_pages = int(paged_kv_indptr[-1])
+    page_req = torch.repeat_interleave(torch.arange(r), num_pages, output_size=total_pages)
+    page_col = torch.arange(total_pages) - paged_kv_indptr[page_req]
+    indices = block_table[page_req.to(dev, non_blocking=True), page_col.to(dev, non_blocking=True)]
+    last_page_len = torch.where(seq > 0, seq - (num_pages - 1) * page_size, 0)
+    causal_t = causal.bool()[:r] if isinstance(causal, Tensor) else torch.full((r,), bool(causal))
+    mask = flashinfer_custom_mask(query_lens.to(dev, non_blocking=True), seq.to(dev, non_blocking=True),
+                                  causal_t.to(dev, non_blocking=True), tree, total=int((query_lens * seq).sum()))
+    i32 = torch.int32
+    return FlashInferPagedPlan(qo_indptr=qsl.to(i32), paged_kv_indptr=paged_kv_indptr.to(i32),
+                               paged_kv_indices=indices.to(i32), paged_kv_last_page_len=last_page_len.to(i32),
+                               kv_lens=seq.to(i32), custom_mask=mask.custom_mask)
 
 
 def pack_tree_spec_mask(tree: TreeStepMasks, max_q: int) -> Tensor:

@@ -1,0 +1,117 @@
+"""GPU tree attention: vLLM's FlashInfer backend with a per-request custom mask on verify steps.
+
+GPU-only and deliberately thin (it needs CUDA and ``flashinfer-python``; nothing here runs on the
+CPU). Everything it hands the kernel — page table and mask — comes from
+:func:`vllm_ddtree.attention.tree_mask.flashinfer_paged_plan`, which is pure PyTorch and tested on
+the CPU against an independent attention oracle (``tests/test_flashinfer_tree.py``).
+
+What it replaces, and why (vLLM 0.32, v1/attention/backends/flashinfer.py):
+- ``FlashInferMetadataBuilder.build`` (:1392): on a verify step (the model runner set tree masks
+  for these layers through ``tree_mask.set_step_tree_masks``) every request of the step — trees,
+  prefill chunks and plain decodes alike — goes through one paged prefill ``plan(...,
+  custom_mask=...)`` (the decode wrapper and the XQA/trtllm-gen kernels take no per-request tree
+  mask). Other steps, and the DFlash drafter's layers, keep the stock build.
+- ``FlashInferMetadataBuilder.get_cudagraph_support`` (:1036): capped at single-token decode. A
+  step whose trees all fill the budget is a uniform batch of 1 + budget tokens, which the stock
+  backend would replay from a FULL CUDA graph captured without the mask; ``plan()`` with a custom
+  mask cannot be captured either. Verify steps therefore run attention eagerly between PIECEWISE
+  graphs; steps without trees keep full decode graphs.
+"""
+
+from __future__ import annotations
+
+from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata
+from vllm.v1.attention.backends.flashinfer import (
+    FIPrefill,
+    FlashInferBackend,
+    FlashInferMetadata,
+    FlashInferMetadataBuilder,
+)
+from vllm.v1.attention.backends.utils import get_flashinfer_layout_string
+
+from vllm_ddtree.attention.tree_mask import FlashInferPagedPlan, flashinfer_paged_plan, get_step_tree_masks
+
+__all__ = ["TreeFlashInferBackend", "TreeFlashInferMetadataBuilder", "flashinfer_plan_kwargs"]
+
+
+def flashinfer_plan_kwargs(builder, plan: FlashInferPagedPlan) -> dict:
+    """All keyword arguments of ``BatchPrefillWithPagedKVCacheWrapper.plan()`` for a verify step: the
+    step's page table and mask, and the layer group's constants as the stock builder passes them."""
+    return dict(
+        **plan.plan_kwargs(),
+        num_qo_heads=builder.num_qo_heads,
+        num_kv_heads=builder.num_kv_heads,
+        head_dim_qk=builder.head_dim,
+        page_size=builder.page_size,
+        sm_scale=builder.sm_scale,
+        window_left=builder.window_left,
+        logits_soft_cap=builder.logits_soft_cap,
+        q_data_type=builder.q_data_type_prefill,
+        kv_data_type=builder.kv_cache_dtype,
+        o_data_type=builder.model_config.dtype,
+    )
+
+
+class TreeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
+    """FlashInfer's builder; verify steps get one custom-mask prefill plan for the whole batch."""
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        stock = super().get_cudagraph_support(vllm_config, kv_cache_spec)
+        return min(stock, AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE, key=lambda s: s.value)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> FlashInferMetadata:
+        tree = get_step_tree_masks()
+        if tree is None or not all(name.startswith(tree.layer_prefix) for name in self.layer_names):
+            return super().build(common_prefix_len, common_attn_metadata, fast_build)
+        if self.use_dcp or self.has_sinks or self.is_kvcache_nvfp4:
+            raise NotImplementedError(
+                "speculative method 'ddtree' verifies draft trees with FlashInfer's custom-mask prefill, which "
+                "vLLM's FlashInfer backend does not offer with decode context parallelism, attention sinks or an "
+                "NVFP4 KV cache; turn those off or use another speculative method"
+            )
+        cm = common_attn_metadata
+        r = cm.num_reqs
+        if tree.has_tree.shape[0] != r:
+            raise ValueError(f"tree masks were set for {tree.has_tree.shape[0]} requests, the batch has {r}")
+        # FlashInfer's own native prefill path reads seq_lens on the host the same way (plan() needs them).
+        seq_lens_cpu = cm.seq_lens[:r].cpu()
+        plan = flashinfer_paged_plan(cm.query_start_loc_cpu, seq_lens_cpu, cm.block_table_tensor[:r],
+                                     self.page_size, cm.causal, tree)
+        wrapper = self._tree_wrapper()
+        wrapper.plan(**flashinfer_plan_kwargs(self, plan))
+        return FlashInferMetadata(
+            kv_cache_layout=self.kv_cache_layout,
+            num_actual_tokens=cm.num_actual_tokens,
+            slot_mapping=cm.slot_mapping,
+            q_data_type_prefill=self.q_data_type_prefill,
+            q_data_type_decode=self.q_data_type_decode,
+            num_decodes=0,
+            num_decode_tokens=0,
+            num_prefills=r,
+            num_prefill_tokens=cm.num_actual_tokens,
+            causal=False,  # the impl checks this against the wrapper's plan (custom mask: causal=False)
+            prefill=FIPrefill(wrapper=wrapper),
+            decode=None,
+        )
+
+    def _tree_wrapper(self):
+        """A prefill wrapper of our own: the stock causal and DFlash (non-causal) ones stay planned."""
+        wrapper = getattr(self, "_ddtree_wrapper", None)
+        if wrapper is None:
+            from flashinfer import BatchPrefillWithPagedKVCacheWrapper
+
+            wrapper = BatchPrefillWithPagedKVCacheWrapper(
+                self._get_workspace_buffer(), get_flashinfer_layout_string(self.kv_cache_layout), backend="auto"
+            )
+            self._ddtree_wrapper = wrapper
+        return wrapper
+
+
+class TreeFlashInferBackend(FlashInferBackend):
+    """vLLM's FlashInfer backend with the tree-aware builder (named FLASHINFER, as it is one)."""
+
+    @staticmethod
+    def get_builder_cls() -> type[TreeFlashInferMetadataBuilder]:
+        return TreeFlashInferMetadataBuilder
