@@ -223,3 +223,18 @@ def test_gpu_shim_against_vllms_flashinfer_backend_and_flashinfers_plan_signatur
     done = subprocess.run([sys.executable, "-c", SHIM_CHECK], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "shim ok" in done.stdout
+
+
+def test_mask_built_in_chunks_is_the_same_mask():
+    # Small chunks split requests (a 41-row tree block spans many) and cross request boundaries.
+    from vllm_ddtree.attention.tree_mask import flashinfer_custom_mask
+
+    _, query_lens, seq_lens, masks = _step()
+    causal = torch.ones(len(query_lens), dtype=torch.bool)
+    whole = flashinfer_custom_mask(query_lens, seq_lens, causal, masks)
+    for chunk in (1, 7, 64, 1000):
+        part = flashinfer_custom_mask(query_lens, seq_lens, causal, masks, total=int((query_lens * seq_lens).sum()),
+                                      chunk=chunk)
+        assert torch.equal(part.custom_mask, whole.custom_mask), chunk
+    with pytest.raises(ValueError, match="chunk must be >= 1"):
+        flashinfer_custom_mask(query_lens, seq_lens, causal, masks, chunk=0)

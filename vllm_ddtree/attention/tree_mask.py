@@ -118,24 +118,38 @@ class FlashInferMask:
     kv_lens: Tensor
 
 
+#: Mask elements built per pass of :func:`flashinfer_custom_mask`: its index arithmetic takes ~40
+#: bytes per element, so a step with a long prefill chunk (an 8K chunk after a 32K context is 268 M
+#: elements) would otherwise need ~10 GB of temporaries next to the 268 MB mask.
+MASK_CHUNK_ELEMENTS = 1 << 22
+
+
 def flashinfer_custom_mask(query_lens: Tensor, seq_lens: Tensor, causal: Tensor,
-                           tree: TreeStepMasks | None = None, total: int | None = None) -> FlashInferMask:
+                           tree: TreeStepMasks | None = None, total: int | None = None,
+                           chunk: int = MASK_CHUNK_ELEMENTS) -> FlashInferMask:
     """The flat custom mask for a whole step (tree, causal and non-causal requests alike), on device.
 
     Built element by element from :func:`may_attend` (no dense [R, max_q, max_kv] intermediate),
-    so its size is the sum over requests of q * kv; pass that sum as ``total`` when the caller knows
-    it on the host (on a GPU the mask's size is otherwise read back from the device).
+    ``chunk`` elements per pass, so its size is the sum over requests of q * kv; pass that sum as
+    ``total`` when the caller knows it on the host (on a GPU it is otherwise read back from the device).
     Pass it unpacked: with ``packed_custom_mask`` FlashInfer's plan() keeps an element-count indptr
     and later requests read garbage (design notes §5).
     """
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1 mask elements, got {chunk}")
     dev = query_lens.device
     sizes = query_lens * seq_lens
     mask_indptr = torch.zeros(sizes.shape[0] + 1, dtype=torch.int64, device=dev)
     mask_indptr[1:] = torch.cumsum(sizes, 0)
-    req = torch.repeat_interleave(torch.arange(sizes.shape[0], device=dev), sizes, output_size=total)
-    local = torch.arange(req.shape[0], device=dev) - mask_indptr[req]
-    kv = seq_lens[req]
-    mask = may_attend(req, local // kv, local % kv, query_lens, seq_lens, causal, tree)
+    if total is None:
+        total = int(mask_indptr[-1])
+    mask = torch.empty(total, dtype=torch.bool, device=dev)
+    for start in range(0, total, chunk):
+        e = torch.arange(start, min(start + chunk, total), device=dev)
+        req = torch.searchsorted(mask_indptr, e, right=True) - 1  # right: requests of size 0 own nothing
+        local = e - mask_indptr[req]
+        kv = seq_lens[req]
+        mask[start : start + e.shape[0]] = may_attend(req, local // kv, local % kv, query_lens, seq_lens, causal, tree)
     qo_indptr = torch.zeros_like(mask_indptr)
     qo_indptr[1:] = torch.cumsum(query_lens, 0)
     return FlashInferMask(mask, mask_indptr, qo_indptr, seq_lens.long())
