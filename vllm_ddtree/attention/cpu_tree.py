@@ -33,7 +33,7 @@ from vllm.logger import init_logger
 from vllm.v1.attention.backend import AttentionImpl, AttentionMetadataBuilder, AttentionType, CommonAttentionMetadata
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-from vllm_ddtree.attention.tree_mask import TreeStepMasks, build_attention_mask, get_step_tree_masks
+from vllm_ddtree.attention.tree_mask import TreeStepMasks, build_attention_mask, step_tree_masks_for
 
 __all__ = ["TreeAttentionBackend", "TreeStepMasks", "build_attention_mask", "register"]
 
@@ -78,11 +78,7 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
         max_kv = max(int(cm.max_seq_len), 1)
         causal = cm.causal
         causal_t = causal.bool()[:r] if isinstance(causal, Tensor) else torch.full((r,), bool(causal))
-        tree = get_step_tree_masks()
-        if tree is not None and not all(name.startswith(tree.layer_prefix) for name in self.layer_names):
-            tree = None
-        if tree is not None and tree.has_tree.shape[0] != r:
-            raise ValueError(f"tree masks were set for {tree.has_tree.shape[0]} requests, the batch has {r}")
+        tree = step_tree_masks_for(self.layer_names, r)
         p = torch.arange(max_kv)
         blocks = cm.block_table_tensor[:r].long()
         kv_block = blocks.gather(1, (p // self.block_size).clamp(max=blocks.shape[1] - 1).expand(r, max_kv))

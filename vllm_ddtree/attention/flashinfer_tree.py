@@ -29,7 +29,7 @@ from vllm.v1.attention.backends.flashinfer import (
 )
 from vllm.v1.attention.backends.utils import get_flashinfer_layout_string
 
-from vllm_ddtree.attention.tree_mask import FlashInferPagedPlan, flashinfer_paged_plan, get_step_tree_masks
+from vllm_ddtree.attention.tree_mask import FlashInferPagedPlan, flashinfer_paged_plan, step_tree_masks_for
 
 __all__ = ["TreeFlashInferBackend", "TreeFlashInferMetadataBuilder", "flashinfer_plan_kwargs"]
 
@@ -62,8 +62,10 @@ class TreeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> FlashInferMetadata:
-        tree = get_step_tree_masks()
-        if tree is None or not all(name.startswith(tree.layer_prefix) for name in self.layer_names):
+        cm = common_attn_metadata
+        r = cm.num_reqs
+        tree = step_tree_masks_for(self.layer_names, r)
+        if tree is None:
             return super().build(common_prefix_len, common_attn_metadata, fast_build)
         if self.use_dcp or self.has_sinks or self.is_kvcache_nvfp4:
             raise NotImplementedError(
@@ -71,10 +73,6 @@ class TreeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
                 "vLLM's FlashInfer backend does not offer with decode context parallelism, attention sinks or an "
                 "NVFP4 KV cache; turn those off or use another speculative method"
             )
-        cm = common_attn_metadata
-        r = cm.num_reqs
-        if tree.has_tree.shape[0] != r:
-            raise ValueError(f"tree masks were set for {tree.has_tree.shape[0]} requests, the batch has {r}")
         # FlashInfer's own native prefill path reads seq_lens on the host the same way (plan() needs them).
         seq_lens_cpu = cm.seq_lens[:r].cpu()
         plan = flashinfer_paged_plan(cm.query_start_loc_cpu, seq_lens_cpu, cm.block_table_tensor[:r],

@@ -62,9 +62,15 @@ def set_step_tree_masks(masks: TreeStepMasks | None) -> None:
     _step_tree_masks = masks
 
 
-def get_step_tree_masks() -> TreeStepMasks | None:
-    """The masks set for the current step, if any."""
-    return _step_tree_masks
+def step_tree_masks_for(layer_names: list[str], num_reqs: int) -> TreeStepMasks | None:
+    """The current step's masks if they apply to a metadata builder of these layers (None: plain
+    attention): every layer must be named by ``layer_prefix``, and the masks must cover the batch."""
+    tree = _step_tree_masks
+    if tree is None or not all(name.startswith(tree.layer_prefix) for name in layer_names):
+        return None
+    if tree.has_tree.shape[0] != num_reqs:
+        raise ValueError(f"tree masks were set for {tree.has_tree.shape[0]} requests, the batch has {num_reqs}")
+    return tree
 
 
 def may_attend(req: Tensor, i: Tensor, p: Tensor, query_lens: Tensor, seq_lens: Tensor, causal: Tensor,
