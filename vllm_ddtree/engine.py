@@ -534,16 +534,13 @@ def _compact_target_caches(runner, src_slots: Tensor, dst_slots: Tensor) -> None
     if found is None:  # the layer caches are allocated once; look them up on the first step
         from vllm.config import get_layers_from_vllm_config
         from vllm.model_executor.layers.attention import Attention
-
-        from vllm_ddtree.attention.cpu_tree import TreeAttentionImpl
+        from vllm.platforms import current_platform
 
         drafter_layers = getattr(runner.drafter, "_draft_attn_layer_names", set())
-        layers = {name: layer for name, layer in get_layers_from_vllm_config(runner.vllm_config, Attention).items()
-                  if name not in drafter_layers}
+        layers = get_layers_from_vllm_config(runner.vllm_config, Attention)
         caches = [layer.kv_cache[0] if isinstance(layer.kv_cache, list) else layer.kv_cache
-                  for layer in layers.values()]
-        # On the CPU our backend serves every layer; on a GPU, vLLM's FlashInfer (P9).
-        cpu = all(isinstance(layer.impl, TreeAttentionImpl) for layer in layers.values())
-        found = runner._ddtree_target_caches = (caches, "cpu" if cpu else "flashinfer")
+                  for name, layer in layers.items() if name not in drafter_layers]
+        # P9 decides the backend the same way: ours on the CPU, vLLM's FlashInfer on a GPU.
+        found = runner._ddtree_target_caches = (caches, "cpu" if current_platform.is_cpu() else "flashinfer")
     caches, layout = found
     move_slots_(caches, src_slots, dst_slots, layout)

@@ -52,7 +52,7 @@ P9  ``vllm.v1.attention.selector._cached_get_attn_backend`` (v1/attention/select
     On a GPU, ddtree asks for FLASHINFER (:func:`gpu_tree_attention_backend`: another requested
     backend or a missing ``flashinfer-python`` is a clear error — the platform's default, FlashAttention,
     would let tree rows see their siblings) and gets :mod:`vllm_ddtree.attention.flashinfer_tree`'s
-    subclass of it.
+    subclass of it. Platforms other than CPU and CUDA are refused with a clear error.
 P10 ``DFlashProposer.__init__`` (v1/spec_decode/dflash.py:24) — for ddtree, called with the config
     presented as DFlash of the drafter's width W (it asserts the method and sizes its buffers from
     ``num_speculative_tokens``, which for ddtree is the verify width). ``GPUModelRunner.__init__``
@@ -548,6 +548,11 @@ def _patch_cpu_attention_selection() -> None:
         cfg = get_current_vllm_config_or_none()
         ddtree = cfg is not None and _is_ddtree(cfg)
         on_gpu = ddtree and not current_platform.is_cpu()
+        if on_gpu and not current_platform.is_cuda():
+            raise ValueError(
+                f"speculative method 'ddtree' runs on CPU and CUDA platforms (its GPU tree attention is "
+                f"FlashInfer's), not on {current_platform.device_name}; use another speculative method there"
+            )
         if on_gpu:  # FlashInfer for every layer (target and drafter), whatever the platform's default
             if args:
                 args = (gpu_tree_attention_backend(args[0]), *args[1:])

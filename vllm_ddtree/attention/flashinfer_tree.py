@@ -1,9 +1,10 @@
 """GPU tree attention: vLLM's FlashInfer backend with a per-request custom mask on verify steps.
 
-GPU-only and deliberately thin (it needs CUDA and ``flashinfer-python``; nothing here runs on the
-CPU). Everything it hands the kernel — page table and mask — comes from
-:func:`vllm_ddtree.attention.tree_mask.flashinfer_paged_plan`, which is pure PyTorch and tested on
-the CPU against an independent attention oracle (``tests/test_flashinfer_tree.py``).
+Deliberately thin: FlashInfer's kernels need CUDA, so only the metadata side is exercised here.
+Everything it hands the kernel — page table and mask — comes from
+:func:`vllm_ddtree.attention.tree_mask.flashinfer_paged_plan`, pure PyTorch, tested on the CPU
+against an independent attention oracle; the builder itself is tested on the CPU with vLLM's real
+FlashInfer backend and only FlashInfer's CUDA wrapper replaced (``tests/test_flashinfer_tree.py``).
 
 What it replaces, and why (vLLM 0.32, v1/attention/backends/flashinfer.py):
 - ``FlashInferMetadataBuilder.build`` (:1392): on a verify step (the model runner set tree masks
@@ -29,27 +30,9 @@ from vllm.v1.attention.backends.flashinfer import (
 )
 from vllm.v1.attention.backends.utils import get_flashinfer_layout_string
 
-from vllm_ddtree.attention.tree_mask import FlashInferPagedPlan, flashinfer_paged_plan, step_tree_masks_for
+from vllm_ddtree.attention.tree_mask import flashinfer_paged_plan, step_tree_masks_for
 
-__all__ = ["TreeFlashInferBackend", "TreeFlashInferMetadataBuilder", "flashinfer_plan_kwargs"]
-
-
-def flashinfer_plan_kwargs(builder, plan: FlashInferPagedPlan) -> dict:
-    """All keyword arguments of ``BatchPrefillWithPagedKVCacheWrapper.plan()`` for a verify step: the
-    step's page table and mask, and the layer group's constants as the stock builder passes them."""
-    return dict(
-        **plan.plan_kwargs(),
-        num_qo_heads=builder.num_qo_heads,
-        num_kv_heads=builder.num_kv_heads,
-        head_dim_qk=builder.head_dim,
-        page_size=builder.page_size,
-        sm_scale=builder.sm_scale,
-        window_left=builder.window_left,
-        logits_soft_cap=builder.logits_soft_cap,
-        q_data_type=builder.q_data_type_prefill,
-        kv_data_type=builder.kv_cache_dtype,
-        o_data_type=builder.model_config.dtype,
-    )
+__all__ = ["TreeFlashInferBackend", "TreeFlashInferMetadataBuilder"]
 
 
 class TreeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
@@ -78,7 +61,13 @@ class TreeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
         plan = flashinfer_paged_plan(cm.query_start_loc_cpu, seq_lens_cpu, cm.block_table_tensor[:r],
                                      self.page_size, cm.causal, tree)
         wrapper = self._tree_wrapper()
-        wrapper.plan(**flashinfer_plan_kwargs(self, plan))
+        wrapper.plan(  # the layer group's constants as the stock build passes them
+            **plan.plan_kwargs(), num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
+            head_dim_qk=self.head_dim, page_size=self.page_size, sm_scale=self.sm_scale,
+            window_left=self.window_left, logits_soft_cap=self.logits_soft_cap,
+            q_data_type=self.q_data_type_prefill, kv_data_type=self.kv_cache_dtype,
+            o_data_type=self.model_config.dtype,
+        )
         return FlashInferMetadata(
             kv_cache_layout=self.kv_cache_layout,
             num_actual_tokens=cm.num_actual_tokens,
