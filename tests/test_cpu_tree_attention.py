@@ -66,7 +66,7 @@ def test_backend_matches_dense_attention(causal):
         has_tree=torch.tensor([False, False, True]), num_rows=torch.tensor([0, 0, qlen[2]]),
         ancestors=torch.cat([torch.zeros(2, n, n, dtype=torch.bool), tree.ancestors]),
     )
-    builder = TreeAttentionMetadataBuilder(SimpleNamespace(block_size=BS), ["model.layers.0.attn"], None, "cpu")
+    builder = TreeAttentionMetadataBuilder(SimpleNamespace(block_size=BS, num_kv_heads=KV_HEADS), ["model.layers.0.attn"], None, "cpu")
     set_step_tree_masks(masks)
     try:
         md = builder.build(0, cm)
@@ -92,7 +92,7 @@ def test_backend_matches_dense_attention(causal):
 
 
 def test_tree_masks_are_not_applied_to_other_layers():
-    builder = TreeAttentionMetadataBuilder(SimpleNamespace(block_size=BS), ["draft_model.layers.0.attn"], None, "cpu")
+    builder = TreeAttentionMetadataBuilder(SimpleNamespace(block_size=BS, num_kv_heads=KV_HEADS), ["draft_model.layers.0.attn"], None, "cpu")
     qsl = torch.tensor([0, 3])
     cm = CommonAttentionMetadata(
         query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=torch.tensor([5]), num_reqs=1, num_actual_tokens=3,
@@ -112,3 +112,23 @@ def test_tree_masks_are_not_applied_to_other_layers():
 def test_unsupported_features_fail_clearly():
     with pytest.raises(NotImplementedError, match="sliding window"):
         TreeAttentionImpl(HEADS, HD, 1.0, KV_HEADS, None, 128, "auto")
+
+
+def test_cache_update_follows_a_reused_slot_buffer():
+    """The update's rows are computed once per step and shared by the layers; a runner that rewrites
+    the same slot buffer in place for the next step must still get its new slots written."""
+    impl = TreeAttentionImpl(HEADS, HD, HD**-0.5, KV_HEADS, None, None, "auto")
+    g = torch.Generator().manual_seed(3)
+    caches = [torch.zeros(4, KV_HEADS, BS, 2 * HD) for _ in range(2)]
+    slots = torch.tensor([3, 9, -1])  # one buffer, two steps
+    for step_slots in ([3, 9, -1], [17, 4, 30]):
+        slots.copy_(torch.tensor(step_slots))
+        k, v = torch.randn(3, KV_HEADS, HD, generator=g), torch.randn(3, KV_HEADS, HD, generator=g)
+        for cache in caches:  # two layers, same slot tensor
+            impl.do_kv_cache_update(None, k, v, cache, slots)
+            kv = cache.view(4, KV_HEADS, 2, BS, HD)
+            for t, s in enumerate(step_slots):
+                if s >= 0:
+                    assert torch.equal(kv[s // BS, :, 0, s % BS], k[t]) and torch.equal(kv[s // BS, :, 1, s % BS], v[t])
+    written = (caches[0].view(4, KV_HEADS, 2, BS, HD).abs().sum((1, 2, 4)) > 0).nonzero().tolist()
+    assert written == [[0, 3], [0, 4], [1, 1], [2, 1], [3, 6]]  # slots 3, 4, 9, 17, 30; nothing for -1

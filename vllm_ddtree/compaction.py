@@ -35,6 +35,17 @@ def compact_paged_kv_(kv_caches: list[Tensor], block_table: Tensor, plan: KVComp
     move_slots_(kv_caches, src, dst)
 
 
+def cache_rows(blocks: Tensor, offsets: Tensor, num_kv_heads: int, block_size: int) -> Tensor:
+    """Rows of a "cpu"-layout layer cache read as one [blocks * kv_heads * 2 * block_size, head_dim]
+    matrix that hold K (index 0 of the last dim) and V (1) of each (block, offset):
+    [*blocks.shape, kv_heads, 2]. Per (block, head) the storage is [2 * block_size, head_dim], K rows
+    first (:mod:`vllm_ddtree.attention.cpu_tree`).
+    """
+    heads = torch.arange(num_kv_heads, device=blocks.device).view(-1, 1)
+    k_or_v = torch.arange(2, device=blocks.device)
+    return ((blocks[..., None, None] * num_kv_heads + heads) * 2 + k_or_v) * block_size + offsets[..., None, None]
+
+
 def move_slots_(kv_caches: list[Tensor], src_slots: Tensor, dst_slots: Tensor, layout: str = "cpu") -> None:
     """cache[dst] = cache[src] for physical slots in every layer cache, gather first.
 
@@ -42,19 +53,25 @@ def move_slots_(kv_caches: list[Tensor], src_slots: Tensor, dst_slots: Tensor, l
     "cpu" (:mod:`vllm_ddtree.attention.cpu_tree`) stores per (block, head) K rows then V rows,
     "flashinfer" (vLLM's FlashInfer backend, ``do_kv_cache_update``) K then V in the last dimension of
     each token. The logical view is indexed, so FlashInfer's physical layouts (NHD, HND) need nothing.
+    The indices are computed once for all layers (layers of one model share the cache's shape).
     """
     if layout not in ("cpu", "flashinfer"):
         raise ValueError(f"unknown KV cache layout {layout!r}; expected 'cpu' or 'flashinfer'")
+    if not kv_caches:
+        return
+    nb, h, bs, two_hd = kv_caches[0].shape
+    sb, so = torch.div(src_slots, bs, rounding_mode="floor"), src_slots % bs
+    db, do = torch.div(dst_slots, bs, rounding_mode="floor"), dst_slots % bs
+    if layout == "cpu":  # whole K and V rows of the cache read as a [rows, head_dim] matrix
+        src_rows, dst_rows = cache_rows(sb, so, h, bs).reshape(-1), cache_rows(db, do, h, bs).reshape(-1)
     for cache in kv_caches:
-        nb, h, bs, two_hd = cache.shape
-        sb, so = torch.div(src_slots, bs, rounding_mode="floor"), src_slots % bs
-        db, do = torch.div(dst_slots, bs, rounding_mode="floor"), dst_slots % bs
+        if cache.shape != (nb, h, bs, two_hd):
+            raise ValueError(f"layer caches differ in shape: {tuple(cache.shape)} vs {(nb, h, bs, two_hd)}")
         if layout == "flashinfer":
             cache[db, :, do] = cache[sb, :, so]  # [moves, heads, 2 * hd], gathered before the write
             continue
-        kv = cache.view(nb, h, 2, bs, two_hd // 2)  # [blocks, heads, K|V, offset, hd]
-        moved = kv[sb, :, :, so]  # [moves, heads, 2, hd]  (gather first)
-        kv[db, :, :, do] = moved
+        rows = cache.view(-1, two_hd // 2)
+        rows.index_copy_(0, dst_rows, rows.index_select(0, src_rows))  # gather first, then write
 
 
 @dataclass

@@ -11,9 +11,12 @@ Cache layout (the same logical LBHNC shape CPU_ATTN uses, plain contents): a lay
 [num_blocks, kv_heads, block_size, 2 * head_dim]; per (block, head) the storage is read as
 [2 * block_size, head_dim] with K in rows 0..block_size-1 and V in the rest, token-major.
 
-Per step the builder does everything that is the same for all layers once: the KV gather index
-(request, kv position) -> (block, offset), the padded query index, and the boolean mask
-[R, max_q, max_kv]. Each layer's forward is then one gather, one SDPA and one scatter.
+Per step the builder does everything that is the same for all layers once: the rows of the cache
+(read as one [rows, head_dim] matrix, :func:`cache_rows`) holding each request's K and V, the
+padded query index, and the boolean mask [R, max_q, max_kv]. Each layer's forward is then one row
+gather of K and V together (already in SDPA's [R, kv_heads, kv, head_dim] order, no permute copy),
+one SDPA with the query heads of a KV head folded into its query rows (no K/V repeat for GQA), and
+one row scatter of the output; a cache update is one row scatter of K and V together.
 
 Tree masks: the model runner hands them over through `tree_mask.set_step_tree_masks` before it
 builds attention metadata for a verify step; the builder of the layers named by
@@ -23,7 +26,7 @@ builds attention metadata for a verify step; the builder of the layers named by
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +37,7 @@ from vllm.v1.attention.backend import AttentionImpl, AttentionMetadataBuilder, A
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
 from vllm_ddtree.attention.tree_mask import TreeStepMasks, build_attention_mask, step_tree_masks_for
+from vllm_ddtree.compaction import cache_rows
 
 __all__ = ["TreeAttentionBackend", "TreeStepMasks", "build_attention_mask", "register"]
 
@@ -49,14 +53,25 @@ class TreeAttentionMetadata:
     query_start_loc: Tensor  # [R + 1]
     seq_lens: Tensor  # [R] kv length after this step's tokens
     slot_mapping: Tensor  # [T] where each new token's K/V is written
-    kv_block: Tensor  # [R, max_kv] block holding kv position p of request r
-    kv_offset: Tensor  # [R, max_kv] offset inside that block
+    kv_rows: Tensor  # [R * kv_heads * 2 * max_kv] cache rows of (request, kv head, K|V, kv position)
     query_index: Tensor  # [R, max_q] flat token index of query i of request r (0 where padding)
     query_valid: Tensor  # [R, max_q]
+    valid_queries: Tensor  # [n] flat indices into [R * max_q] of the real queries (not padding)
+    valid_tokens: Tensor  # [n] their token indices (query_index at valid_queries)
     mask: Tensor  # [R, 1, max_q, max_kv] bool, True = may attend
     causal: bool | Tensor = True  # what the caller asked for (the DFlash drafter checks `causal is False`)
     max_query_len: int = 0
     max_seq_len: int = 0
+    _folded: dict = field(default_factory=dict)  # query-heads-per-KV-head G -> [R, 1, G * max_q, max_kv]
+
+    def folded_mask(self, group: int) -> Tensor:
+        """The mask for queries folded as [R, kv_heads, group * max_q] (query head-major within a
+        KV head's group): the same [max_q, max_kv] block for each of the group's heads. Built by the
+        first layer of the step and shared by the rest."""
+        if group not in self._folded:
+            r, _, q, kv = self.mask.shape
+            self._folded[group] = self.mask[:, :, None].expand(r, 1, group, q, kv).reshape(r, 1, group * q, kv)
+        return self._folded[group]
 
 
 class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadata]):
@@ -65,6 +80,7 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
     def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.block_size = kv_cache_spec.block_size
+        self.num_kv_heads = kv_cache_spec.num_kv_heads
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
@@ -83,19 +99,22 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
         blocks = cm.block_table_tensor[:r].long()
         kv_block = blocks.gather(1, (p // self.block_size).clamp(max=blocks.shape[1] - 1).expand(r, max_kv))
         kv_offset = (p % self.block_size).expand(r, max_kv)
+        rows = cache_rows(kv_block, kv_offset, self.num_kv_heads, self.block_size)  # [R, max_kv, kv_heads, 2]
         i = torch.arange(max_q)
         query_valid = i.view(1, -1) < query_lens.view(-1, 1)
         query_index = torch.where(query_valid, qsl[:-1].view(-1, 1) + i.view(1, -1), 0)
         mask = build_attention_mask(query_lens, seq_lens, causal_t, max_q, max_kv, tree)
+        valid = query_valid.reshape(-1).nonzero().squeeze(1)
         return TreeAttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             query_start_loc=qsl,
             seq_lens=seq_lens,
             slot_mapping=cm.slot_mapping,
-            kv_block=kv_block,
-            kv_offset=kv_offset,
+            kv_rows=rows.permute(0, 2, 3, 1).reshape(-1),
             query_index=query_index,
             query_valid=query_valid,
+            valid_queries=valid,
+            valid_tokens=query_index.reshape(-1)[valid],
             mask=mask[:, None],
             causal=causal,
             max_query_len=max_q,
@@ -103,17 +122,12 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
         )
 
 
-def split_kv_cache(kv_cache: Tensor) -> tuple[Tensor, Tensor]:
-    """[blocks, kv_heads, block_size, 2 * hd] -> K, V views [blocks, kv_heads, block_size, hd]."""
-    nb, h, bs, _ = kv_cache.shape
-    kv = kv_cache.view(nb, h, 2 * bs, -1)
-    return kv[:, :, :bs], kv[:, :, bs:]
-
-
 class TreeAttentionImpl(AttentionImpl):
     """SDPA over the paged cache with the builder's mask; same constructor as CPU_ATTN's impl."""
 
     layers_served = 0  # attention layers built in this process (observability, tests)
+    # The last cache update's rows, shared by all layers (_update_rows): (slots, (kv heads, block size), valid, rows).
+    _rows_cache: tuple | None = None
 
     def __init__(
         self,
@@ -155,14 +169,34 @@ class TreeAttentionImpl(AttentionImpl):
 
     def do_kv_cache_update(self, layer, key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
         """Write new tokens' K/V [n, kv_heads, hd] at `slot_mapping` (block * block_size + offset)."""
-        k_cache, v_cache = split_kv_cache(kv_cache)
-        bs = k_cache.shape[2]
+        _, num_kv_heads, bs, two_hd = kv_cache.shape
         n = min(slot_mapping.shape[0], key.shape[0])
-        slots = slot_mapping[:n].long()
+        kv = torch.stack([key[:n], value[:n]], dim=2).to(kv_cache.dtype)  # [n, kv_heads, 2, hd]
+        valid, rows = self._update_rows(slot_mapping, n, num_kv_heads, bs)
+        if valid is not None:
+            kv = kv[valid]
+        kv_cache.view(-1, two_hd // 2).index_copy_(0, rows, kv.reshape(-1, two_hd // 2))
+
+    def _update_rows(self, slot_mapping: Tensor, n: int, num_kv_heads: int, block_size: int):
+        """(valid tokens or None if all are, their cache rows [n * kv_heads * 2]) for `slot_mapping`.
+
+        Every layer of a step gets the same slots: the rows are computed by the first layer and
+        reused by the others (one comparison of the slots instead of ~15 small ops per layer).
+        """
+        shape = (num_kv_heads, block_size)
+        cached = TreeAttentionImpl._rows_cache
+        if cached is not None and cached[1] == shape and torch.equal(cached[0], slot_mapping[:n]):
+            return cached[2], cached[3]
+        kept = slot_mapping[:n].clone()  # a copy: the runner rewrites its slot buffer every step
+        slots = kept.long()
         valid = slots >= 0  # padded tokens carry slot -1: drop them (a CPU-side filter is cheap here)
-        slots, key, value = slots[valid], key[:n][valid], value[:n][valid]
-        k_cache[slots // bs, :, slots % bs] = key.to(k_cache.dtype)
-        v_cache[slots // bs, :, slots % bs] = value.to(v_cache.dtype)
+        if bool(valid.all()):
+            valid = None
+        else:
+            slots = slots[valid]
+        rows = cache_rows(slots // block_size, slots % block_size, num_kv_heads, block_size).reshape(-1)
+        TreeAttentionImpl._rows_cache = (kept, shape, valid, rows)
+        return valid, rows
 
     def forward(
         self,
@@ -182,20 +216,19 @@ class TreeAttentionImpl(AttentionImpl):
         if attn_metadata is None:  # profiling / warm-up run
             return output
         md = attn_metadata
-        k_cache, v_cache = split_kv_cache(kv_cache)
-        k = k_cache[md.kv_block, :, md.kv_offset]  # [R, max_kv, kv_heads, hd]
-        v = v_cache[md.kv_block, :, md.kv_offset]
-        q = query[md.query_index]  # [R, max_q, heads, hd]
+        r, max_q = md.query_index.shape
+        kvh, hd, group = self.num_kv_heads, self.head_size, self.num_heads // self.num_kv_heads
+        kv = kv_cache.view(-1, hd).index_select(0, md.kv_rows).view(r, kvh, 2, md.max_seq_len, hd)
+        # [R, max_q, heads, hd] -> [R, kv_heads, group * max_q, hd]: a KV head's query heads become
+        # query rows of one attention (GQA without repeating K/V; the mask is repeated instead).
+        q = query.index_select(0, md.query_index.reshape(-1)).view(r, max_q, self.num_heads, hd)
+        q = q.permute(0, 2, 1, 3).reshape(r, kvh, group * max_q, hd)
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2).to(q.dtype),
-            v.transpose(1, 2).to(q.dtype),
-            attn_mask=md.mask,
-            scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        ).transpose(1, 2)  # [R, max_q, heads, hd]
-        flat = output.view(output.shape[0], self.num_heads, self.head_size)
-        flat[md.query_index[md.query_valid]] = out[md.query_valid].to(flat.dtype)
+            q, kv[:, :, 0].to(q.dtype), kv[:, :, 1].to(q.dtype), attn_mask=md.folded_mask(group), scale=self.scale
+        )  # [R, kv_heads, group * max_q, hd]
+        out = out.view(r, self.num_heads, max_q, hd).transpose(1, 2).reshape(r * max_q, self.num_heads, hd)
+        flat = output.view(output.shape[0], self.num_heads, hd)
+        flat.index_copy_(0, md.valid_tokens, out.index_select(0, md.valid_queries).to(flat.dtype))
         return output
 
 
