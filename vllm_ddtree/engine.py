@@ -78,6 +78,30 @@ class TreeStep:
 
 
 @dataclass
+class DepthCap:
+    """How many depths the next step drafts: twice the deepest node of this step's trees (at least
+    `floor`, at most the drafter's width `width`).
+
+    The drafter's LM head (a 49152 x H matmul per depth for SmolLM2) and each build iteration cost
+    per depth, and a tree of B nodes may in principle reach depth B — but its realised depth is what
+    the drafter's confidence allows (mean 1.4-1.7 for the toy drafter at B = 4-32). A cap never
+    changes the output (verification decides every token); it can only hide a node deeper than the
+    cap for one step: a tree that reaches the cap doubles it for the next step.
+    """
+
+    width: int
+    floor: int = 2
+    depth: int = field(init=False)  # the full width until the first trees
+
+    def __post_init__(self) -> None:
+        self.depth = self.width
+
+    def observe(self, deepest: int) -> None:
+        """The deepest kept node of this step's trees (a host int)."""
+        self.depth = min(self.width, max(self.floor, 2 * deepest))
+
+
+@dataclass
 class DDTreeStats:
     """Verify-step statistics: what the budget controller chose and what was accepted.
 
@@ -140,6 +164,9 @@ class DDTreeProposer(DFlashProposer):
         self.ddtree_vllm_config = vllm_config
         self.runner = runner  # the base proposer does not keep it: we read the batch order from it
         self.max_budget = options.verify_width
+        # Depths the drafter's LM head and the tree build cover next step (DepthCap): the trees'
+        # realised depth, doubled, instead of every depth a tree of `build` nodes could reach.
+        self.depth_cap = DepthCap(self.width)
         self.trees: dict[str, RequestTree] = {}
         self.stats = DDTreeStats()
         self._logits: Tensor | None = None
@@ -209,7 +236,7 @@ class DDTreeProposer(DFlashProposer):
         rows = hidden_states.shape[0]
         r = rows // self.width
         self._build = self.options.tree_budget if self.auto is None else self.auto.build_width(r)
-        self._depth = min(self.width, self._build)
+        self._depth = min(self.width, self._build, self.depth_cap.depth)
         hidden_states = hidden_states.view(r, self.width, -1)[:, : self._depth].reshape(r * self._depth, -1)
         d2t = getattr(model, "draft_id_to_target_id", None)
         if d2t is not None and hasattr(model, "logits_processor") and hasattr(model, "lm_head"):
@@ -251,6 +278,7 @@ class DDTreeProposer(DFlashProposer):
         tokens, parents, depths = packed[:, :w].tolist(), packed[:, w : 2 * w].tolist(), packed[:, 2 * w : 3 * w].tolist()
         counts = packed[:, 3 * w].tolist()
         scores = tree.scores.cpu().tolist() if self.auto is not None else None
+        self.depth_cap.observe(max((max(d[:n], default=0) for d, n in zip(depths, counts)), default=0))
         drafts = []
         live = set(req_ids)
         self.trees = {rid: t for rid, t in self.trees.items() if rid in live}  # finished requests leave
