@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_ddtree.tree import NGramModel, build_tree, build_tree_reference, topk_per_depth
-from vllm_ddtree.tree.build import NO_PARENT
+from vllm_ddtree.tree.build import NO_PARENT, tree_to_host
 
 
 def brute_force(top_logp, top_ids, budget, scorer=None, tail=None, lam=0.0, row=0):
@@ -142,6 +142,26 @@ def test_per_request_budgets_and_static_width():
     full = build_tree(lp, ids, 32)
     for row, b in enumerate(budgets.tolist()):
         assert torch.equal(tree.tokens[row, :b], full.tokens[row, :b])
+
+
+def test_tree_to_host_lists_each_request_s_kept_nodes():
+    # What the proposer hands the scheduler and keeps for verification, and the depth the next
+    # step drafts to: a swapped column (parents for depths, say) would change no output, so only
+    # this test catches it. Peaked marginals make deep trees, whose parent indices, depths and
+    # tokens all differ.
+    lp, ids = marginals(5, 3, 6, 30)
+    tree = build_tree(lp * 4, ids, 12).truncate(torch.tensor([12, 3, 0]))
+    host = tree_to_host(tree, with_scores=True)
+    assert [len(t) for t in host.tokens] == [12, 3, 0]
+    for r in range(3):
+        n = int(tree.num_nodes[r])
+        assert host.tokens[r] == tree.tokens[r, :n].tolist()
+        assert host.parents[r] == tree.parents[r, :n].tolist()
+        assert host.depths[r] == tree.depths[r, :n].tolist()
+        assert host.scores[r] == tree.scores[r, :n].tolist()
+    assert host.deepest == int(tree.depths[tree.valid].max()) > 1
+    assert tree_to_host(tree).scores is None
+    assert tree_to_host(tree.truncate(0)).deepest == 0  # no request kept a node
 
 
 def test_fewer_prefixes_than_budget_pads():

@@ -43,6 +43,7 @@ from vllm_ddtree.tree import (
     get_profile,
     sample_tokens,
     topk_per_depth,
+    tree_to_host,
     walk_tree,
 )
 
@@ -274,23 +275,15 @@ class DDTreeProposer(DFlashProposer):
 
     def _store(self, req_ids: list[str], tree: DraftTree) -> list[list[int]]:
         # The one host copy per step (two with the automatic budget's scores): the scheduler takes
-        # draft tokens as Python lists. One packed tensor, not one .tolist() (a sync each) per field.
-        w = tree.tokens.shape[1]
-        packed = torch.cat([tree.tokens, tree.parents, tree.depths, tree.num_nodes[:, None]], dim=1).cpu()
-        depth_block = packed[:, 2 * w : 3 * w]  # unkept nodes have depth 0
-        tokens, parents, depths = packed[:, :w].tolist(), packed[:, w : 2 * w].tolist(), depth_block.tolist()
-        counts = packed[:, 3 * w].tolist()
-        scores = tree.scores.cpu().tolist() if self.auto is not None else None
-        self.depth_cap.observe(int(depth_block.max()) if depth_block.numel() else 0)
-        drafts = []
+        # draft tokens as Python lists.
+        host = tree_to_host(tree, with_scores=self.auto is not None)
+        self.depth_cap.observe(host.deepest)
         live = set(req_ids)
         self.trees = {rid: t for rid, t in self.trees.items() if rid in live}  # finished requests leave
         for i, rid in enumerate(req_ids):
-            n = counts[i]
-            self.trees[rid] = RequestTree(tokens[i][:n], parents[i][:n], depths[i][:n],
-                                          scores[i][:n] if scores is not None else None)
-            drafts.append(tokens[i][:n])
-        return drafts
+            self.trees[rid] = RequestTree(host.tokens[i], host.parents[i], host.depths[i],
+                                          host.scores[i] if host.scores is not None else None)
+        return [list(t) for t in host.tokens]  # the scheduler's own lists: our copy stays as proposed
 
     def _observe(self, req_ids: list[str]) -> list[int]:
         """Feed each request's newly committed tokens to the online n-gram model; its slot per row."""

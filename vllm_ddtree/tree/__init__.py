@@ -19,7 +19,17 @@ from .budget import (
     node_gains,
     roofline_seconds,
 )
-from .build import NO_PARENT, DraftTree, PrefixScorer, build_tree, build_tree_reference, check_draft_inputs, topk_per_depth
+from .build import (
+    NO_PARENT,
+    DraftTree,
+    HostTrees,
+    PrefixScorer,
+    build_tree,
+    build_tree_reference,
+    check_draft_inputs,
+    topk_per_depth,
+    tree_to_host,
+)
 from .compile import (
     FlashInferTreeMask,
     KVCompaction,

@@ -104,6 +104,38 @@ class DraftTree:
         )
 
 
+@dataclass
+class HostTrees:
+    """A `DraftTree` batch on the host: each request's kept nodes as Python lists, best-first.
+
+    What a scheduler that takes draft tokens as lists needs (vLLM's does), plus the deepest kept
+    node of the batch (the next step's drafted depth follows it).
+    """
+
+    tokens: list[list[int]]
+    parents: list[list[int]]
+    depths: list[list[int]]
+    scores: list[list[float]] | None  # with_scores only
+
+    @property
+    def deepest(self) -> int:
+        """The largest depth of any kept node (0 when no request kept one)."""
+        return max((max(d) for d in self.depths if d), default=0)
+
+
+def tree_to_host(tree: DraftTree, with_scores: bool = False) -> HostTrees:
+    """One device-to-host copy of the kept nodes (two with scores), not one `.tolist()` per field."""
+    w = tree.max_nodes
+    packed = torch.cat([tree.tokens, tree.parents, tree.depths, tree.num_nodes[:, None]], dim=1).cpu()
+    counts = packed[:, 3 * w].tolist()
+
+    def kept(block: Tensor) -> list[list]:
+        return [row[:n] for row, n in zip(block.tolist(), counts)]
+
+    scores = kept(tree.scores.cpu()) if with_scores else None
+    return HostTrees(kept(packed[:, :w]), kept(packed[:, w : 2 * w]), kept(packed[:, 2 * w : 3 * w]), scores)
+
+
 def topk_per_depth(logits: Tensor, k: int, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
     """Drafter logits [R, L, V] -> (log-probs [R, L, k] sorted descending, token ids [R, L, k]).
 
