@@ -237,8 +237,11 @@ def test_ddtree_options_as_nested_dict(dirs, target_configs):
         ({"rejection_sample_method": "synthetic", "synthetic_acceptance_length": 2.0},
          r"rejection_sample_method='synthetic' is not supported with method 'ddtree'"),
         ({"draft_sample_method": "probabilistic"}, r"draft_sample_method='probabilistic' is not supported"),
-        ({"num_speculative_tokens_per_batch_size": [(1, 8, 4)]},
-         r"num_speculative_tokens_per_batch_size=.* is not supported with method 'ddtree'"),
+        ({"num_speculative_tokens_per_batch_size": [(1, 8, 64)]},
+         r"entry \(1, 8, 64\) asks for trees of 64 nodes.*between 1 and 32"),
+        ({"tree_budget": "auto", "min_tree_budget": 4, "num_speculative_tokens_per_batch_size": [(1, 8, 2)]},
+         r"entry \(1, 8, 2\) asks for trees of 2 nodes.*between 4 and 64"),
+        ({"num_speculative_tokens_per_batch_size": [(2, 8, 4)]}, r"first batch-size range must start at 1"),
     ],
 )
 def test_bad_options(dirs, target_configs, extra, message):

@@ -184,3 +184,25 @@ def test_aborted_requests_free_their_blocks(tmp_path, drafter):
     res = json.loads(out.read_text())
     assert res["mid"] < res["start"]  # the requests held blocks mid-generation
     assert res["end"] == res["start"] and not res["unfinished"]
+
+
+def test_dynamic_sd_schedule_sets_the_tree_budget_per_batch_size(tmp_path, drafter):
+    # vLLM's Dynamic SD schedule, K read as tree nodes per request: no drafts while more than 4
+    # requests run, trees of at most 2 nodes once the 5 short requests have finished; and a
+    # schedule that turns drafting off at every batch size (the drafter still takes in context).
+    path, _ = drafter
+    requests = [[i, {"temperature": 0, "max_tokens": 8 if i < 5 else 48}] for i in range(9)]
+    specs = [
+        None,
+        {"method": "ddtree", "model": str(path), "tree_budget": 8,
+         "num_speculative_tokens_per_batch_size": [[1, 4, 2], [5, 64, 0]]},
+        {"method": "ddtree", "model": str(path), "tree_budget": "auto",
+         "num_speculative_tokens_per_batch_size": [[1, 64, 0]]},
+    ]
+    res = run(tmp_path / "out.json", specs, "--requests", json.dumps(requests))
+    base = res["outputs"][0]
+    assert [len(o) for o in base[:5]] == [8] * 5 and all(len(o) > 8 for o in base[5:])
+    assert res["outputs"][1] == base and res["outputs"][2] == base
+    assert res["metrics"][1].get("vllm:spec_decode_num_drafts", 0) > 0
+    assert 1 <= res["ddtree"][1]["mean_tree_nodes"] <= 2
+    assert not res["metrics"][2].get("vllm:spec_decode_num_drafts") and res["ddtree"][2]["tree_verifications"] == 0

@@ -167,6 +167,7 @@ class DDTreeProposer(DFlashProposer):
         self.ddtree_vllm_config = vllm_config
         self.runner = runner  # the base proposer does not keep it: we read the batch order from it
         self.max_budget = options.verify_width
+        self._cap = self.max_budget  # nodes per request this step: the scheduler's count (propose)
         # Depths the drafter's LM head and the tree build cover next step (DepthCap): the trees'
         # realised depth, doubled, instead of every depth a tree of `build` nodes could reach.
         self.depth_cap = DepthCap(self.width)
@@ -193,9 +194,11 @@ class DDTreeProposer(DFlashProposer):
             cost = CostModel(shape, get_profile(options.device_profile))
             self.auto = AutoBudget(cost, options.min_budget, options.max_budget)
 
-    # vLLM calls propose(num_speculative_tokens=<scheduler's count>, ...): the drafter's width is W.
+    # vLLM calls propose(num_speculative_tokens=<scheduler's count>, ...): the drafter's width is W,
+    # the count caps the tree (the verify width, or a Dynamic SD schedule's K at this batch size).
     def propose(self, num_speculative_tokens, **kwargs):
         self._time_step()
+        self._cap = min(int(num_speculative_tokens), self.max_budget)
         order, positions = self.context_order, self.context_positions
         self.context_order = self.context_positions = None
         if order is not None:  # after a tree step: each request's accepted path first (sample_tree_step)
@@ -206,6 +209,9 @@ class DDTreeProposer(DFlashProposer):
             x = kwargs["target_positions"]
             positions = positions.to(x.device, x.dtype)
             kwargs["target_positions"] = torch.cat([positions, x[n:]]) if x.shape[0] > n else positions
+        if self._cap == 0:  # Dynamic SD turned drafting off at this batch size
+            super().propose(0, **kwargs)  # the drafter still takes in the context (vLLM's K = 0 path)
+            return [[] for _ in range(kwargs["common_attn_metadata"].batch_size())]
         super().propose(self.width, **kwargs)
         return self._tree_drafts(kwargs["common_attn_metadata"])
 
@@ -238,7 +244,7 @@ class DDTreeProposer(DFlashProposer):
         # hidden states still come from all W mask rows (its attention is bidirectional).
         rows = hidden_states.shape[0]
         r = rows // self.width
-        self._build = self.options.tree_budget if self.auto is None else self.auto.build_width(r)
+        self._build = min(self.options.tree_budget if self.auto is None else self.auto.build_width(r), self._cap)
         self._depth = min(self.width, self._build, self.depth_cap.depth)
         hidden_states = hidden_states.view(r, self.width, -1)[:, : self._depth].reshape(r * self._depth, -1)
         d2t = getattr(model, "draft_id_to_target_id", None)
@@ -269,7 +275,7 @@ class DDTreeProposer(DFlashProposer):
         budgets = None if self.auto is None else self.auto.choose(tree.scores, cad.seq_lens[:r])
         if budgets is None:  # a fixed budget
             return self._store(req_ids, tree)
-        drafts = self._store(req_ids, tree.truncate(budgets))
+        drafts = self._store(req_ids, tree.truncate(budgets.clamp(max=self._cap)))
         self.auto.grow(max((len(d) for d in drafts), default=0))
         return drafts
 

@@ -101,10 +101,6 @@ CHAIN_ONLY_OPTIONS: dict[str, tuple[Callable[[Any], bool], str]] = {
         "ddtree builds the tree from the drafter's top-k per depth and never needs drafter "
         "probabilities for verification; remove draft_sample_method",
     ),
-    "num_speculative_tokens_per_batch_size": (
-        lambda v: v is not None,
-        "the tree size per batch is chosen by tree_budget=\"auto\" (budget controller)",
-    ),
     "enable_adaptive_verification": (lambda v: bool(v), "use tree_budget=\"auto\" instead"),
     "use_local_argmax_reduction": (
         lambda v: bool(v),
@@ -339,6 +335,29 @@ def _check_logprobs_mode(spec: Any) -> None:
         )
 
 
+def _check_batch_size_schedule(spec: Any) -> None:
+    """vLLM's Dynamic SD schedule, read by ddtree as tree nodes per request at each batch size.
+
+    vLLM clamps a K above num_speculative_tokens silently; for ddtree that would hide a schedule
+    written for another budget, so it is an error, as is a K the automatic budget could never
+    choose (below min_tree_budget; 0 turns drafting off and is allowed).
+    """
+    schedule = getattr(spec, "num_speculative_tokens_per_batch_size", None)
+    if schedule is None:
+        return
+    from vllm.v1.spec_decode.dynamic.utils import validate_and_normalize_dynamic_sd_schedule
+
+    ddtree: DDTreeConfig = spec.ddtree
+    lo, hi = ddtree.min_budget if ddtree.adaptive else 1, ddtree.verify_width
+    for start, end, k in validate_and_normalize_dynamic_sd_schedule(schedule):
+        if k != 0 and not lo <= k <= hi:
+            raise ValueError(
+                f"speculative_config: num_speculative_tokens_per_batch_size entry ({start}, {end}, {k}) asks for "
+                f"trees of {k} nodes; with method 'ddtree' each K is the tree budget at those batch sizes and must "
+                f"be 0 (no drafts) or between {lo} and {hi} (min_tree_budget / tree_budget or max_tree_budget)"
+            )
+
+
 def _reject_chain_only(spec: Any) -> None:
     # Equal values are accepted so that a resolved config survives vllm.config.utils.replace().
     n, width = spec.num_speculative_tokens, spec.ddtree.verify_width
@@ -358,6 +377,7 @@ def _reject_chain_only(spec: Any) -> None:
         value = getattr(spec, key, None)
         if bad(value):
             raise ValueError(f"speculative_config: {key}={value!r} is not supported with method 'ddtree': {why}")
+    _check_batch_size_schedule(spec)
     par = spec.target_parallel_config
     if par is not None and getattr(par, "pipeline_parallel_size", 1) > 1:
         raise ValueError(
