@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import statistics
 import time
@@ -66,9 +67,13 @@ def main() -> None:
     ap.add_argument("--ngram-weights", default="0.2",
                     help="comma-separated ngram_weight values for the ddtree methods (0 = no n-gram rescoring, "
                          "named ddtree-no-ngram / ddtree-auto-no-ngram); default 0.2, the config's default")
+    ap.add_argument("--dynamic-sd", default=None, metavar="JSON",
+                    help="also run ddtree-auto with this vLLM Dynamic SD schedule (num_speculative_tokens_per_batch_size, "
+                         "K = tree nodes per request, 0 = no drafts), named ddtree-auto-sd, e.g. '[[1, 2, 64], [3, 256, 0]]'")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
+    schedule = json.loads(args.dynamic_sd) if args.dynamic_sd else None
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # to read the proposer's stats
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # skips the startup check against 0.92 of NUMA node 0
 
@@ -102,6 +107,9 @@ def main() -> None:
             methods += [("ddtree" + suffix, b, tree | {"tree_budget": b}) for b in budgets]
         if "auto" in wanted:
             methods.append(("ddtree-auto" + suffix, None, tree | {"tree_budget": "auto"}))
+            if schedule is not None:
+                methods.append(("ddtree-auto-sd" + suffix, None,
+                                tree | {"tree_budget": "auto", "num_speculative_tokens_per_batch_size": schedule}))
 
     # Round robin: every repeat runs every method once (a fresh engine each), so the machine's drift
     # (other jobs, thermal) spreads over all methods instead of landing on whichever ran last.
@@ -154,12 +162,12 @@ def main() -> None:
         del row["outputs"]
 
     print(f"\n{n_prompts} HumanEval prompts, max_tokens {max_tokens}, float32, greedy, median of {repeats}")
-    print(f"{'method':<12}{'B':>6}{'batch':>6}{'tau':>7}{'tok/s':>9}{'vs AR':>7}{'same':>6}{'nodes':>7}{'depth':>7}")
+    print(f"{'method':<16}{'B':>6}{'batch':>6}{'tau':>7}{'tok/s':>9}{'vs AR':>7}{'same':>6}{'nodes':>7}{'depth':>7}")
     for r in rows:
         b = "-" if r["budget"] is None else r["budget"]
         tree = r.get("ddtree") or {}  # the tree proposer's own means: nodes verified and deepest node per tree
         nodes, depth = (f"{tree[k]:>7.1f}" if k in tree else f"{'-':>7}" for k in ("mean_tree_nodes", "mean_tree_depth"))
-        print(f"{r['method']:<12}{b:>6}{r['batch']:>6}{r['tau']:>7.2f}{r['tokens_per_s']:>9.1f}"
+        print(f"{r['method']:<16}{b:>6}{r['batch']:>6}{r['tau']:>7.2f}{r['tokens_per_s']:>9.1f}"
               f"{r['speedup_vs_ar']:>7.2f}{'yes' if r['identical_to_ar'] else 'NO':>6}{nodes}{depth}")
     from plotting import save_results
 
@@ -174,7 +182,7 @@ def plot_rows(rows: list[dict], batches: list[int], path: str) -> None:
                    series=[("ddtree", "o-", "ddtree (fixed budget)"),
                            ("ddtree-no-ngram", "s--", "ddtree, no n-gram (fixed budget)")],
                    lines=[("none", "gray"), ("dflash", "tab:red"), ("ddtree-auto", "tab:green"),
-                          ("ddtree-auto-no-ngram", "tab:olive")],
+                          ("ddtree-auto-no-ngram", "tab:olive"), ("ddtree-auto-sd", "tab:purple")],
                    metrics=[("tokens_per_s", "tokens / s"), ("tau", "tau (tokens / target forward)")], path=path)
 
 
