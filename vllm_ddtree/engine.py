@@ -317,9 +317,7 @@ def prepare_tree_step(runner, spec_decode_metadata, total_tokens: int) -> TreeSt
     """Positions = context + depth for the scheduled tree rows; tree masks to the attention backend."""
     from vllm_ddtree.attention.tree_mask import TreeStepMasks, set_step_tree_masks
 
-    if spec_decode_metadata is None or not any(spec_decode_metadata.num_draft_tokens):
-        # No request has drafts (a Dynamic SD step with K = 0): a plain step, sampled by vLLM's own
-        # sampler, with no tree to compile, walk or compact.
+    if spec_decode_metadata is None:
         set_step_tree_masks(None)
         return None
     proposer: DDTreeProposer = runner.drafter
