@@ -116,24 +116,23 @@ class HostTrees:
     parents: list[list[int]]
     depths: list[list[int]]
     scores: list[list[float]] | None  # with_scores only
-
-    @property
-    def deepest(self) -> int:
-        """The largest depth of any kept node (0 when no request kept one)."""
-        return max((max(d) for d in self.depths if d), default=0)
+    deepest: int  # the largest depth of any kept node (0 when no request kept one)
 
 
 def tree_to_host(tree: DraftTree, with_scores: bool = False) -> HostTrees:
     """One device-to-host copy of the kept nodes (two with scores), not one `.tolist()` per field."""
     w = tree.max_nodes
-    packed = torch.cat([tree.tokens, tree.parents, tree.depths, tree.num_nodes[:, None]], dim=1).cpu()
+    depths = torch.where(tree.valid, tree.depths, 0)  # on the device: the deepest is one host max below
+    packed = torch.cat([tree.tokens, tree.parents, depths, tree.num_nodes[:, None]], dim=1).cpu()
     counts = packed[:, 3 * w].tolist()
+    depth_block = packed[:, 2 * w : 3 * w]
 
     def kept(block: Tensor) -> list[list]:
         return [row[:n] for row, n in zip(block.tolist(), counts)]
 
     scores = kept(tree.scores.cpu()) if with_scores else None
-    return HostTrees(kept(packed[:, :w]), kept(packed[:, w : 2 * w]), kept(packed[:, 2 * w : 3 * w]), scores)
+    deepest = int(depth_block.max()) if depth_block.numel() else 0
+    return HostTrees(kept(packed[:, :w]), kept(packed[:, w : 2 * w]), kept(depth_block), scores, deepest)
 
 
 def topk_per_depth(logits: Tensor, k: int, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
