@@ -83,10 +83,12 @@ def check_verify_step(cfg) -> None:
     masks = TreeStepMasks(has_tree=torch.tensor([False, True, False]), num_rows=torch.tensor([0, rows, 0]),
                           ancestors=anc)
     t = int(qsl[-1])
-    cm = CommonAttentionMetadata(query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq_lens.int(), num_reqs=3,
-                                 num_actual_tokens=t, max_query_len=int(query_lens.max()),
+    # The device copy of seq_lens is on "meta": the builder must use the runner's host copy (a read
+    # of the device copy, a GPU sync, would raise here).
+    cm = CommonAttentionMetadata(query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq_lens.int().to("meta"),
+                                 num_reqs=3, num_actual_tokens=t, max_query_len=int(query_lens.max()),
                                  max_seq_len=int(seq_lens.max()), block_table_tensor=block_table,
-                                 slot_mapping=torch.arange(t), causal=True)
+                                 slot_mapping=torch.arange(t), causal=True, seq_lens_cpu_upper_bound=seq_lens.int())
     recorder = PlanRecorder()
     builder._ddtree_wrapper = recorder
     set_step_tree_masks(masks)

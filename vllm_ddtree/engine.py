@@ -43,11 +43,13 @@ from vllm_ddtree.tree import (
     get_profile,
     sample_tokens,
     topk_per_depth,
+    to_device,
     tree_to_host,
     walk_tree,
 )
 
 from vllm.logger import init_logger
+from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_ddtree.compaction import accepted_path_moves, move_slots_
@@ -126,7 +128,8 @@ class DDTreeStats:
         now = time.monotonic()
         if now - self._last_log >= self.interval:
             s0, n0, d0, a0 = self._logged
-            steps, nodes_, depth, acc = self.totals.tolist()
+            with gpu_sync_allowed():  # deliberate: once per log interval, not per step
+                steps, nodes_, depth, acc = self.totals.tolist()
             ds = max(steps - s0, 1)
             logger.info(
                 "ddtree: %d tree verifications, mean tree %.1f nodes, mean depth %.2f, "
@@ -268,8 +271,11 @@ class DDTreeProposer(DFlashProposer):
             top_ids = self._draft_to_target[top_ids]
         scorer = tail = None
         if self.ngram is not None:
-            slots = self._observe(req_ids)
-            scorer, tail = self.ngram.scorer(slots), self.ngram.context_tail(slots)
+            # Deliberate: merging the new tokens into the n-gram tables is a torch.unique, and the
+            # slots and context tails are small host lists (once per step, not per node).
+            with gpu_sync_allowed():
+                slots = self._observe(req_ids)
+                scorer, tail = self.ngram.scorer(slots), self.ngram.context_tail(slots)
         tree = build_tree(top_logp, top_ids, build, max_budget=build, scorer=scorer,
                           context_tail=tail, lam=self.options.ngram_weight, validate=False)
         budgets = None if self.auto is None else self.auto.choose(tree.scores, cad.seq_lens[:r])
@@ -282,7 +288,8 @@ class DDTreeProposer(DFlashProposer):
     def _store(self, req_ids: list[str], tree: DraftTree) -> list[list[int]]:
         # The one host copy per step (two with the automatic budget's scores): the scheduler takes
         # draft tokens as Python lists.
-        host = tree_to_host(tree, with_scores=self.auto is not None)
+        with gpu_sync_allowed():  # deliberate: vLLM's scheduler reads the drafts on the host next
+            host = tree_to_host(tree, with_scores=self.auto is not None)
         self.depth_cap.observe(host.deepest)
         live = set(req_ids)
         self.trees = {rid: t for rid, t in self.trees.items() if rid in live}  # finished requests leave
@@ -314,26 +321,36 @@ class DDTreeProposer(DFlashProposer):
 
 
 def prepare_tree_step(runner, spec_decode_metadata, total_tokens: int) -> TreeStep | None:
-    """Positions = context + depth for the scheduled tree rows; tree masks to the attention backend."""
+    """Positions = context + depth for the scheduled tree rows; tree masks to the attention backend.
+
+    Reads only the runner's host buffers (no device-to-host copy): the step's token ids
+    (`input_ids.cpu`), query starts and sequence lengths (`optimistic_seq_lens_cpu`) are exact on
+    the host because ddtree never runs with async scheduling (vLLM then writes every sampled token
+    to the host before the next step). The compiled tree goes to the device in one copy.
+    """
     from vllm_ddtree.attention.tree_mask import TreeStepMasks, set_step_tree_masks
 
     if spec_decode_metadata is None:
         set_step_tree_masks(None)
         return None
+    if runner.input_batch.prev_sampled_token_ids is not None:
+        # Only async scheduling leaves sampled tokens on the device; config refuses it for ddtree.
+        raise RuntimeError("speculative method 'ddtree' needs async scheduling off (--no-async-scheduling)")
     proposer: DDTreeProposer = runner.drafter
     req_ids = list(runner.input_batch.req_ids)
     r = len(req_ids)
     drafted = spec_decode_metadata.num_draft_tokens
     width = max(drafted)
     calibrating = proposer.auto is not None
+    qsl = runner.query_start_loc.cpu[: r + 1].long()
+    drafted_t = torch.tensor(drafted, dtype=torch.int64)
+    root_index = qsl[1:] - 1 - drafted_t  # the root is the first of the request's last 1 + n tokens
+    step_ids = runner.input_ids.cpu  # host: each request's drafts follow its root
     # Rows as padded Python lists, one tensor each at the end (no per-request tensor creation).
     tok_rows, par_rows, dep_rows, score_rows, from_tree_rows = [], [], [], [], []
-    scheduled = spec_decode_metadata.draft_token_ids.tolist()
-    start = 0
-    for i, rid in enumerate(req_ids):
+    for i, (rid, first) in enumerate(zip(req_ids, (root_index + 1).tolist())):
         n = drafted[i]
-        drafts = scheduled[start : start + n]
-        start += n
+        drafts = step_ids[first : first + n].tolist()
         pad = width - n
         t = proposer.trees.get(rid)
         from_tree = n > 0 and t is not None and t.tokens[:n] == drafts  # the scheduler keeps a prefix: still a tree
@@ -355,31 +372,29 @@ def prepare_tree_step(runner, spec_decode_metadata, total_tokens: int) -> TreeSt
     valid = dep > 0
     zeros = torch.zeros(r, width)
     tree = DraftTree(tok, par, dep, zeros, zeros, valid, valid.sum(1), max(proposer.width, width))
-    qsl = runner.query_start_loc.cpu[: r + 1].long()
-    drafted_t = torch.tensor(drafted, dtype=torch.int64)
-    root_index = qsl[1:] - 1 - drafted_t  # the root is the first of the request's last 1 + n tokens
-    seq_lens = runner.seq_lens[:r].cpu().long()
-    ctx = seq_lens - 1 - drafted_t
-    roots = runner.input_ids.gpu[root_index.to(runner.input_ids.gpu.device)].cpu()
+    ctx = runner.optimistic_seq_lens_cpu[:r].long() - 1 - drafted_t
+    roots = step_ids[root_index].long()
     batch = compile_tree(tree, roots, ctx)  # on the host: the scheduled drafts are host lists
     row_index = torch.where(batch.valid, root_index[:, None] + torch.arange(width + 1), 0)
     flat = row_index[batch.valid]
     dev = runner.positions.device
     sequential = runner.positions[:total_tokens].clone()  # the drafter's context positions (sample_tree_step)
-    runner.positions[flat.to(dev)] = batch.positions[batch.valid].to(dev)
+    runner.positions[to_device(flat, dev)] = to_device(batch.positions[batch.valid], dev)
     # The step's size for the cost calibration, from host numbers (no device read later).
     rows = batch.num_rows.double()
     step_size = None
     if calibrating and int(rows.sum()) == total_tokens:
         c = ctx.double()
         step_size = (float(rows.sum()), float((rows * (c + rows)).sum()), float(c.sum()))
-    # One copy to the device; everything after the forward (walk, compaction, masks) runs there.
-    batch = batch.to(dev, non_blocking=True)
-    set_step_tree_masks(TreeStepMasks(has_tree=(drafted_t > 0).to(dev), num_rows=batch.num_rows, ancestors=batch.ancestors))
+    # One copy to the device (queued, not waited for); everything after the forward (walk,
+    # compaction, masks) runs there.
+    batch = batch.to(dev)
+    set_step_tree_masks(TreeStepMasks(has_tree=to_device(drafted_t > 0, dev), num_rows=batch.num_rows,
+                                      ancestors=batch.ancestors))
     slot_mapping = runner.input_batch.block_table[0].slot_mapping.gpu[:total_tokens].clone()
-    return TreeStep(batch=batch, row_index=row_index.to(dev), slot_mapping=slot_mapping,
-                    node_scores=None if node_scores is None else node_scores.to(dev), from_tree=from_tree.to(dev),
-                    sequential_positions=sequential, step_size=step_size)
+    return TreeStep(batch=batch, row_index=to_device(row_index, dev), slot_mapping=slot_mapping,
+                    node_scores=None if node_scores is None else to_device(node_scores, dev),
+                    from_tree=to_device(from_tree, dev), sequential_positions=sequential, step_size=step_size)
 
 
 def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadata):
@@ -394,7 +409,7 @@ def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadat
     r, n = batch.tokens.shape
     # logits rows are request-major, 1 + drafts per request (spec_decode_metadata.logits_indices)
     counts = torch.tensor(spec_decode_metadata.num_draft_tokens) + 1
-    starts = (torch.cumsum(counts, 0) - counts).to(batch.valid.device)
+    starts = to_device(torch.cumsum(counts, 0) - counts, batch.valid.device)
     rows = torch.where(batch.valid, starts[:, None] + torch.arange(n, device=starts.device), 0)
     rows = rows.to(logits.device)
     md = runner.input_batch.sampling_metadata

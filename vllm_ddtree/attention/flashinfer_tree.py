@@ -21,6 +21,8 @@ What it replaces, and why (vLLM 0.32, v1/attention/backends/flashinfer.py):
 
 from __future__ import annotations
 
+import torch
+from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata
 from vllm.v1.attention.backends.flashinfer import (
     FIPrefill,
@@ -56,13 +58,23 @@ class TreeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
                 "vLLM's FlashInfer backend does not offer with decode context parallelism, attention sinks or an "
                 "NVFP4 KV cache; turn those off or use another speculative method"
             )
-        # FlashInfer's own native prefill path reads seq_lens on the host the same way (plan() needs them).
-        seq_lens_cpu = cm.seq_lens[:r].cpu()
+        # plan() needs seq_lens on the host. The runner's host copy is exact here: ddtree never runs
+        # with async scheduling, the one case where it is only an upper bound. (The stock builder
+        # reads the device copy under gpu_sync_allowed when speculating; so do we without it.)
+        if cm.seq_lens_cpu_upper_bound is not None:
+            seq_lens_cpu = cm.seq_lens_cpu_upper_bound[:r]
+        else:
+            with gpu_sync_allowed():
+                seq_lens_cpu = cm.seq_lens[:r].cpu()
         plan = flashinfer_paged_plan(cm.query_start_loc_cpu, seq_lens_cpu, cm.block_table_tensor[:r],
                                      self.page_size, cm.causal, tree)
+        kwargs = plan.plan_kwargs()
+        if cm.block_table_tensor.is_cuda:  # plan() copies its host tensors non-blocking: stage them pinned
+            kwargs = {k: v.pin_memory() if isinstance(v, torch.Tensor) and v.device.type == "cpu" else v
+                      for k, v in kwargs.items()}
         wrapper = self._tree_wrapper()
         wrapper.plan(  # the layer group's constants as the stock build passes them
-            **plan.plan_kwargs(), num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
+            **kwargs, num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
             head_dim_qk=self.head_dim, page_size=self.page_size, sm_scale=self.sm_scale,
             window_left=self.window_left, logits_soft_cap=self.logits_soft_cap,
             q_data_type=self.q_data_type_prefill, kv_data_type=self.kv_cache_dtype,

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from vllm_ddtree.tree.compile import to_device
+
 
 @dataclass
 class TreeStepMasks:
@@ -209,11 +211,11 @@ def flashinfer_paged_plan(query_start_loc_cpu: Tensor, seq_lens_cpu: Tensor, blo
     total_pages = int(paged_kv_indptr[-1])
     page_req = torch.repeat_interleave(torch.arange(r), num_pages, output_size=total_pages)
     page_col = torch.arange(total_pages) - paged_kv_indptr[page_req]
-    indices = block_table[page_req.to(dev, non_blocking=True), page_col.to(dev, non_blocking=True)]
+    indices = block_table[to_device(page_req, dev), to_device(page_col, dev)]
     last_page_len = torch.where(seq > 0, seq - (num_pages - 1) * page_size, 0)
     causal_t = causal.bool()[:r] if isinstance(causal, Tensor) else torch.full((r,), bool(causal))
-    mask = flashinfer_custom_mask(query_lens.to(dev, non_blocking=True), seq.to(dev, non_blocking=True),
-                                  causal_t.to(dev, non_blocking=True), tree, total=int((query_lens * seq).sum()))
+    mask = flashinfer_custom_mask(to_device(query_lens, dev), to_device(seq, dev), to_device(causal_t, dev), tree,
+                                  total=int((query_lens * seq).sum()))
     i32 = torch.int32
     return FlashInferPagedPlan(qo_indptr=qsl.to(i32), paged_kv_indptr=paged_kv_indptr.to(i32),
                                paged_kv_indices=indices.to(i32), paged_kv_last_page_len=last_page_len.to(i32),

@@ -50,14 +50,27 @@ class TreeBatch:
     def max_rows(self) -> int:
         return self.tokens.shape[1]
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> "TreeBatch":
-        """The same batch on `device` (one copy per field; the batch itself when already there)."""
+    def to(self, device: torch.device | str) -> "TreeBatch":
+        """The same batch on `device` (`to_device` per field; the batch itself when already there)."""
         if self.tokens.device == torch.device(device):
             return self
-        move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
+        move = lambda t: to_device(t, device)  # noqa: E731
         return TreeBatch(move(self.tokens), move(self.parents), move(self.depths), move(self.positions),
                          move(self.valid), move(self.num_rows), move(self.context_lens), move(self.ancestors),
                          self.max_depth)
+
+
+def to_device(t: Tensor, device: torch.device | str) -> Tensor:
+    """`t` on `device`; a host tensor bound for a GPU goes through pinned memory, non-blocking.
+
+    A plain copy from pageable host memory blocks the host until the GPU has drained its queue,
+    and a `non_blocking` one from pageable memory is silently synchronous too (vLLM's
+    VLLM_GPU_SYNC_CHECK reports both); from pinned memory the copy is queued and the host goes on.
+    """
+    device = torch.device(device)
+    if t.device.type == "cpu" and device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def compile_tree(tree: DraftTree, root_tokens: Tensor, context_lens: Tensor) -> TreeBatch:

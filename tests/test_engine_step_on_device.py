@@ -1,0 +1,103 @@
+"""The engine's verify step reads the runner's host buffers, never its device tensors.
+
+`prepare_tree_step` (before the target's forward) and `sample_tree_step` (in place of the rejection
+sampler) run inside vLLM's `execute_model` / `sample_tokens`, where a GPU-to-host read stalls the
+step (and raises under vLLM's `VLLM_GPU_SYNC_CHECK=error`). A real engine on this CPU cannot show
+such a read: every tensor is on the host. So the runner's device-side state is put on PyTorch's
+"meta" device, where any read of a value raises (tests/test_tree_on_device.py shows the premise).
+
+The runner is a stand-in holding exactly the attributes vLLM 0.32's GPUModelRunner gives these two
+functions (same names, same layouts); the same functions run in the real engine in
+tests/test_vllm_ddtree.py, token-identical to the target. The host-buffer run (device "cpu") checks
+the values the step computes from those buffers.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm_ddtree.engine import DDTreeStats, RequestTree, prepare_tree_step, sample_tree_step  # noqa: E402
+
+VOCAB, WIDTH = 400, 8
+# Three requests in one step: "a" verifies its proposed tree (4 nodes), "b" decodes without drafts,
+# "c" has drafts the proposer did not make (vLLM's placeholders): verified as a chain.
+TREE_A = RequestTree(tokens=[10, 11, 12, 13], parents=[-1, -1, 0, 2], depths=[1, 1, 2, 3])
+CTX = [7, 5, 9]  # tokens in each request's KV cache before its root
+DRAFTS = [[10, 11, 12, 13], [], [20, 21]]
+ROOTS = [100, 200, 300]
+
+
+def stand_in_runner(device: torch.device):
+    ids = [t for root, d in zip(ROOTS, DRAFTS) for t in [root, *d]]
+    n = [len(d) for d in DRAFTS]
+    total = len(ids)
+    qsl = torch.tensor([0, *torch.cumsum(torch.tensor(n) + 1, 0).tolist()], dtype=torch.int32)
+    seq_lens = torch.tensor([c + 1 + k for c, k in zip(CTX, n)], dtype=torch.int32)
+    positions = torch.cat([torch.arange(c, c + 1 + k) for c, k in zip(CTX, n)])
+    host_ids = torch.zeros(64, dtype=torch.int32)
+    host_ids[:total] = torch.tensor(ids, dtype=torch.int32)
+    proposer = SimpleNamespace(trees={"a": TREE_A}, width=WIDTH, auto=None, stats=DDTreeStats(interval=1e9),
+                               context_order=None, context_positions=None)
+    sampling = SimpleNamespace(all_greedy=True, no_penalties=True, allowed_token_ids_mask=None, bad_words_token_ids={},
+                               logitsprocs=SimpleNamespace(non_argmax_invariant=[]), max_num_logprobs=None)
+    slot_mapping = SimpleNamespace(gpu=torch.arange(64).to(device))
+    cache = torch.zeros(8, 1, 16, 4).to(device)  # [blocks, kv heads, block size, 2 * head dim] ("cpu" layout)
+    runner = SimpleNamespace(
+        input_batch=SimpleNamespace(req_ids=["a", "b", "c"], prev_sampled_token_ids=None,
+                                    block_table=[SimpleNamespace(slot_mapping=slot_mapping)], sampling_metadata=sampling),
+        input_ids=SimpleNamespace(cpu=host_ids, gpu=host_ids.to(device)),
+        query_start_loc=SimpleNamespace(cpu=qsl, gpu=qsl.to(device)),
+        optimistic_seq_lens_cpu=seq_lens, seq_lens=seq_lens.to(device),
+        positions=torch.zeros(64, dtype=torch.int64).to(device),
+        drafter=proposer, _ddtree_target_caches=([cache], "cpu"))
+    runner.positions[:total] = positions.to(device)
+    spec = SimpleNamespace(num_draft_tokens=n, draft_token_ids=torch.tensor([t for d in DRAFTS for t in d]).to(device))
+    return runner, spec, total
+
+
+def target_logits(device: torch.device) -> torch.Tensor:
+    """Logits rows request-major (root, then each draft): "a" accepts 10 -> 12 -> 13 then 55, "b"
+    samples 66, "c" accepts 20 then 99."""
+    want = [10, 12, 99, 13, 55, 66, 20, 99, 7]  # argmax per scheduled row
+    logits = torch.zeros(len(want), VOCAB)
+    logits[torch.arange(len(want)), torch.tensor(want)] = 1.0
+    return logits.to(device)
+
+
+def run_step(device: torch.device):
+    runner, spec, total = stand_in_runner(device)
+    step = prepare_tree_step(runner, spec, total)
+    out = sample_tree_step(runner, step, target_logits(device), spec)
+    return runner, step, out
+
+
+def test_the_verify_step_computes_from_the_host_buffers():
+    runner, step, out = run_step(torch.device("cpu"))
+    # RoPE positions: context + depth for the tree's rows, a chain's depths for "c".
+    assert runner.positions[:9].tolist() == [7, 8, 8, 9, 10, 5, 9, 10, 11]
+    assert step.sequential_positions.tolist() == [7, 8, 9, 10, 11, 5, 9, 10, 11]
+    assert step.batch.tokens[:, :5].tolist() == [[100, 10, 11, 12, 13], [200, 0, 0, 0, 0], [300, 20, 21, 0, 0]]
+    assert step.batch.parents[2, :3].tolist() == [-1, 0, 1]  # "c": a chain
+    assert step.from_tree.tolist() == [True, False, False]
+    assert out.sampled_token_ids.tolist() == [[10, 12, 13, 55, -1], [66, -1, -1, -1, -1], [20, 99, -1, -1, -1]]
+    # The drafter's next context: per request, its accepted path first, then the rejected rows.
+    assert runner.drafter.context_order.tolist() == [0, 1, 3, 4, 2, 5, 6, 7, 8]
+
+
+def test_the_verify_step_never_reads_a_device_tensor():
+    meta = torch.device("meta")
+    runner, step, out = run_step(meta)
+    assert step.batch.tokens.device == meta and step.row_index.device == meta
+    assert out.sampled_token_ids.device == meta and runner.drafter.context_order.device == meta
+
+
+def test_async_scheduling_s_device_side_tokens_are_refused():
+    runner, spec, total = stand_in_runner(torch.device("cpu"))
+    runner.input_batch.prev_sampled_token_ids = torch.zeros(3, 1, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="async scheduling"):
+        prepare_tree_step(runner, spec, total)
