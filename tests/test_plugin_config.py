@@ -183,6 +183,10 @@ def test_auto_budget_and_small_fixed_budget(dirs, target_configs):
     small = _spec(target_configs, method="ddtree", model=str(dirs["drafter"]), tree_budget=4)
     assert small.num_speculative_tokens == 4 and small.max_num_new_slots_for_drafting == 15
     assert small.compute_hash() != spec.compute_hash()
+    # The prompt-lookup branch widens what vLLM verifies (num_speculative_tokens), not the tree.
+    looked = _spec(target_configs, method="ddtree", model=str(dirs["drafter"]), tree_budget=4, prompt_lookup_tokens=8)
+    assert looked.num_speculative_tokens == 12 and looked.ddtree.max_budget == 4
+    assert looked.compute_hash() != small.compute_hash()
 
 
 def test_shallow_copy_presents_as_dflash(dirs, target_configs):
@@ -231,6 +235,8 @@ def test_ddtree_options_as_nested_dict(dirs, target_configs):
         ({"tree_budget": 16, "max_tree_budget": 32}, r"max_tree_budget only applies with tree_budget=\"auto\""),
         ({"ngram_weight": -0.1}, r"ngram_weight must be a number >= 0"),
         ({"ngram_order": 1}, r"ngram_order must be >= 2"),
+        ({"prompt_lookup_tokens": -1}, r"prompt_lookup_tokens must be >= 0 \(0 disables"),
+        ({"prompt_lookup_tokens": 2.5}, r"prompt_lookup_tokens must be an integer, got 2.5"),
         ({"ngram_corpus": "/nonexistent/code.ngram.pt"}, r"ngram_corpus file '/nonexistent/code.ngram.pt' does not exist"),
         ({"device_profile": "tpu"}, r"device_profile='tpu' is unknown; choose one of cpu, h100, h200"),
         ({"num_speculative_tokens": 15}, r"num_speculative_tokens=15 is not used by method 'ddtree'.*here 32"),

@@ -422,3 +422,25 @@ def test_ngram_batched_observe_and_release_equal_one_request_at_a_time():
     assert many.online.ngram_keys[order - 1].numel() > 0
     with pytest.raises(ValueError, match="twice"):
         many.observe_batch([0, 0], [[1], [2]])
+
+
+def test_continuation_follows_the_most_frequent_next_token_of_the_request_s_own_text():
+    model = NGramModel(50, 3)
+    # Slot 0: after (7, 8) came 9 twice and 10 once; the text then runs 9 5 6 7 8 ... again.
+    model.observe_batch([0, 1], [[5, 6, 7, 8, 9, 5, 6, 7, 8, 10, 5, 6, 7, 8, 9, 5, 6], [1, 2, 3]])
+    tail = model.context_tail([0, 1])
+    assert tail.tolist() == [[5, 6], [2, 3]]
+    tokens, valid = model.continuation([0, 1], tail, 6)
+    assert tokens[0].tolist() == [7, 8, 9, 5, 6, 7] and valid[0].all()
+    assert not valid[1].any() and tokens[1].tolist() == [0] * 6  # (2, 3) was never followed by anything
+    # The path stops where its context was never followed by anything: (6, 7) ends slot 2's text.
+    model.observe(2, [5, 6, 7])
+    tokens, valid = model.continuation([2], torch.tensor([[5, 6]]), 4)
+    assert valid[0].tolist() == [True, False, False, False] and tokens[0].tolist() == [7, 0, 0, 0]
+    # A text that repeats itself is continued around the loop.
+    model.observe(1, [4, 2, 3])
+    tokens, valid = model.continuation([1], model.context_tail([1]), 4)
+    assert valid[0].all() and tokens[0].tolist() == [4, 2, 3, 4]
+    # A slot's counts are its own: slot 1 never saw (5, 6).
+    tokens, valid = model.continuation([1], torch.tensor([[5, 6]]), 3)
+    assert not valid.any()

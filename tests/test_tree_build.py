@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_ddtree.tree import NGramModel, build_tree, build_tree_reference, topk_per_depth
+from vllm_ddtree.tree import NGramModel, add_branch, build_tree, build_tree_reference, topk_per_depth
 from vllm_ddtree.tree.build import NO_PARENT, tree_to_host
 
 
@@ -162,6 +162,48 @@ def test_tree_to_host_lists_each_request_s_kept_nodes():
     assert host.deepest == int(tree.depths[tree.valid].max()) > 1
     assert tree_to_host(tree).scores is None
     assert tree_to_host(tree.truncate(0)).deepest == 0  # no request kept a node
+    # A branch's nodes are verified but the drafter did not rank them: the drafted depth ignores them.
+    branch = add_branch(tree.truncate(1), torch.full((3, 9), 7), torch.ones(3, 9, dtype=torch.bool), 40)
+    assert tree_to_host(branch).deepest == 1 and max(map(max, tree_to_host(branch).depths)) >= 8
+
+
+def branch_on_host(tree, tokens: list[int], max_nodes: int) -> tuple[list, list, list]:
+    """add_branch for one request in plain Python: follow the path down the tree, append the rest."""
+    n = int(tree.num_nodes[0])
+    tok, par, dep = tree.tokens[0, :n].tolist(), tree.parents[0, :n].tolist(), tree.depths[0, :n].tolist()
+    node, d = NO_PARENT, 0
+    while d < len(tokens):
+        kids = [i for i in range(len(tok)) if par[i] == node and tok[i] == tokens[d]]
+        if not kids:
+            break
+        node, d = kids[0], d + 1
+    while d < len(tokens) and len(tok) < max_nodes:
+        tok.append(tokens[d])
+        par.append(node)
+        dep.append(d + 1)
+        node, d = len(tok) - 1, d + 1
+    return tok, par, dep
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), budget=st.integers(1, 12), length=st.integers(0, 6), extra=st.integers(0, 8))
+def test_add_branch_shares_the_tree_s_prefix_and_appends_the_rest(seed, budget, length, extra):
+    g = torch.Generator().manual_seed(seed)
+    lp, ids = topk_per_depth(torch.randn(4, 6, 5, generator=g) * 2, 3)
+    tree = build_tree(lp, ids, budget, max_budget=budget)
+    # Paths drawn from the same 5 tokens often run along the tree for a while, then leave it.
+    tokens = torch.randint(0, 5, (4, 6), generator=g)
+    valid = torch.arange(6)[None, :] < torch.tensor([length, 0, 6, 3])[:, None]
+    out = add_branch(tree, tokens, valid, budget + extra)
+    for r in range(4):
+        n = int(out.num_nodes[r])
+        sub = tree.truncate(torch.tensor([int(tree.num_nodes[r])] * 4))
+        one = type(tree)(*(x[r : r + 1] if torch.is_tensor(x) else x for x in vars(sub).values()))
+        want = branch_on_host(one, tokens[r][valid[r]].tolist(), budget + extra)
+        assert (out.tokens[r, :n].tolist(), out.parents[r, :n].tolist(), out.depths[r, :n].tolist()) == want
+        assert out.valid[r, :n].all() and not out.valid[r, n:].any()
+        assert torch.equal(out.scores[r, : int(tree.num_nodes[r])], tree.scores[r, : int(tree.num_nodes[r])])
+        assert torch.isneginf(out.scores[r, int(tree.num_nodes[r]) : n]).all()  # appended: not ranked
 
 
 def test_fewer_prefixes_than_budget_pads():

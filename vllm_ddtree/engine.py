@@ -38,6 +38,7 @@ from vllm_ddtree.tree import (
     ModelShape,
     NGramModel,
     TreeBatch,
+    add_branch,
     build_tree,
     compile_tree,
     get_profile,
@@ -171,6 +172,7 @@ class DDTreeProposer(DFlashProposer):
         self.runner = runner  # the base proposer does not keep it: we read the batch order from it
         self.max_budget = options.verify_width
         self._cap = self.max_budget  # nodes per request this step: the scheduler's count (propose)
+        self.lookup = options.prompt_lookup_tokens  # length of the prompt-lookup branch (0: none)
         # Depths the drafter's LM head and the tree build cover next step (DepthCap): the trees'
         # realised depth, doubled, instead of every depth a tree of `build` nodes could reach.
         self.depth_cap = DepthCap(self.width)
@@ -180,9 +182,10 @@ class DDTreeProposer(DFlashProposer):
         self._draft_to_target: Tensor | None = None
         self.context_order: Tensor | None = None  # set by sample_tree_step for the next propose
         self.context_positions: Tensor | None = None  # likewise: the step's sequential positions
+        self.step_tokens: Tensor | None = None  # likewise: [R, L + 1] the step's accepted tokens and bonus
         target = vllm_config.model_config
         self.ngram = None
-        if options.ngram_weight > 0:
+        if options.ngram_weight > 0 or self.lookup > 0:  # the prompt-lookup branch reads its counts
             self.ngram = NGramModel(target.get_vocab_size(), options.ngram_order, corpus=options.ngram_corpus)
         self._slots: dict[str, int] = {}
         self._seen: dict[str, int] = {}
@@ -204,6 +207,10 @@ class DDTreeProposer(DFlashProposer):
         self._cap = min(int(num_speculative_tokens), self.max_budget)
         order, positions = self.context_order, self.context_positions
         self.context_order = self.context_positions = None
+        # This step's sampled tokens: a tree step's accepted path and bonus (sample_tree_step), else
+        # the one token vLLM's sampler drew (the DFlash input's next token).
+        step_tokens = self.step_tokens if self.step_tokens is not None else kwargs["next_token_ids"].view(-1, 1)
+        self.step_tokens = None
         if order is not None:  # after a tree step: each request's accepted path first (sample_tree_step)
             n = order.shape[0]
             for key in ("target_hidden_states", "target_token_ids"):
@@ -216,7 +223,7 @@ class DDTreeProposer(DFlashProposer):
             super().propose(0, **kwargs)  # the drafter still takes in the context (vLLM's K = 0 path)
             return [[] for _ in range(kwargs["common_attn_metadata"].batch_size())]
         super().propose(self.width, **kwargs)
-        return self._tree_drafts(kwargs["common_attn_metadata"])
+        return self._tree_drafts(kwargs["common_attn_metadata"], step_tokens)
 
     def budget_summary(self) -> dict:
         """The automatic budget's calibrated state (empty for a fixed budget)."""
@@ -247,7 +254,8 @@ class DDTreeProposer(DFlashProposer):
         # hidden states still come from all W mask rows (its attention is bidirectional).
         rows = hidden_states.shape[0]
         r = rows // self.width
-        self._build = min(self.options.tree_budget if self.auto is None else self.auto.build_width(r), self._cap)
+        tree_cap = min(self._cap, self.options.max_budget)  # the rest of the cap is the lookup branch's
+        self._build = min(self.options.tree_budget if self.auto is None else self.auto.build_width(r), tree_cap)
         self._depth = min(self.width, self._build, self.depth_cap.depth)
         hidden_states = hidden_states.view(r, self.width, -1)[:, : self._depth].reshape(r * self._depth, -1)
         d2t = getattr(model, "draft_id_to_target_id", None)
@@ -259,7 +267,7 @@ class DDTreeProposer(DFlashProposer):
             self._draft_to_target = None
         return torch.zeros(rows, dtype=torch.int64, device=hidden_states.device), None  # vLLM views it [R, W]
 
-    def _tree_drafts(self, cad) -> list[list[int]]:
+    def _tree_drafts(self, cad, step_tokens: Tensor) -> list[list[int]]:
         runner = self.runner
         req_ids = list(runner.input_batch.req_ids)
         r = len(req_ids)
@@ -269,20 +277,28 @@ class DDTreeProposer(DFlashProposer):
         top_logp, top_ids = topk_per_depth(logits, k)
         if self._draft_to_target is not None:
             top_ids = self._draft_to_target[top_ids]
-        scorer = tail = None
+        scorer = tail = slots = None
         if self.ngram is not None:
-            # Deliberate: merging the new tokens into the n-gram tables is a torch.unique, and the
-            # slots and context tails are small host lists (once per step, not per node).
+            # Deliberate (once per step, not per node): this step's sampled tokens come to the host
+            # (vLLM's bookkeeping reads them right after), merging them into the n-gram tables is a
+            # torch.unique, and the slots and context tails are small host lists.
             with gpu_sync_allowed():
-                slots = self._observe(req_ids)
-                scorer, tail = self.ngram.scorer(slots), self.ngram.context_tail(slots)
+                slots = self._observe(req_ids, step_tokens)
+                tail = self.ngram.context_tail(slots)
+                if self.options.ngram_weight > 0:
+                    scorer = self.ngram.scorer(slots)
         tree = build_tree(top_logp, top_ids, build, max_budget=build, scorer=scorer,
-                          context_tail=tail, lam=self.options.ngram_weight, validate=False)
-        budgets = None if self.auto is None else self.auto.choose(tree.scores, cad.seq_lens[:r])
-        if budgets is None:  # a fixed budget
-            return self._store(req_ids, tree)
-        drafts = self._store(req_ids, tree.truncate(budgets.clamp(max=self._cap)))
-        self.auto.grow(max((len(d) for d in drafts), default=0))
+                          context_tail=tail if scorer is not None else None, lam=self.options.ngram_weight,
+                          validate=False)
+        if self.auto is not None:
+            budgets = self.auto.choose(tree.scores, cad.seq_lens[:r])
+            tree = tree.truncate(budgets.clamp(max=build))
+        if self.lookup > 0:  # one more path per tree, within the scheduler's count
+            branch, valid = self.ngram.continuation(slots, tail, self.lookup)
+            tree = add_branch(tree, branch, valid, max_nodes=self._cap)
+        drafts = self._store(req_ids, tree)
+        if self.auto is not None:  # the next build follows the largest tree the drafter's ranking kept
+            self.auto.grow(max((sum(s > -math.inf for s in t.scores) for t in self.trees.values()), default=0))
         return drafts
 
     def _store(self, req_ids: list[str], tree: DraftTree) -> list[list[int]]:
@@ -298,9 +314,19 @@ class DDTreeProposer(DFlashProposer):
                                           host.scores[i] if host.scores is not None else None)
         return [list(t) for t in host.tokens]  # the scheduler's own lists: our copy stays as proposed
 
-    def _observe(self, req_ids: list[str]) -> list[int]:
-        """Feed each request's newly committed tokens to the online n-gram model; its slot per row."""
+    def _observe(self, req_ids: list[str], step_tokens: Tensor) -> list[int]:
+        """Feed each request's newly committed tokens to the online n-gram model; its slot per row.
+
+        vLLM runs the DFlash proposer before its bookkeeping writes this step's sampled tokens to the
+        host batch (gpu_model_runner.py:4396, "does not need to wait for bookkeeping"): the batch
+        holds each request's tokens up to the last step, and this step's — its accepted path and
+        bonus token, `step_tokens` [R, K] (-1 padded) — are added here, so that the n-gram context
+        ends at the new tree's root. Rows vLLM discards (a prefill chunk that is not the last) add none.
+        """
         batch = self.runner.input_batch
+        r = len(req_ids)
+        discard = self.runner.discard_request_mask.np[:r].tolist()
+        sampled = step_tokens.tolist()
         live = set(req_ids)
         finished = [x for x in self._slots if x not in live]
         self.ngram.release_batch([self._slots.pop(rid) for rid in finished])
@@ -313,8 +339,9 @@ class DDTreeProposer(DFlashProposer):
                 self._slots[rid] = free.pop(0)
                 self._seen[rid] = 0
             n = int(batch.num_tokens_no_spec[i])
-            new.append(batch.token_ids_cpu[i, self._seen[rid] : n].tolist())
-            self._seen[rid] = n
+            step = [] if discard[i] else [t for t in sampled[i] if t >= 0]
+            new.append(batch.token_ids_cpu[i, self._seen[rid] : n].tolist() + step)
+            self._seen[rid] = n + len(step)  # the bookkeeping appends these to the batch next
             slots.append(self._slots[rid])
         self.ngram.observe_batch(slots, new)  # one table merge for the whole batch
         return slots
@@ -457,10 +484,11 @@ def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadat
     # has. With the tree's positions (ctx + depth) a rejected row would share an accepted row's
     # position, and vLLM's DFlash context store would overwrite that row's K/V with it.
     runner.drafter.context_positions = step.sequential_positions
+    runner.drafter.step_tokens = out  # the n-gram model's new tokens (DDTreeProposer._observe)
     proposer = runner.drafter
     proposer.stats.record(batch.num_rows - 1, batch.depths.max(dim=1).values, walk.num_accepted)
     if proposer.auto is not None:
-        _calibrate(proposer, step, walk.num_accepted)
+        _calibrate(proposer, step, walk.path_rows)
     logprobs = None
     if md.max_num_logprobs is not None:
         path_rows = rows.gather(1, walk.path_rows[:, : depth + 1].clamp(min=0).to(rows.device))
@@ -468,11 +496,21 @@ def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadat
     return SamplerOutput(sampled_token_ids=out, logprobs_tensors=logprobs)
 
 
-def _calibrate(proposer: DDTreeProposer, step: TreeStep, num_accepted: Tensor) -> None:
-    """Feed the automatic budget's calibrations: the step's measured acceptance and its size."""
+def _calibrate(proposer: DDTreeProposer, step: TreeStep, path_rows: Tensor) -> None:
+    """Feed the automatic budget's calibrations: the step's measured acceptance and its size.
+
+    Only nodes the drafter ranked count (finite score): a prompt-lookup branch's nodes are neither
+    predicted nor counted as accepted, so the drafter's confidence is fitted to its own nodes.
+    """
     batch = step.batch
     verified = batch.valid[:, 1:] & step.from_tree.view(-1, 1)
-    accepted = torch.where(step.from_tree.to(num_accepted.device), num_accepted, 0)
+    scores = step.node_scores.to(path_rows.device)  # [R, N - 1]: node j is verify row j + 1
+    pad = torch.full((scores.shape[0], 1), -math.inf, dtype=scores.dtype, device=scores.device)
+    scores = torch.cat([scores, pad], dim=1)  # + a column the padding of path_rows reads
+    nodes = path_rows[:, 1:]  # accepted rows after the root, -1 padded
+    node_index = torch.where(nodes > 0, nodes - 1, scores.shape[1] - 1).clamp(max=scores.shape[1] - 1)
+    ranked = torch.isfinite(scores.gather(1, node_index))
+    accepted = torch.where(step.from_tree.to(path_rows.device), ranked.sum(dim=1), 0)
     proposer.auto.observe_acceptance(step.node_scores, verified, accepted)
     if step.step_size is not None:  # the step verified trees only: its cost is known
         proposer.pending_step = step.step_size

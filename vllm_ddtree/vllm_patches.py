@@ -364,7 +364,7 @@ def _reject_chain_only(spec: Any) -> None:
     if n is not None and n != width:
         raise ValueError(
             f"speculative_config: num_speculative_tokens={n} is not used by method 'ddtree': the verify "
-            f"width is the tree budget (tree_budget / max_tree_budget, here {width}) and the drafter width "
+            f"width is the tree budget (tree_budget / max_tree_budget) plus prompt_lookup_tokens, here {width}, and the drafter width "
             "is block_size - 1 from the drafter's config.json; remove num_speculative_tokens"
         )
     if spec.model is None:

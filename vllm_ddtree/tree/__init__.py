@@ -23,6 +23,7 @@ from .build import (
     NO_PARENT,
     DraftTree,
     HostTrees,
+    add_branch,
     PrefixScorer,
     build_tree,
     build_tree_reference,

@@ -104,6 +104,57 @@ class DraftTree:
         )
 
 
+def add_branch(tree: DraftTree, tokens: Tensor, valid: Tensor, max_nodes: int) -> DraftTree:
+    """The trees with one more root-to-leaf path each (e.g. a prompt-lookup continuation).
+
+    tokens/valid [R, L]: the path's tokens from depth 1 (valid a prefix per request). The part of
+    the path the tree already has is shared; the rest is appended after the tree's nodes (parent
+    before child), at most `max_nodes` nodes per request in all, so the path is cut at the end.
+    Appended nodes score -inf (the drafter did not rank them: calibrations and truncation see them
+    as the last). Batched on the device, L passes over [R, B], no host synchronisation.
+    Returns a tree padded to min(B + L, max_nodes).
+    """
+    r, b = tree.tokens.shape
+    length = tokens.shape[1]
+    dev = tree.tokens.device
+    width = max(min(b + length, max_nodes), b)
+    tokens, valid = tokens.to(dev).long(), valid.to(dev)
+    # Walk the path down the tree: the node at depth d on it, while the tree has it.
+    node = torch.full((r,), NO_PARENT, dtype=torch.int64, device=dev)  # the root
+    shared = torch.zeros(r, dtype=torch.int64, device=dev)  # path depths the tree already has
+    on_tree = torch.ones(r, dtype=torch.bool, device=dev)
+    for d in range(length):
+        hit = tree.valid & (tree.tokens == tokens[:, d : d + 1]) & (tree.parents == node[:, None])
+        found = hit.any(dim=1) & valid[:, d] & on_tree
+        node = torch.where(found, hit.long().argmax(dim=1), node)
+        shared = shared + found.long()
+        on_tree = found
+    # New nodes: path depths shared+1.. (while valid), at slots num_nodes.., each the previous one's child.
+    depth = torch.arange(1, length + 1, device=dev)[None, :]  # [1, L]
+    slot = tree.num_nodes[:, None] + depth - 1 - shared[:, None]  # [R, L]
+    new = valid & (depth > shared[:, None]) & (slot < min(width, max_nodes))
+    parent = torch.where(depth == shared[:, None] + 1, node[:, None], slot - 1)
+
+    def grow(x: Tensor, fill, value: Tensor) -> Tensor:
+        out = torch.full((r, width + 1), fill, dtype=x.dtype, device=dev)  # + a spare column for non-new
+        out[:, :b] = x
+        out.scatter_(1, torch.where(new, slot, width), value.to(x.dtype))
+        return out[:, :width]
+
+    inf = torch.full_like(tokens, -math.inf, dtype=tree.scores.dtype)
+    added = grow(tree.valid, False, new)
+    return DraftTree(
+        tokens=grow(tree.tokens, 0, torch.where(new, tokens, 0)),
+        parents=grow(tree.parents, NO_PARENT, torch.where(new, parent, NO_PARENT)),
+        depths=grow(tree.depths, 0, torch.where(new, depth.expand(r, -1), 0)),
+        scores=grow(tree.scores, -math.inf, inf),
+        draft_logp=grow(tree.draft_logp, -math.inf, inf.to(tree.draft_logp.dtype)),
+        valid=added,
+        num_nodes=added.sum(dim=1),
+        max_depth=max(tree.max_depth, length),
+    )
+
+
 @dataclass
 class HostTrees:
     """A `DraftTree` batch on the host: each request's kept nodes as Python lists, best-first.
@@ -116,23 +167,23 @@ class HostTrees:
     parents: list[list[int]]
     depths: list[list[int]]
     scores: list[list[float]] | None  # with_scores only
-    deepest: int  # the largest depth of any kept node (0 when no request kept one)
+    deepest: int  # the largest depth of any kept node the drafter ranked (finite score; 0 if none)
 
 
 def tree_to_host(tree: DraftTree, with_scores: bool = False) -> HostTrees:
     """One device-to-host copy of the kept nodes (two with scores), not one `.tolist()` per field."""
     w = tree.max_nodes
-    depths = torch.where(tree.valid, tree.depths, 0)  # on the device: the deepest is one host max below
-    packed = torch.cat([tree.tokens, tree.parents, depths, tree.num_nodes[:, None]], dim=1).cpu()
+    # On the device: the drafter-ranked nodes' depths (an `add_branch` path scores -inf), one host max below.
+    ranked = torch.where(tree.valid & torch.isfinite(tree.scores), tree.depths, 0)
+    packed = torch.cat([tree.tokens, tree.parents, tree.depths, tree.num_nodes[:, None], ranked], dim=1).cpu()
     counts = packed[:, 3 * w].tolist()
-    depth_block = packed[:, 2 * w : 3 * w]
 
     def kept(block: Tensor) -> list[list]:
         return [row[:n] for row, n in zip(block.tolist(), counts)]
 
     scores = kept(tree.scores.cpu()) if with_scores else None
-    deepest = int(depth_block.max()) if depth_block.numel() else 0
-    return HostTrees(kept(packed[:, :w]), kept(packed[:, w : 2 * w]), kept(depth_block), scores, deepest)
+    deepest = int(packed[:, 3 * w + 1 :].max()) if w and packed.shape[0] else 0
+    return HostTrees(kept(packed[:, :w]), kept(packed[:, w : 2 * w]), kept(packed[:, 2 * w : 3 * w]), scores, deepest)
 
 
 def topk_per_depth(logits: Tensor, k: int, temperature: float = 1.0) -> tuple[Tensor, Tensor]:

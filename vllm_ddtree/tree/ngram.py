@@ -124,6 +124,33 @@ class NGramCounts:
         cx = _find(self.context_keys[m], self.context_counts[m], cx_key)
         return ng, cx
 
+    def most_frequent_next(self, namespace: Tensor, context: Tensor, window: int = 16) -> tuple[Tensor, Tensor]:
+        """The most counted token after each m-token context, and its count (0: none seen).
+
+        namespace [R], context [R, m] (m < order; a PAD makes the context unseen) -> token [R], count [R].
+        The (namespace, context, token) keys of one context are contiguous in the sorted table: the
+        first `window` of them (by token id) are compared, a fixed shape, so no host synchronisation.
+        Where keys wrap (see module docstring) the answer is arbitrary, never wrong output: it is a draft.
+        """
+        m = context.shape[1]
+        keys, counts = self.ngram_keys[m], self.ngram_counts[m]
+        r = context.shape[0]
+        if keys.numel() == 0:
+            zero = torch.zeros(r, dtype=torch.int64, device=self.device)
+            return zero, zero
+        cx = _pack(namespace.to(self.device).long(), context.to(self.device).long(), self.radix)  # [R]
+        lo = torch.searchsorted(keys, cx * self.radix + 1)  # token digits are 1..vocab
+        hi = torch.searchsorted(keys, cx * self.radix + self.radix)
+        idx = lo[:, None] + torch.arange(window, device=self.device)  # [R, window]
+        inside = idx < hi[:, None]
+        idx = idx.clamp(max=keys.numel() - 1)
+        cand = torch.where(inside, counts[idx], 0)
+        best = cand.argmax(dim=1, keepdim=True)
+        count = cand.gather(1, best).squeeze(1)
+        token = keys[idx.gather(1, best).squeeze(1)] % self.radix - 1
+        seen = (context >= 0).all(dim=1).to(self.device) & (count > 0)
+        return torch.where(seen, token, 0), torch.where(seen, count, 0)
+
     def save(self, path: str | Path) -> None:
         """Write the tables as safetensors (metadata: order, vocab_size)."""
         from safetensors.torch import save_file
@@ -305,6 +332,29 @@ class NGramModel:
             ratio = ng.float() / cx.clamp(min=1).float()[:, :, None]
             rho = torch.where(ng > 0, ratio * self.backoff ** (self.order - 1 - m), rho)
         return rho
+
+    def continuation(self, slots: Sequence[int] | Tensor, context_tail: Tensor, length: int) -> tuple[Tensor, Tensor]:
+        """Prompt lookup from the online counts: each request's likeliest next `length` tokens.
+
+        From the last n-1 committed tokens (`context_tail` [R, n-1], root last), repeatedly take the
+        token most often seen after the last n-1 tokens in the request's own prompt and output, as
+        code and quoting repeat; it stops (valid False from there on) at a context never seen
+        followed by anything. slots [R] -> tokens [R, length] (0 where not valid), valid [R, length].
+        Batched on the device, `length` table lookups, no host synchronisation.
+        """
+        slots = torch.as_tensor(slots, dtype=torch.int64, device=self.device)
+        r, n1 = context_tail.shape[0], self.order - 1
+        history = context_tail.to(self.device).long()
+        tokens = torch.zeros(r, length, dtype=torch.int64, device=self.device)
+        valid = torch.zeros(r, length, dtype=torch.bool, device=self.device)
+        going = torch.ones(r, dtype=torch.bool, device=self.device)
+        for j in range(length):
+            token, count = self.online.most_frequent_next(slots, history[:, history.shape[1] - n1 :])
+            going = going & (count > 0)
+            tokens[:, j] = torch.where(going, token, 0)
+            valid[:, j] = going
+            history = torch.cat([history, token[:, None]], dim=1)
+        return tokens, valid
 
     def scorer(self, slots: Sequence[int] | Tensor) -> "NGramScorer":
         """The `PrefixScorer` for a build over the requests in `slots` (row r = slots[r])."""
