@@ -186,7 +186,10 @@ class DDTreeProposer(DFlashProposer):
         target = vllm_config.model_config
         self.ngram = None
         if options.ngram_weight > 0 or self.lookup > 0:  # the prompt-lookup branch reads its counts
-            self.ngram = NGramModel(target.get_vocab_size(), options.ngram_order, corpus=options.ngram_corpus)
+            # On the drafter's device: the tree build scores candidates there (a GPU tree would not
+            # mix with tables left on the host).
+            self.ngram = NGramModel(target.get_vocab_size(), options.ngram_order, corpus=options.ngram_corpus,
+                                    device=device)
         self._slots: dict[str, int] = {}
         self._seen: dict[str, int] = {}
         self.auto: AutoBudget | None = None
@@ -285,6 +288,7 @@ class DDTreeProposer(DFlashProposer):
             with gpu_sync_allowed():
                 slots = self._observe(req_ids, step_tokens)
                 tail = self.ngram.context_tail(slots)
+                slots = to_device(torch.tensor(slots, dtype=torch.int64), self.ngram.device)
                 if self.options.ngram_weight > 0:
                     scorer = self.ngram.scorer(slots)
         tree = build_tree(top_logp, top_ids, build, max_budget=build, scorer=scorer,
