@@ -47,6 +47,7 @@ SPECS = [
     SpecConfig(method="ddtree", budget=64),
     SpecConfig(method="ddtree", budget=24, ngram_weight=1.0),
     SpecConfig(method="ddtree", budget=64, adaptive=True, min_budget=2),
+    SpecConfig(method="ddtree", budget=8, prompt_lookup_tokens=6),
 ]
 
 
@@ -56,7 +57,7 @@ def decoder(pair):
     return ReferenceDecoder(target, drafter)
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.method}-B{s.budget}-ng{s.ngram_weight}-ad{int(s.adaptive)}")
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.method}-B{s.budget}-ng{s.ngram_weight}-ad{int(s.adaptive)}-lk{s.prompt_lookup_tokens}")
 def test_greedy_is_token_identical_to_target_alone(decoder, spec):
     accepted_multi = 0
     for prompt in PROMPTS:
@@ -135,6 +136,8 @@ def test_bad_configs_raise(decoder):
         SpecConfig(budget=0)
     with pytest.raises(ValueError, match="adaptive budget needs method 'ddtree'"):
         SpecConfig(method="dflash", adaptive=True)
+    with pytest.raises(ValueError, match="prompt_lookup_tokens needs method 'ddtree'"):
+        SpecConfig(method="dflash", prompt_lookup_tokens=4)
     with pytest.raises(ValueError, match="needs a drafter"):
         ReferenceDecoder(decoder.target).generate([1], 3, SpecConfig(method="ddtree"))
 

@@ -35,6 +35,7 @@ from vllm_ddtree.tree import (
     CostModel,
     ModelShape,
     NGramModel,
+    add_branch,
     apply_compaction_,
     build_tree,
     compaction_plan,
@@ -66,6 +67,7 @@ class SpecConfig:
     ngram_weight: float = 0.0
     ngram_order: int = 3
     topk: int | None = None  # candidates per depth (default: the budget)
+    prompt_lookup_tokens: int = 0  # a prompt-lookup path added to each tree (ddtree only; see DDTreeConfig)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -76,6 +78,9 @@ class SpecConfig:
             raise ValueError(f"ngram_weight must be >= 0, got {self.ngram_weight}")
         if self.adaptive and self.method != "ddtree":
             raise ValueError(f"adaptive budget needs method 'ddtree', got {self.method!r}")
+        if self.prompt_lookup_tokens < 0 or (self.prompt_lookup_tokens and self.method != "ddtree"):
+            raise ValueError(f"prompt_lookup_tokens needs method 'ddtree' and >= 0, got {self.prompt_lookup_tokens} "
+                             f"with {self.method!r}")
 
 
 @dataclass
@@ -230,7 +235,7 @@ class ReferenceDecoder:
         drafter_cache = DrafterKVCache()
         new_feats, new_pos = feats, torch.arange(ctx)[None]
         ngram = None
-        if spec.ngram_weight > 0:
+        if spec.ngram_weight > 0 or spec.prompt_lookup_tokens > 0:
             ngram = NGramModel(self.target.config.vocab_size, spec.ngram_order)
             ngram.observe(0, prompt_ids + [root])
         while True:
@@ -247,13 +252,16 @@ class ReferenceDecoder:
             top_ids = self.draft_to_target[top_draft_ids]
             # 2. Tree.
             scorer = tail = None
-            if ngram is not None:
+            if spec.ngram_weight > 0:
                 scorer, tail = ngram.scorer([0]), ngram.context_tail([0])
             tree = build_tree(top_logp, top_ids, budget, scorer=scorer, context_tail=tail, lam=spec.ngram_weight)
             chosen = auto.choose(tree.scores, torch.tensor([ctx])) if auto is not None else None
             if chosen is not None:
                 tree = tree.truncate(chosen)
                 auto.grow(int(chosen.max()))
+            if spec.prompt_lookup_tokens > 0:  # the request's own text, continued: one more path
+                look, valid = ngram.continuation([0], ngram.context_tail([0]), spec.prompt_lookup_tokens)
+                tree = add_branch(tree, look, valid, tree.max_nodes + spec.prompt_lookup_tokens)
             batch = compile_tree(tree, torch.tensor([root]), torch.tensor([ctx]))
             n = int(batch.num_rows[0])
             # 3. Verify every row in one target forward.
@@ -284,7 +292,9 @@ class ReferenceDecoder:
             if ngram is not None:
                 ngram.observe(0, emitted)
             if auto is not None:  # what the controller predicted vs what happened, and what it cost
-                auto.observe_acceptance(tree.scores, tree.valid, walk.num_accepted)
+                # Only the drafter's nodes (finite score) count: a lookup path's are not its predictions.
+                ranked = torch.isfinite(tree.scores[0, (path[1:] - 1).clamp(min=0)]).sum().view(1)
+                auto.observe_acceptance(tree.scores, tree.valid, ranked)
                 prev = ctx - k
                 if len(result.accept_lengths) > 1:  # the first step also drafts over the whole prompt
                     auto.observe_step(n, n * (prev + n), prev, time.perf_counter() - t_step)
