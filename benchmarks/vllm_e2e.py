@@ -170,12 +170,12 @@ def main() -> None:
         del row["outputs"]
 
     print(f"\n{n_prompts} HumanEval prompts, max_tokens {max_tokens}, float32, greedy, median of {repeats}")
-    print(f"{'method':<20}{'B':>6}{'batch':>6}{'tau':>7}{'tok/s':>9}{'vs AR':>7}{'same':>6}{'nodes':>7}{'depth':>7}")
+    print(f"{'method':<24}{'B':>6}{'batch':>6}{'tau':>7}{'tok/s':>9}{'vs AR':>7}{'same':>6}{'nodes':>7}{'depth':>7}")
     for r in rows:
         b = "-" if r["budget"] is None else r["budget"]
         tree = r.get("ddtree") or {}  # the tree proposer's own means: nodes verified and deepest node per tree
         nodes, depth = (f"{tree[k]:>7.1f}" if k in tree else f"{'-':>7}" for k in ("mean_tree_nodes", "mean_tree_depth"))
-        print(f"{r['method']:<20}{b:>6}{r['batch']:>6}{r['tau']:>7.2f}{r['tokens_per_s']:>9.1f}"
+        print(f"{r['method']:<24}{b:>6}{r['batch']:>6}{r['tau']:>7.2f}{r['tokens_per_s']:>9.1f}"
               f"{r['speedup_vs_ar']:>7.2f}{'yes' if r['identical_to_ar'] else 'NO':>6}{nodes}{depth}")
     from plotting import save_results
 

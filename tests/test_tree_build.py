@@ -160,11 +160,13 @@ def test_tree_to_host_lists_each_request_s_kept_nodes():
         assert host.depths[r] == tree.depths[r, :n].tolist()
         assert host.scores[r] == tree.scores[r, :n].tolist()
     assert host.deepest == int(tree.depths[tree.valid].max()) > 1
+    assert host.ranked == 12  # the largest tree the drafter ranked (the automatic budget grows from it)
     assert tree_to_host(tree).scores is None
     assert tree_to_host(tree.truncate(0)).deepest == 0  # no request kept a node
     # A branch's nodes are verified but the drafter did not rank them: the drafted depth ignores them.
     branch = add_branch(tree.truncate(1), torch.full((3, 9), 7), torch.ones(3, 9, dtype=torch.bool), 40)
-    assert tree_to_host(branch).deepest == 1 and max(map(max, tree_to_host(branch).depths)) >= 8
+    host = tree_to_host(branch)
+    assert (host.deepest, host.ranked) == (1, 1) and max(map(max, host.depths)) >= 8
 
 
 def branch_on_host(tree, tokens: list[int], max_nodes: int) -> tuple[list, list, list]:

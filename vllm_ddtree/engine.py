@@ -35,6 +35,7 @@ from vllm_ddtree.tree import (
     AutoBudget,
     CostModel,
     DraftTree,
+    HostTrees,
     ModelShape,
     NGramModel,
     TreeBatch,
@@ -300,12 +301,12 @@ class DDTreeProposer(DFlashProposer):
         if self.lookup > 0:  # one more path per tree, within the scheduler's count
             branch, valid = self.ngram.continuation(slots, tail, self.lookup)
             tree = add_branch(tree, branch, valid, max_nodes=self._cap)
-        drafts = self._store(req_ids, tree)
+        host = self._store(req_ids, tree)
         if self.auto is not None:  # the next build follows the largest tree the drafter's ranking kept
-            self.auto.grow(max((sum(s > -math.inf for s in t.scores) for t in self.trees.values()), default=0))
-        return drafts
+            self.auto.grow(host.ranked)
+        return [list(t) for t in host.tokens]  # the scheduler's own lists: our copy stays as proposed
 
-    def _store(self, req_ids: list[str], tree: DraftTree) -> list[list[int]]:
+    def _store(self, req_ids: list[str], tree: DraftTree) -> HostTrees:
         # The one host copy per step (two with the automatic budget's scores): the scheduler takes
         # draft tokens as Python lists.
         with gpu_sync_allowed():  # deliberate: vLLM's scheduler reads the drafts on the host next
@@ -316,7 +317,7 @@ class DDTreeProposer(DFlashProposer):
         for i, rid in enumerate(req_ids):
             self.trees[rid] = RequestTree(host.tokens[i], host.parents[i], host.depths[i],
                                           host.scores[i] if host.scores is not None else None)
-        return [list(t) for t in host.tokens]  # the scheduler's own lists: our copy stays as proposed
+        return host
 
     def _observe(self, req_ids: list[str], step_tokens: Tensor) -> list[int]:
         """Feed each request's newly committed tokens to the online n-gram model; its slot per row.

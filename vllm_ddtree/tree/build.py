@@ -112,7 +112,7 @@ def add_branch(tree: DraftTree, tokens: Tensor, valid: Tensor, max_nodes: int) -
     before child), at most `max_nodes` nodes per request in all, so the path is cut at the end.
     Appended nodes score -inf (the drafter did not rank them: calibrations and truncation see them
     as the last). Batched on the device, L passes over [R, B], no host synchronisation.
-    Returns a tree padded to min(B + L, max_nodes).
+    Returns a tree padded to min(B + L, max_nodes) columns (B if the tree is already wider).
     """
     r, b = tree.tokens.shape
     length = tokens.shape[1]
@@ -168,22 +168,27 @@ class HostTrees:
     depths: list[list[int]]
     scores: list[list[float]] | None  # with_scores only
     deepest: int  # the largest depth of any kept node the drafter ranked (finite score; 0 if none)
+    ranked: int  # the most nodes the drafter ranked in one request's tree (an `add_branch` path not counted)
 
 
 def tree_to_host(tree: DraftTree, with_scores: bool = False) -> HostTrees:
     """One device-to-host copy of the kept nodes (two with scores), not one `.tolist()` per field."""
     w = tree.max_nodes
     # On the device: the drafter-ranked nodes' depths (an `add_branch` path scores -inf), one host max below.
-    ranked = torch.where(tree.valid & torch.isfinite(tree.scores), tree.depths, 0)
-    packed = torch.cat([tree.tokens, tree.parents, tree.depths, tree.num_nodes[:, None], ranked], dim=1).cpu()
+    is_ranked = tree.valid & torch.isfinite(tree.scores)
+    ranked = torch.where(is_ranked, tree.depths, 0)
+    packed = torch.cat([tree.tokens, tree.parents, tree.depths, tree.num_nodes[:, None], ranked,
+                        is_ranked.sum(dim=1, keepdim=True)], dim=1).cpu()
     counts = packed[:, 3 * w].tolist()
 
     def kept(block: Tensor) -> list[list]:
         return [row[:n] for row, n in zip(block.tolist(), counts)]
 
     scores = kept(tree.scores.cpu()) if with_scores else None
-    deepest = int(packed[:, 3 * w + 1 :].max()) if w and packed.shape[0] else 0
-    return HostTrees(kept(packed[:, :w]), kept(packed[:, w : 2 * w]), kept(packed[:, 2 * w : 3 * w]), scores, deepest)
+    deepest = int(packed[:, 3 * w + 1 : 4 * w + 1].max()) if w and packed.shape[0] else 0
+    most = int(packed[:, 4 * w + 1].max()) if packed.shape[0] else 0
+    return HostTrees(kept(packed[:, :w]), kept(packed[:, w : 2 * w]), kept(packed[:, 2 * w : 3 * w]), scores, deepest,
+                     most)
 
 
 def topk_per_depth(logits: Tensor, k: int, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
