@@ -48,6 +48,7 @@ SPECS = [
     SpecConfig(method="ddtree", budget=24, ngram_weight=1.0),
     SpecConfig(method="ddtree", budget=64, adaptive=True, min_budget=2),
     SpecConfig(method="ddtree", budget=8, prompt_lookup_tokens=6),
+    SpecConfig(method="ddtree", budget=16, adaptive=True, min_budget=2, prompt_lookup_tokens=6),
 ]
 
 

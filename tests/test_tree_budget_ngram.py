@@ -10,6 +10,7 @@ from vllm_ddtree.tree import (
     AutoBudget,
     CostCalibration,
     CostModel,
+    LookupCalibration,
     ModelShape,
     NGramCounts,
     NGramModel,
@@ -444,3 +445,82 @@ def test_continuation_follows_the_most_frequent_next_token_of_the_request_s_own_
     # A slot's counts are its own: slot 1 never saw (5, 6).
     tokens, valid = model.continuation([1], torch.tensor([[5, 6]]), 3)
     assert not valid.any()
+
+
+def test_lookup_calibration_scores_each_proposal_against_what_the_step_committed():
+    cal = LookupCalibration(4, alpha=1.0)  # alpha 1: the state is this step's counts
+    proposed = torch.tensor([[5, 6, 7, 8], [1, 2, 3, 4], [9, 9, 9, 9], [5, 6, 7, 0]])
+    valid = torch.tensor([[True] * 4, [True] * 4, [False] * 4, [True, True, True, False]])
+    committed = torch.tensor([
+        [5, 6, 9, -1],  # matched 2, then a different token: depths 1-2 accepted, 3-4 known misses
+        [1, 2, -1, -1],  # matched all 2 committed: depths 1-2 accepted, 3-4 unknown
+        [9, 9, 9, 9],  # proposed nothing
+        [4, -1, -1, -1],  # missed at once: depths 1-3 known misses, 4 not proposed
+    ])
+    cal.update(proposed, valid, committed)
+    assert cal.hits.tolist() == [2, 2, 0, 0]
+    assert cal.known.tolist() == [3, 3, 2, 1]
+    gains = cal.gains(torch.tensor([[True, True, True, False]]))
+    assert gains[0].tolist() == pytest.approx([2 / 3, 2 / 3, 0.0, 0.0])
+    with pytest.raises(ValueError, match="length"):
+        LookupCalibration(0)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_allocation_with_a_lookup_path_is_the_best_split_between_tree_and_path(seed):
+    """The merged best-first over tree and lookup nodes maximises tokens - rate * seconds over every
+    (tree budget, path length) pair (exhaustive at batch 1); the path's nodes count in the cost."""
+    cost = cost_model("cpu", t_draft=0.0)
+    cost.per_token = 2e-3  # a CPU-like step: every row costs
+    logp = draft_logp(seed, 1, 2.0, budget=24)
+    g = torch.Generator().manual_seed(seed)
+    look = torch.sort(torch.rand(1, 8, generator=g), descending=True).values
+    ctx = torch.tensor([200.0])
+    rate = 30.0
+    plan = allocate_batch(logp, ctx, cost, 1, 24, rate=rate, extra_gains=look)
+    gains = node_gains(logp)[0]
+    best = max(
+        (1 + float(gains[:b].sum()) + float(look[0, :e].sum()) - rate * float(cost.step_seconds(b + e, ctx.sum(), 1)), b, e)
+        for b in range(1, 25) for e in range(9)
+    )
+    got = float(plan.expected_tokens) - rate * float(plan.step_seconds)
+    assert got == pytest.approx(best[0], abs=1e-5)
+    assert plan.step_seconds == pytest.approx(float(cost.step_seconds(plan.budgets + plan.extra, ctx.sum(), 1)))
+    # No path (all gains 0): the same tree as without one, and nothing taken from the path.
+    plain = allocate_batch(logp, ctx, cost, 1, 24, rate=rate)
+    none = allocate_batch(logp, ctx, cost, 1, 24, rate=rate, extra_gains=torch.zeros(1, 8))
+    assert none.budgets.tolist() == plain.budgets.tolist() and none.extra.tolist() == [0]
+
+
+def test_auto_budget_buys_the_lookup_path_where_it_is_accepted_and_drops_it_where_it_is_not():
+    """Steps whose lookup paths the target follows (90% per token) keep them once calibrated; paths
+    it rejects are dropped, while their outcome is still measured from the committed tokens."""
+    def run(follow: float) -> list[int]:
+        auto = AutoBudget(cost_model("cpu"), 1, 32, lookup=LookupCalibration(6))
+        g = torch.Generator().manual_seed(0)
+        claimed = (torch.arange(1, 33).float() * math.log(0.5)).view(1, 32)  # an honest weak drafter
+        taken = []
+        for _ in range(150):
+            width = auto.build_width()
+            valid = torch.ones(1, 6, dtype=torch.bool)
+            plan = auto.choose_plan(claimed[:, :width], torch.tensor([300.0]), valid)
+            n, e = int(plan.budgets[0]), int(plan.extra[0])
+            taken.append(e)
+            auto.grow(n)
+            # The target's next tokens: the path's (token 7) while it follows, then something else.
+            target = torch.where(torch.rand(8, generator=g) < follow, 7, 3).long()
+            target = torch.where(torch.cumprod((target == 7).long(), 0) == 1, 7, 3)
+            accepted_path = int((target[:e] == 7).long().cumprod(0).sum()) if e else 0
+            tree_accepted = int((torch.rand(n, generator=g) < 0.5 ** torch.arange(1, n + 1)).long().cumprod(0).sum())
+            k = max(accepted_path, tree_accepted)
+            committed = target[: k + 1][None]
+            auto.observe_lookup(torch.full((1, 6), 7), valid, committed)
+            verified = torch.arange(width)[None] < n
+            auto.observe_acceptance(claimed[:, :width], verified, torch.tensor([tree_accepted]))
+            rows = 1 + n + e
+            auto.observe_step(rows, rows * (301 + rows), 300, 0.05 + 0.002 * rows)
+        return taken
+
+    follows, ignores = run(0.9), run(0.02)
+    assert sum(follows[-50:]) / 50 >= 4  # most of the 6-token path, once calibrated
+    assert sum(ignores[-50:]) == 0

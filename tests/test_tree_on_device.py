@@ -16,6 +16,7 @@ import torch
 from vllm_ddtree.tree import (
     AcceptanceCalibration,
     AutoBudget,
+    LookupCalibration,
     CostModel,
     ModelShape,
     NGramCounts,
@@ -74,6 +75,14 @@ def test_a_whole_tree_step_runs_on_the_device_without_a_host_sync():
         auto.observe_acceptance(tree.scores, tree.valid, torch.ones(R, device=META))
     plan = allocate_batch(tree.scores, ctx.float(), cost_model(), 1, WIDTH, rate=torch.tensor(20.0, device=META))
     assert budgets.device == plan.budgets.device == META
+    # With the lookup path priced in: calibrations moved to the device, no host tensor in the updates.
+    priced = AutoBudget(cost_model(), 1, WIDTH, lookup=LookupCalibration(5)).to(META)
+    priced.calibration.explored = [(0, 0, 0, 0)] * 6
+    for _ in range(2):
+        plan = priced.choose_plan(tree.scores, ctx.float(), valid)
+        priced.observe_lookup(tokens, valid, torch.zeros(R, 3, dtype=torch.int64, device=META))
+        priced.observe_acceptance(tree.scores, tree.valid, torch.ones(R, device=META))
+    assert plan.budgets.device == plan.extra.device == priced.lookup.hits.device == META
 
     kept = tree.truncate(budgets)
     batch = compile_tree(kept, torch.zeros(R, dtype=torch.int64, device=META), ctx)

@@ -73,9 +73,10 @@ def test_prompt_lookup_branch_keeps_outputs_and_finds_the_request_s_repetitions(
     engine = {"max_num_batched_tokens": 48, "max_num_seqs": 9}
     sampling = {"temperature": 0, "max_tokens": 96, "ignore_eos": True}  # past EOS this small model repeats
     plain = {"method": "ddtree", "model": str(path), "tree_budget": 1, "ngram_weight": 0}
-    specs = [None, plain, {**plain, "prompt_lookup_tokens": 8}]
+    auto = {"method": "ddtree", "model": str(path), "tree_budget": "auto", "prompt_lookup_tokens": 8}
+    specs = [None, plain, {**plain, "prompt_lookup_tokens": 8}, auto]
     res = run(tmp_path / "out.json", specs, "--engine", json.dumps(engine), "--sampling", json.dumps(sampling))
-    assert res["outputs"][1] == res["outputs"][0] and res["outputs"][2] == res["outputs"][0]
+    assert all(outs == res["outputs"][0] for outs in res["outputs"][1:])
 
     def tau(m: dict) -> float:
         return 1 + (m.get("vllm:spec_decode_num_accepted_tokens") or 0) / m["vllm:spec_decode_num_drafts"]
@@ -85,6 +86,10 @@ def test_prompt_lookup_branch_keeps_outputs_and_finds_the_request_s_repetitions(
     without, with_branch = tau(res["metrics"][1]), tau(res["metrics"][2])
     assert with_branch > without + 0.2, (without, with_branch)
     assert res["ddtree"][2]["mean_tree_nodes"] > 1  # trees of 1 drafter node plus the branch
+    # The automatic budget priced the branch by its measured acceptance, a probability per depth
+    # that falls with depth (a node is accepted only after its parent) and is not the prior's 0.5.
+    q = res["ddtree"][3]["lookup_acceptance"]
+    assert len(q) == 8 and 0 < q[0] <= 1 and q[0] != 0.5 and q[-1] <= q[0], q
 
 
 def test_requests_that_run_into_max_model_len_end_like_the_target_alone(tmp_path, drafter):

@@ -36,6 +36,7 @@ from vllm_ddtree.tree import (
     CostModel,
     DraftTree,
     HostTrees,
+    LookupCalibration,
     ModelShape,
     NGramModel,
     TreeBatch,
@@ -202,7 +203,11 @@ class DDTreeProposer(DFlashProposer):
             # The profile's roofline is a starting point: the cost is refit to this engine's measured
             # step times, and the drafter's confidence to its measured acceptance, while it serves.
             cost = CostModel(shape, get_profile(options.device_profile))
-            self.auto = AutoBudget(cost, options.min_budget, options.max_budget)
+            # With a lookup path, its nodes compete with the tree's for the step at their measured
+            # acceptance (LookupCalibration), so the budget pays for the rows it adds.
+            lookup = LookupCalibration(self.lookup) if self.lookup > 0 else None
+            self.auto = AutoBudget(cost, options.min_budget, options.max_budget, lookup=lookup).to(device)
+        self._proposed: tuple[list[str], Tensor, Tensor] | None = None  # last step's lookup paths (auto)
 
     # vLLM calls propose(num_speculative_tokens=<scheduler's count>, ...): the drafter's width is W,
     # the count caps the tree (the verify width, or a Dynamic SD schedule's K at this batch size).
@@ -295,11 +300,18 @@ class DDTreeProposer(DFlashProposer):
         tree = build_tree(top_logp, top_ids, build, max_budget=build, scorer=scorer,
                           context_tail=tail if scorer is not None else None, lam=self.options.ngram_weight,
                           validate=False)
-        if self.auto is not None:
-            budgets = self.auto.choose(tree.scores, cad.seq_lens[:r])
-            tree = tree.truncate(budgets.clamp(max=build))
-        if self.lookup > 0:  # one more path per tree, within the scheduler's count
+        branch = valid = None
+        if self.lookup > 0:  # one more path per tree: the request's own text, continued
             branch, valid = self.ngram.continuation(slots, tail, self.lookup)
+        if self.auto is not None:
+            if valid is not None:
+                self._observe_lookup(req_ids, step_tokens)
+                self._proposed = (req_ids, branch, valid)
+            plan = self.auto.choose_plan(tree.scores, cad.seq_lens[:r], valid)
+            tree = tree.truncate(plan.budgets.clamp(max=build))
+            if valid is not None:  # the lookup nodes the budget bought
+                valid = valid & (torch.arange(self.lookup, device=valid.device)[None, :] < plan.extra[:, None])
+        if branch is not None:  # within the scheduler's count
             tree = add_branch(tree, branch, valid, max_nodes=self._cap)
         host = self._store(req_ids, tree)
         if self.auto is not None:  # the next build follows the largest tree the drafter's ranking kept
@@ -318,6 +330,22 @@ class DDTreeProposer(DFlashProposer):
             self.trees[rid] = RequestTree(host.tokens[i], host.parents[i], host.depths[i],
                                           host.scores[i] if host.scores is not None else None)
         return host
+
+    def _observe_lookup(self, req_ids: list[str], step_tokens: Tensor) -> None:
+        """Last step's lookup paths (all of them, verified or not) against what this step committed,
+        for the automatic budget's LookupCalibration. Rows are matched by request id (the batch may
+        have been reordered); a request new to the batch, or a row vLLM discards, proposed nothing."""
+        if self._proposed is None:
+            return
+        before, proposed, valid = self._proposed
+        row = {rid: i for i, rid in enumerate(before)}
+        discard = self.runner.discard_request_mask.np[: len(req_ids)].tolist()
+        none = len(before)  # an all-invalid row appended below
+        rows = [none if discard[i] else row.get(rid, none) for i, rid in enumerate(req_ids)]
+        index = to_device(torch.tensor(rows, dtype=torch.int64), valid.device)
+        proposed = torch.cat([proposed, proposed.new_zeros(1, proposed.shape[1])])[index]
+        valid = torch.cat([valid, valid.new_zeros(1, valid.shape[1])])[index]
+        self.auto.observe_lookup(proposed, valid, step_tokens)
 
     def _observe(self, req_ids: list[str], step_tokens: Tensor) -> list[int]:
         """Feed each request's newly committed tokens to the online n-gram model; its slot per row.

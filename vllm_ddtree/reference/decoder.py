@@ -33,6 +33,7 @@ from vllm_ddtree.drafter import DFlashDrafter, DrafterKVCache, make_block
 from vllm_ddtree.tree import (
     AutoBudget,
     CostModel,
+    LookupCalibration,
     ModelShape,
     NGramModel,
     add_branch,
@@ -146,9 +147,9 @@ class ReferenceDecoder:
         self.target = target.eval()
         self.drafter = drafter.eval() if drafter is not None else None
         self.eos = set(eos_token_ids)
-        # (min_budget, budget, ngram_weight) -> its calibrated controller: n-gram rescoring changes how
-        # far the drafter's prefix probabilities can be trusted, so each scoring learns its own.
-        self.auto: dict[tuple[int, int, float], AutoBudget] = {}
+        # (min_budget, budget, ngram_weight, lookup) -> its calibrated controller: n-gram rescoring
+        # changes how far the drafter's prefix probabilities can be trusted, so each scoring learns its own.
+        self.auto: dict[tuple[int, int, float, int], AutoBudget] = {}
         if drafter is not None:
             self.layer_ids = list(drafter.cfg.target_layer_ids)
             self.depth = drafter.cfg.block_size - 1
@@ -182,10 +183,12 @@ class ReferenceDecoder:
 
     def auto_budget(self, spec: SpecConfig) -> AutoBudget:
         """The adaptive budget's controller for this range and scoring, created on first use (roofline prior)."""
-        key = (spec.min_budget, spec.budget, spec.ngram_weight)
+        key = (spec.min_budget, spec.budget, spec.ngram_weight, spec.prompt_lookup_tokens)
         if key not in self.auto:
             shape = ModelShape.from_hf_config(self.target.config, str(self.target.dtype))
-            self.auto[key] = AutoBudget(CostModel(shape, get_profile("cpu")), spec.min_budget, spec.budget)
+            lookup = LookupCalibration(spec.prompt_lookup_tokens) if spec.prompt_lookup_tokens > 0 else None
+            self.auto[key] = AutoBudget(CostModel(shape, get_profile("cpu")), spec.min_budget, spec.budget,
+                                        lookup=lookup)
         return self.auto[key]
 
     # ---- decoding ---------------------------------------------------------------------------
@@ -255,12 +258,18 @@ class ReferenceDecoder:
             if spec.ngram_weight > 0:
                 scorer, tail = ngram.scorer([0]), ngram.context_tail([0])
             tree = build_tree(top_logp, top_ids, budget, scorer=scorer, context_tail=tail, lam=spec.ngram_weight)
-            chosen = auto.choose(tree.scores, torch.tensor([ctx])) if auto is not None else None
-            if chosen is not None:
-                tree = tree.truncate(chosen)
-                auto.grow(int(chosen.max()))
+            look = valid = None
             if spec.prompt_lookup_tokens > 0:  # the request's own text, continued: one more path
                 look, valid = ngram.continuation([0], ngram.context_tail([0]), spec.prompt_lookup_tokens)
+            if auto is not None:
+                # The lookup nodes compete with the tree's at their measured acceptance.
+                plan = auto.choose_plan(tree.scores, torch.tensor([ctx]), valid)
+                tree = tree.truncate(plan.budgets)
+                auto.grow(int(plan.budgets.max()))
+                if valid is not None:
+                    proposed = (look, valid)  # all of it, to learn from whether or not it is verified
+                    valid = valid & (torch.arange(valid.shape[1])[None, :] < plan.extra[:, None])
+            if look is not None:
                 tree = add_branch(tree, look, valid, tree.max_nodes + spec.prompt_lookup_tokens)
             batch = compile_tree(tree, torch.tensor([root]), torch.tensor([ctx]))
             n = int(batch.num_rows[0])
@@ -291,6 +300,8 @@ class ReferenceDecoder:
             result.accept_lengths.append(len(result.tokens) - before)  # what was committed
             if ngram is not None:
                 ngram.observe(0, emitted)
+            if auto is not None and look is not None:  # the proposal against what the target chose
+                auto.observe_lookup(*proposed, torch.tensor([emitted]))
             if auto is not None:  # what the controller predicted vs what happened, and what it cost
                 # Only the drafter's nodes (finite score) count: a lookup path's are not its predictions.
                 ranked = torch.isfinite(tree.scores[0, (path[1:] - 1).clamp(min=0)]).sum().view(1)

@@ -11,12 +11,14 @@ from .budget import (
     CostCalibration,
     CostModel,
     DeviceProfile,
+    LookupCalibration,
     ModelShape,
     allocate_batch,
     batch_estimate,
     choose_budgets,
     get_profile,
     node_gains,
+    path_gains,
     roofline_seconds,
 )
 from .build import (

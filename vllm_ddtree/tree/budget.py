@@ -214,12 +214,14 @@ class BudgetPlan:
     expected_tokens    []  float   sum over requests of A_r(budget_r), bonus tokens included
     step_seconds       []  float   predicted cycle time of the step
     tokens_per_second  []  float   expected_tokens / step_seconds
+    extra              [R] int64   nodes taken from each request's extra path (`extra_gains`; else None)
     """
 
     budgets: Tensor
     expected_tokens: Tensor
     step_seconds: Tensor
     tokens_per_second: Tensor
+    extra: Tensor | None = None
 
 
 def _check_bounds(min_budget: int, max_budget: int, width: int) -> None:
@@ -231,13 +233,27 @@ def _check_bounds(min_budget: int, max_budget: int, width: int) -> None:
         raise ValueError(f"the tree has {width} node slots but max_budget is {max_budget}; build it at max_budget")
 
 
-def batch_estimate(draft_logp: Tensor, budgets: Tensor, context_lens: Tensor, cost: CostModel) -> BudgetPlan:
-    """The batch's estimated throughput for a given allocation (the objective `allocate_batch` maximises)."""
+def batch_estimate(draft_logp: Tensor, budgets: Tensor, context_lens: Tensor, cost: CostModel,
+                   extra_gains: Tensor | None = None, extra: Tensor | None = None) -> BudgetPlan:
+    """The batch's estimated throughput for a given allocation (the objective `allocate_batch` maximises).
+
+    extra_gains [R, L] / extra [R]: an extra path's node gains and how many of them each request takes.
+    """
     gains = node_gains(draft_logp)
     take = torch.arange(gains.shape[1], device=gains.device)[None, :] < budgets[:, None]
     expected = (gains * take).sum() + gains.shape[0]
-    secs = cost.step_seconds(budgets.sum(), context_lens.sum(), context_lens.numel())
-    return BudgetPlan(budgets, expected, secs, expected / secs)
+    nodes = budgets.sum()
+    if extra_gains is not None:
+        g = path_gains(extra_gains)
+        expected = expected + (g * (torch.arange(g.shape[1], device=g.device)[None, :] < extra[:, None])).sum()
+        nodes = nodes + extra.sum()
+    secs = cost.step_seconds(nodes, context_lens.sum(), context_lens.numel())
+    return BudgetPlan(budgets, expected, secs, expected / secs, extra)
+
+
+def path_gains(gains: Tensor) -> Tensor:
+    """An extra path's per-node gains [R, L] made non-increasing along it (a node needs its parent)."""
+    return torch.cummin(gains.float().clamp(min=0), dim=1).values
 
 
 def choose_budgets(
@@ -262,7 +278,7 @@ def choose_budgets(
 
 def allocate_batch(
     draft_logp: Tensor, context_lens: Tensor, cost: CostModel, min_budget: int = 1, max_budget: int | None = None,
-    rate: Tensor | float | None = None,
+    rate: Tensor | float | None = None, extra_gains: Tensor | None = None,
 ) -> BudgetPlan:
     """Batch-aware BASTION: one best-first over all requests' nodes against the batch step cost.
 
@@ -276,6 +292,11 @@ def allocate_batch(
     `rate` the throughput achieved (Dinkelbach). One step's own A / C as the bar instead buys too
     little on confident steps and too much on unsure ones. With `rate` equal to this step's best
     A / C both objectives choose the same plan.
+
+    `extra_gains` [R, L]: the predicted acceptance of each node of one more path per request that the
+    drafter did not rank (a prompt-lookup continuation, `tree.add_branch`), 0 where there is none.
+    Its nodes join the same best-first merge, priced by the same step cost, none forced; the plan's
+    `extra` says how many of each request's path to verify.
     """
     r, width = draft_logp.shape
     max_budget = max_budget or width
@@ -283,6 +304,8 @@ def allocate_batch(
     gains = node_gains(draft_logp)[:, :max_budget]
     forced = gains[:, :min_budget].sum()
     optional = gains[:, min_budget:]  # [R, W]
+    if extra_gains is not None:
+        optional = torch.cat([optional, path_gains(extra_gains).to(optional.device)], dim=1)  # [R, W + L]
     w = optional.shape[1]
     flat = optional.reshape(-1)
     # Stable sort: equal gains keep (request, position) order, so each request's picks stay a prefix.
@@ -295,9 +318,12 @@ def allocate_batch(
     score = expected / secs if rate is None else expected - torch.as_tensor(rate, device=secs.device) * secs
     best = score.argmax()
     chosen = torch.arange(r * w, device=flat.device) < best
-    picked = torch.zeros(r * w, dtype=torch.int64, device=flat.device).scatter_(0, order, chosen.long())
-    budgets = min_budget + picked.view(r, w).sum(dim=1)
-    return batch_estimate(draft_logp, budgets, context_lens, cost)
+    picked = torch.zeros(r * w, dtype=torch.int64, device=flat.device).scatter_(0, order, chosen.long()).view(r, w)
+    tree_w = max_budget - min_budget
+    budgets = min_budget + picked[:, :tree_w].sum(dim=1)
+    if extra_gains is None:
+        return batch_estimate(draft_logp, budgets, context_lens, cost)
+    return batch_estimate(draft_logp, budgets, context_lens, cost, extra_gains, picked[:, tree_w:].sum(dim=1))
 
 
 @dataclass
@@ -345,9 +371,78 @@ class AcceptanceCalibration:
         # index_select, not betas[argmin]: indexing with a 0-d tensor reads it on the host (a sync).
         return self.betas.index_select(0, gap.argmin().view(1)).squeeze(0)
 
+    def to(self, device: torch.device | str) -> "AcceptanceCalibration":
+        """This calibration with its state on `device` (in place; returns self)."""
+        self.betas, self.predicted, self.accepted = (x.to(device) for x in (self.betas, self.predicted, self.accepted))
+        return self
+
     def rescale(self, draft_logp: Tensor) -> Tensor:
         """Calibrated prefix log-probabilities (same shape; -inf stays -inf)."""
         return draft_logp * self.beta.to(draft_logp.device)
+
+
+@dataclass
+class LookupCalibration:
+    """How often each node of a prompt-lookup path is accepted, learnt while decoding.
+
+    The lookup path (`tree.add_branch`) is not ranked by the drafter, so its nodes get their own
+    predicted acceptance to be priced against the tree's: q_d = EMA(accepted at depth d) / EMA(known
+    at depth d), per depth d = 1..L. Each step's proposal is scored against the tokens that step then
+    committed (accepted path and bonus) whether or not it was verified: it matches the target's
+    choices up to their first difference, which is how deep verifying it would have accepted it (at
+    T = 0; under sampling the committed tokens are the target's draws). So the estimate keeps learning
+    while the budget leaves the path out. Depths past the committed tokens of a proposal that matched
+    all of them are unknown and not counted (that cannot happen when the path was verified: its next
+    node would have been accepted). Starts at `prior` worth one observation per depth; no host sync.
+    """
+
+    length: int
+    alpha: float = 0.05
+    prior: float = 0.5
+    hits: Tensor | None = None  # [L] EMA of accepted proposals per depth
+    known: Tensor | None = None  # [L] EMA of proposals whose outcome is known per depth
+
+    def __post_init__(self) -> None:
+        if self.length < 1:
+            raise ValueError(f"length must be >= 1, got {self.length}")
+        if not 0 < self.alpha <= 1 or not 0 <= self.prior <= 1:
+            raise ValueError(f"alpha must be in (0, 1] and prior in [0, 1], got {self.alpha}, {self.prior}")
+        if self.known is None:
+            self.known = torch.ones(self.length)
+        if self.hits is None:
+            self.hits = torch.full((self.length,), float(self.prior))
+
+    def to(self, device: torch.device | str) -> "LookupCalibration":
+        """This calibration with its state on `device` (in place; returns self)."""
+        self.hits, self.known = self.hits.to(device), self.known.to(device)
+        return self
+
+    def update(self, proposed: Tensor, valid: Tensor, committed: Tensor) -> None:
+        """proposed/valid [R, L]: last step's lookup paths; committed [R, K]: the tokens that step
+        committed, -1 padded (a row with none, e.g. a request new to the batch, has valid all False)."""
+        dev = self.hits.device
+        proposed, valid, committed = proposed.to(dev), valid.to(dev), committed.to(dev)
+        r, length = proposed.shape
+        k = min(length, committed.shape[1])
+        same = torch.zeros(r, length, dtype=torch.bool, device=dev)
+        same[:, :k] = (proposed[:, :k] == committed[:, :k]) & (committed[:, :k] >= 0)
+        same &= valid
+        matched = same.long().cummin(dim=1).values.sum(dim=1, keepdim=True)  # [R, 1] accepted depth
+        count = (committed >= 0).sum(dim=1, keepdim=True)
+        depth = torch.arange(1, length + 1, device=dev)[None, :]
+        accepted = depth <= matched
+        known = valid & (accepted | (matched < count))  # a miss is known once a committed token differed
+        self.hits.mul_(1 - self.alpha).add_(accepted.float().sum(dim=0), alpha=self.alpha)
+        self.known.mul_(1 - self.alpha).add_(known.float().sum(dim=0), alpha=self.alpha)
+
+    @property
+    def acceptance(self) -> Tensor:
+        """[L] predicted acceptance of a lookup node at each depth."""
+        return self.hits / self.known.clamp(min=1e-6)
+
+    def gains(self, valid: Tensor) -> Tensor:
+        """[R, L] predicted acceptance of each proposed node (0 where the path has none)."""
+        return torch.where(valid.to(self.hits.device), self.acceptance[None, :], 0.0)
 
 
 @dataclass
@@ -478,6 +573,7 @@ class AutoBudget:
     rate_alpha: float = 0.05
     planned_tokens: Tensor | None = None  # [] EMA of the chosen plans' expected tokens
     planned_seconds: Tensor | None = None  # [] EMA of their predicted step seconds
+    lookup: LookupCalibration | None = None  # with a prompt-lookup path: its nodes' measured acceptance
 
     def __post_init__(self) -> None:
         _check_bounds(self.min_budget, self.max_budget, self.max_budget)
@@ -486,6 +582,14 @@ class AutoBudget:
         if self.calibration is None:
             self.calibration = CostCalibration.for_range(self.cost, self.min_budget, self.max_budget)
         self.build_cap = self.build_cap or self.max_budget
+
+    def to(self, device: torch.device | str) -> "AutoBudget":
+        """The calibrations' state on `device` (in place; returns self): their updates read the step's
+        device tensors, so state left on the host would make every update a device-to-host copy."""
+        self.acceptance.to(device)
+        if self.lookup is not None:
+            self.lookup.to(device)
+        return self
 
     @property
     def exploring(self) -> bool:
@@ -506,19 +610,33 @@ class AutoBudget:
 
         While exploring: the exploration size, on a tree built as wide as any tree is (`min_width`),
         so the measured step costs what a step of that size costs in operation."""
+        return self.choose_plan(scores, context_lens).budgets
+
+    def choose_plan(self, scores: Tensor, context_lens: Tensor, lookup_valid: Tensor | None = None) -> BudgetPlan:
+        """`choose`, as a plan; with `lookup_valid` [R, L] (each request's proposed lookup path, needs
+        `lookup`) the lookup nodes compete with the tree's for the step, and `plan.extra` [R] says how
+        many of each path to verify (all of it while exploring)."""
+        if lookup_valid is not None and self.lookup is None:
+            raise ValueError("choose_plan got a lookup path but the AutoBudget has no LookupCalibration")
         if self.exploring:
-            kept = min(self.calibration.explore_budget(scores.shape[0]), scores.shape[1])
-            return torch.full((scores.shape[0],), kept, dtype=torch.int64, device=scores.device)
+            r = scores.shape[0]
+            kept = min(self.calibration.explore_budget(r), scores.shape[1])
+            budgets = torch.full((r,), kept, dtype=torch.int64, device=scores.device)
+            extra = None if lookup_valid is None else lookup_valid.sum(dim=1).to(scores.device)
+            nan = torch.full((), math.nan, device=scores.device)
+            return BudgetPlan(budgets, nan, nan, nan, extra)
         width = scores.shape[1]
         logp = self.acceptance.rescale(scores)
-        plan = allocate_batch(logp, context_lens.float(), self.cost, min(self.min_budget, width), width, self.rate)
+        extra_gains = None if lookup_valid is None else self.lookup.gains(lookup_valid)
+        plan = allocate_batch(logp, context_lens.float(), self.cost, min(self.min_budget, width), width, self.rate,
+                              extra_gains=extra_gains)
         if self.planned_tokens is None:  # the first plan (a step's own best ratio) seeds the rate
             self.planned_tokens, self.planned_seconds = plan.expected_tokens.clone(), plan.step_seconds.clone()
         else:
             a = self.rate_alpha
             self.planned_tokens.mul_(1 - a).add_(plan.expected_tokens, alpha=a)
             self.planned_seconds.mul_(1 - a).add_(plan.step_seconds, alpha=a)
-        return plan.budgets
+        return plan
 
     @property
     def rate(self) -> Tensor | None:
@@ -536,6 +654,10 @@ class AutoBudget:
         tokens accepted."""
         self.acceptance.update(scores, verified, num_accepted)
 
+    def observe_lookup(self, proposed: Tensor, valid: Tensor, committed: Tensor) -> None:
+        """Last step's lookup paths [R, L] against the tokens it committed [R, K] (`LookupCalibration`)."""
+        self.lookup.update(proposed, valid, committed)
+
     def observe_step(self, tokens: float, attn_pairs: float, context_total: float, seconds: float) -> None:
         """One measured cycle: total verified rows, sum of rows * (context + rows), context, seconds."""
         self.calibration.add(tokens, attn_pairs, context_total, seconds)
@@ -546,4 +668,5 @@ class AutoBudget:
         return {"cost_calibrated": self.calibration.calibrated, "cost_intercept_ms": 1e3 * c.intercept,
                 "cost_per_token_ms": 1e3 * c.per_token, "cost_roofline_slope": c.slope,
                 "drafter_confidence_exponent": float(self.acceptance.beta),
-                "planned_tokens_per_s": None if self.rate is None else float(self.rate)}
+                "planned_tokens_per_s": None if self.rate is None else float(self.rate),
+                "lookup_acceptance": None if self.lookup is None else [round(float(q), 3) for q in self.lookup.acceptance]}
