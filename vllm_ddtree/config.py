@@ -75,7 +75,9 @@ class DDTreeConfig:
     request's last ``ngram_order - 1`` tokens in its own prompt and output, continued greedily (the
     online n-gram counts; code and quotes repeat). Shared with the tree where the drafter proposed
     the same path; verified like every other node, so output stays exact. Adds up to this many
-    nodes to the verify width. ``0`` (default) disables it."""
+    nodes to the verify width. With a fixed ``tree_budget`` every proposed node is verified; with
+    ``"auto"`` the budget buys the path's nodes only where their measured acceptance pays for their
+    rows. ``0`` (default) disables it."""
 
     device_profile: str | None = None
     """Hardware profile of the budget cost model: one of ``cpu``, ``h100``, ``h200``.
