@@ -135,7 +135,7 @@ def plot_rows(rows: list[dict], temps: list[float], path: str) -> None:
 
     plot_vs_budget(rows, "temperature", temps, "T = {:g}",
                    series=[("ddtree", "o-", "ddtree"), ("ddtree+ngram", "s--", "ddtree+ngram"),
-                           ("ddtree+ngram+lookup", "^:", "ddtree+ngram+lookup")],
+                           ("ddtree+ngram+lookup", "m^-", "ddtree+ngram+lookup")],
                    lines=[("dflash", "tab:red"), ("ddtree-auto", "tab:green"), ("ddtree+ngram-auto", "tab:olive"),
                           ("ddtree+ngram+lookup-auto", "tab:purple"), ("ar", "gray")],
                    metrics=[("tau", "tau (tokens / target forward)"), ("speedup_vs_ar", "speedup vs AR")], path=path)
