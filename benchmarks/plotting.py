@@ -23,11 +23,16 @@ def plot_vs_budget(rows: list[dict], panel_key: str, panel_values: list, panel_t
                    series: list[tuple[str, str, str]], lines: list[tuple[str, str]],
                    metrics: list[tuple[str, str]], path: str) -> None:
     """rows: benchmark records; series (method, style, label) are drawn against "budget";
-    lines (method, color) are horizontal references; metrics (key, axis label) are the rows."""
+    lines (method, color) are horizontal references; metrics (key, axis label) are the rows.
+    With no fixed-budget rows at all there is no budget axis: the methods are drawn as bars."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    if not any(r["method"] == m for r in rows for m, _, _ in series):
+        _plot_bars(plt, rows, panel_key, panel_values, panel_title, lines, metrics, path)
+        return
 
     fig, axes = plt.subplots(len(metrics), len(panel_values), figsize=(5.5 * len(panel_values), 3.5 * len(metrics)),
                              squeeze=False)
@@ -49,5 +54,27 @@ def plot_vs_budget(rows: list[dict], panel_key: str, panel_values: list, panel_t
             ax.set_title(panel_title.format(value))
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _plot_bars(plt, rows: list[dict], panel_key: str, panel_values: list, panel_title: str,
+               methods: list[tuple[str, str]], metrics: list[tuple[str, str]], path: str) -> None:
+    """One bar per method (in `methods` order, its colour), value written on top; a panel per value."""
+    fig, axes = plt.subplots(len(metrics), len(panel_values), figsize=(5.5 * len(panel_values), 3.5 * len(metrics)),
+                             squeeze=False)
+    for col, value in enumerate(panel_values):
+        sub = {r["method"]: r for r in rows if r[panel_key] == value}
+        shown = [(m, c) for m, c in methods if m in sub]
+        for row, (key, label) in enumerate(metrics):
+            ax = axes[row][col]
+            heights = [sub[m][key] for m, _ in shown]
+            bars = ax.bar(range(len(shown)), heights, color=[c for _, c in shown])
+            ax.bar_label(bars, fmt="%.2f" if max(heights, default=0) < 10 else "%.1f", fontsize=8)
+            ax.set_xticks(range(len(shown)), [m for m, _ in shown], rotation=20, ha="right", fontsize=8)
+            ax.set_ylabel(label)
+            ax.set_title(panel_title.format(value))
+            ax.grid(alpha=0.3, axis="y")
+            ax.margins(y=0.12)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
