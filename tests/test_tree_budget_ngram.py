@@ -452,18 +452,33 @@ def test_lookup_calibration_scores_each_proposal_against_what_the_step_committed
     proposed = torch.tensor([[5, 6, 7, 8], [1, 2, 3, 4], [9, 9, 9, 9], [5, 6, 7, 0]])
     valid = torch.tensor([[True] * 4, [True] * 4, [False] * 4, [True, True, True, False]])
     committed = torch.tensor([
-        [5, 6, 9, -1],  # matched 2, then a different token: depths 1-2 accepted, 3-4 known misses
-        [1, 2, -1, -1],  # matched all 2 committed: depths 1-2 accepted, 3-4 unknown
+        [5, 6, 9, -1],  # matched 2, then a different token: accepted at 1-2, rejected at 3 (4: moot)
+        [1, 2, -1, -1],  # matched all 2 committed: accepted at 1-2, 3 unknown (censored)
         [9, 9, 9, 9],  # proposed nothing
-        [4, -1, -1, -1],  # missed at once: depths 1-3 known misses, 4 not proposed
+        [4, -1, -1, -1],  # rejected at 1
     ])
     cal.update(proposed, valid, committed)
     assert cal.hits.tolist() == [2, 2, 0, 0]
-    assert cal.known.tolist() == [3, 3, 2, 1]
+    assert cal.at_risk.tolist() == [3, 2, 1, 0]  # depth d counts only paths accepted to d - 1
     gains = cal.gains(torch.tensor([[True, True, True, False]]))
     assert gains[0].tolist() == pytest.approx([2 / 3, 2 / 3, 0.0, 0.0])
     with pytest.raises(ValueError, match="length"):
         LookupCalibration(0)
+
+
+def test_lookup_calibration_is_not_biased_by_what_the_step_happened_to_commit():
+    """Paths the target follows 80% per token, never verified: the step commits only 1-4 tokens, so
+    deep hits are often unseen while misses show at once. The per-depth estimate still finds 0.8 ** d."""
+    cal = LookupCalibration(6, alpha=0.01)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3000):
+        follow = torch.rand(8, 6, generator=g) < 0.8
+        target = torch.where(follow, 7, 3)  # the target's next tokens (the proposal is all 7)
+        committed_len = torch.randint(1, 5, (8, 1), generator=g)  # what the tree happened to accept, + bonus
+        committed = torch.where(torch.arange(6)[None, :] < committed_len, target, -1)
+        cal.update(torch.full((8, 6), 7), torch.ones(8, 6, dtype=torch.bool), committed)
+    expect = 0.8 ** torch.arange(1, 7).float()
+    assert cal.acceptance[:4].tolist() == pytest.approx(expect[:4].tolist(), abs=0.04)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -523,4 +538,4 @@ def test_auto_budget_buys_the_lookup_path_where_it_is_accepted_and_drops_it_wher
 
     follows, ignores = run(0.9), run(0.02)
     assert sum(follows[-50:]) / 50 >= 4  # most of the 6-token path, once calibrated
-    assert sum(ignores[-50:]) == 0
+    assert sum(ignores[-50:]) <= 3  # dropped (a chance hit lifts the EMA for a step or two)

@@ -386,35 +386,40 @@ class LookupCalibration:
     """How often each node of a prompt-lookup path is accepted, learnt while decoding.
 
     The lookup path (`tree.add_branch`) is not ranked by the drafter, so its nodes get their own
-    predicted acceptance to be priced against the tree's: q_d = EMA(accepted at depth d) / EMA(known
-    at depth d), per depth d = 1..L. Each step's proposal is scored against the tokens that step then
-    committed (accepted path and bonus) whether or not it was verified: it matches the target's
-    choices up to their first difference, which is how deep verifying it would have accepted it (at
-    T = 0; under sampling the committed tokens are the target's draws). So the estimate keeps learning
-    while the budget leaves the path out. Depths past the committed tokens of a proposal that matched
-    all of them are unknown and not counted (that cannot happen when the path was verified: its next
-    node would have been accepted). Starts at `prior` worth one observation per depth; no host sync.
+    predicted acceptance to be priced against the tree's. Each step's proposal is scored against the
+    tokens that step then committed (accepted path and bonus) whether or not it was verified: it
+    matches the target's choices up to their first difference, which is how deep verifying it would
+    have accepted it (at T = 0; under sampling the committed tokens are the target's draws). So the
+    estimate keeps learning while the budget leaves the path out.
+
+    But a left-out proposal is seen only as deep as the step committed: a miss at depth 1 shows in
+    one committed token, a hit at depth 4 needs four. Counting hits over "known" outcomes per depth
+    would undercount deep hits (on HumanEval it put depth 4 at 0.06 after depth 3's 0.32). So, as
+    Kaplan-Meier does with censored data, each depth keeps the acceptance *given its parent's*:
+    p_d = EMA(hits at d) / EMA(at risk at d), at risk = the proposal matched depths 1..d-1 and the
+    step committed a token at depth d, and a node's acceptance is the product p_1 ... p_d. Each p_d
+    starts at `prior`, worth one observation; no host sync.
     """
 
     length: int
     alpha: float = 0.05
     prior: float = 0.5
-    hits: Tensor | None = None  # [L] EMA of accepted proposals per depth
-    known: Tensor | None = None  # [L] EMA of proposals whose outcome is known per depth
+    hits: Tensor | None = None  # [L] EMA of proposals accepted at depth d
+    at_risk: Tensor | None = None  # [L] EMA of proposals accepted to d - 1 with a committed token at d
 
     def __post_init__(self) -> None:
         if self.length < 1:
             raise ValueError(f"length must be >= 1, got {self.length}")
         if not 0 < self.alpha <= 1 or not 0 <= self.prior <= 1:
             raise ValueError(f"alpha must be in (0, 1] and prior in [0, 1], got {self.alpha}, {self.prior}")
-        if self.known is None:
-            self.known = torch.ones(self.length)
+        if self.at_risk is None:
+            self.at_risk = torch.ones(self.length)
         if self.hits is None:
             self.hits = torch.full((self.length,), float(self.prior))
 
     def to(self, device: torch.device | str) -> "LookupCalibration":
         """This calibration with its state on `device` (in place; returns self)."""
-        self.hits, self.known = self.hits.to(device), self.known.to(device)
+        self.hits, self.at_risk = self.hits.to(device), self.at_risk.to(device)
         return self
 
     def update(self, proposed: Tensor, valid: Tensor, committed: Tensor) -> None:
@@ -430,15 +435,15 @@ class LookupCalibration:
         matched = same.long().cummin(dim=1).values.sum(dim=1, keepdim=True)  # [R, 1] accepted depth
         count = (committed >= 0).sum(dim=1, keepdim=True)
         depth = torch.arange(1, length + 1, device=dev)[None, :]
-        accepted = depth <= matched
-        known = valid & (accepted | (matched < count))  # a miss is known once a committed token differed
-        self.hits.mul_(1 - self.alpha).add_(accepted.float().sum(dim=0), alpha=self.alpha)
-        self.known.mul_(1 - self.alpha).add_(known.float().sum(dim=0), alpha=self.alpha)
+        hit = depth <= matched
+        at_risk = valid & (depth <= matched + 1) & (depth <= count)
+        self.hits.mul_(1 - self.alpha).add_(hit.float().sum(dim=0), alpha=self.alpha)
+        self.at_risk.mul_(1 - self.alpha).add_(at_risk.float().sum(dim=0), alpha=self.alpha)
 
     @property
     def acceptance(self) -> Tensor:
-        """[L] predicted acceptance of a lookup node at each depth."""
-        return self.hits / self.known.clamp(min=1e-6)
+        """[L] predicted acceptance of a lookup node at each depth (its parent's times its own given it)."""
+        return torch.cumprod(self.hits / self.at_risk.clamp(min=1e-6), dim=0).clamp(max=1.0)
 
     def gains(self, valid: Tensor) -> Tensor:
         """[R, L] predicted acceptance of each proposed node (0 where the path has none)."""
