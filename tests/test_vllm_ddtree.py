@@ -226,11 +226,15 @@ def test_dynamic_sd_schedule_sets_the_tree_budget_per_batch_size(tmp_path, draft
          "num_speculative_tokens_per_batch_size": [[1, 4, 2], [5, 64, 0]]},
         {"method": "ddtree", "model": str(path), "tree_budget": "auto",
          "num_speculative_tokens_per_batch_size": [[1, 64, 0]]},
+        # the automatic budget with a priced lookup path, through steps without drafts and back
+        {"method": "ddtree", "model": str(path), "tree_budget": "auto", "prompt_lookup_tokens": 4,
+         "num_speculative_tokens_per_batch_size": [[1, 4, 6], [5, 64, 0]]},
     ]
     res = run(tmp_path / "out.json", specs, "--requests", json.dumps(requests))
     base = res["outputs"][0]
     assert [len(o) for o in base[:5]] == [8] * 5 and all(len(o) > 8 for o in base[5:])
-    assert res["outputs"][1] == base and res["outputs"][2] == base
+    assert all(outs == base for outs in res["outputs"][1:])
+    assert res["ddtree"][3]["tree_verifications"] > 0 and 1 <= res["ddtree"][3]["mean_tree_nodes"] <= 6
     assert res["metrics"][1].get("vllm:spec_decode_num_drafts", 0) > 0
     assert 1 <= res["ddtree"][1]["mean_tree_nodes"] <= 2
     assert not res["metrics"][2].get("vllm:spec_decode_num_drafts") and res["ddtree"][2]["tree_verifications"] == 0

@@ -229,6 +229,7 @@ class DDTreeProposer(DFlashProposer):
             positions = positions.to(x.device, x.dtype)
             kwargs["target_positions"] = torch.cat([positions, x[n:]]) if x.shape[0] > n else positions
         if self._cap == 0:  # Dynamic SD turned drafting off at this batch size
+            self._proposed = None  # no lookup proposals this step: none to score next step
             super().propose(0, **kwargs)  # the drafter still takes in the context (vLLM's K = 0 path)
             return [[] for _ in range(kwargs["common_attn_metadata"].batch_size())]
         super().propose(self.width, **kwargs)
