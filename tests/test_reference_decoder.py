@@ -122,12 +122,19 @@ def test_sampling_matches_the_target_distribution(decoder):
     # the first speculative step (the first token after prefill is never speculated).
     sampling = lambda seed: SamplingConfig(temperature=1.0, top_k=3, seed=seed)  # noqa: E731
     prompt = PROMPTS[1]
-    spec = SpecConfig(method="ddtree", budget=16)
-    ar = [tuple(decoder.generate(prompt, 3, SpecConfig(method="ar"), sampling(s)).tokens) for s in range(400)]
-    tree = [tuple(decoder.generate(prompt, 3, spec, sampling(10_000 + s)).tokens) for s in range(400)]
-    keys = sorted(set(ar) | set(tree))
-    table = [[ar.count(k) for k in keys], [tree.count(k) for k in keys]]
-    assert chi2_contingency(table).pvalue > 1e-3  # alpha = 1e-3, fixed seeds
+    # The second case's trees are one drafter node plus a prompt-lookup path: with bigrams (order 2)
+    # over a prompt that holds every token once, the lookup proposes a path after any root.
+    cases = [(prompt, SpecConfig(method="ddtree", budget=16)),
+             (list(range(VOCAB - 1)), SpecConfig(method="ddtree", budget=1, prompt_lookup_tokens=4, ngram_order=2))]
+    for prompt, spec in cases:
+        ar = [tuple(decoder.generate(prompt, 3, SpecConfig(method="ar"), sampling(s)).tokens) for s in range(400)]
+        runs = [decoder.generate(prompt, 3, spec, sampling(10_000 + s)) for s in range(400)]
+        if spec.prompt_lookup_tokens:
+            assert max(b for r in runs for b in r.budgets) > 1  # lookup nodes were verified
+        tree = [tuple(r.tokens) for r in runs]
+        keys = sorted(set(ar) | set(tree))
+        table = [[ar.count(k) for k in keys], [tree.count(k) for k in keys]]
+        assert chi2_contingency(table).pvalue > 1e-3, spec  # alpha = 1e-3, fixed seeds
 
 
 def test_bad_configs_raise(decoder):

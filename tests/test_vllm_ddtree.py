@@ -193,12 +193,18 @@ def test_ddtree_sampling_matches_the_target_distribution(tmp_path, drafter):
 
     path, _ = drafter
     sampling = {"temperature": 1.0, "top_k": 3, "max_tokens": 3}
-    specs = [None, {"method": "ddtree", "model": str(path), "tree_budget": 8}]
+    # The second spec verifies prompt-lookup nodes too: one drafter node, so any more are the path's
+    # (order 2: the lookup continues any token seen earlier in the prompt).
+    specs = [None, {"method": "ddtree", "model": str(path), "tree_budget": 8},
+             {"method": "ddtree", "model": str(path), "tree_budget": 1, "ngram_weight": 0, "prompt_lookup_tokens": 4,
+              "ngram_order": 2}]
     res = run(tmp_path / "out.json", specs, "--sampling", json.dumps(sampling), "--repeat", "300")
-    base, tree = ([tuple(o) for o in outs] for outs in res["outputs"])
-    keys = sorted(set(base) | set(tree))
-    table = [[base.count(k) for k in keys], [tree.count(k) for k in keys]]
-    assert chi2_contingency(table).pvalue > 1e-3  # alpha = 1e-3; the engines' seeds are fixed
+    base, *trees = ([tuple(o) for o in outs] for outs in res["outputs"])
+    assert res["ddtree"][2]["mean_tree_nodes"] > 1.2, res["ddtree"][2]  # measured 1.41
+    for spec, tree in zip(specs[1:], trees):
+        keys = sorted(set(base) | set(tree))
+        table = [[base.count(k) for k in keys], [tree.count(k) for k in keys]]
+        assert chi2_contingency(table).pvalue > 1e-3, spec  # alpha = 1e-3; the engines' seeds are fixed
 
 
 def test_aborted_requests_free_their_blocks(tmp_path, drafter):
