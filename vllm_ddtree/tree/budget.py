@@ -443,7 +443,7 @@ class LookupCalibration:
     @property
     def acceptance(self) -> Tensor:
         """[L] predicted acceptance of a lookup node at each depth (its parent's times its own given it)."""
-        return torch.cumprod(self.hits / self.at_risk.clamp(min=1e-6), dim=0).clamp(max=1.0)
+        return torch.cumprod(self.hits / self.at_risk.clamp(min=1e-6), dim=0)  # hits <= at_risk: each factor <= 1
 
     def gains(self, valid: Tensor) -> Tensor:
         """[R, L] predicted acceptance of each proposed node (0 where the path has none)."""
@@ -623,16 +623,15 @@ class AutoBudget:
         many of each path to verify (all of it while exploring)."""
         if lookup_valid is not None and self.lookup is None:
             raise ValueError("choose_plan got a lookup path but the AutoBudget has no LookupCalibration")
-        if self.exploring:
+        logp = self.acceptance.rescale(scores)
+        extra_gains = None if lookup_valid is None else self.lookup.gains(lookup_valid)
+        if self.exploring:  # forced sizes, the whole lookup path; the plan is the estimate of that
             r = scores.shape[0]
             kept = min(self.calibration.explore_budget(r), scores.shape[1])
             budgets = torch.full((r,), kept, dtype=torch.int64, device=scores.device)
             extra = None if lookup_valid is None else lookup_valid.sum(dim=1).to(scores.device)
-            nan = torch.full((), math.nan, device=scores.device)
-            return BudgetPlan(budgets, nan, nan, nan, extra)
+            return batch_estimate(logp, budgets, context_lens.float(), self.cost, extra_gains, extra)
         width = scores.shape[1]
-        logp = self.acceptance.rescale(scores)
-        extra_gains = None if lookup_valid is None else self.lookup.gains(lookup_valid)
         plan = allocate_batch(logp, context_lens.float(), self.cost, min(self.min_budget, width), width, self.rate,
                               extra_gains=extra_gains)
         if self.planned_tokens is None:  # the first plan (a step's own best ratio) seeds the rate
