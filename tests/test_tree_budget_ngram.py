@@ -245,6 +245,23 @@ def test_fit_with_a_per_token_term_recovers_a_linear_cpu_step():
     assert (roof_only.verify_seconds(s, s * (ctx + s), ctx).double() - measured).abs().max() > 0.01
 
 
+def test_fit_is_non_negative_least_squares_not_a_clamped_fit():
+    # Batch 1 on this CPU: the roofline is flat in rows (below its knee) and moves only with the
+    # context, so intercept and slope are nearly collinear. Here the unconstrained fit is
+    # -0.28 s + 11.5 x roofline; clamping its intercept to 0 predicted up to 4x the measured time
+    # (what made the reference decoder's auto budget overbuild). The constrained fit stays close.
+    shape = ModelShape(30, 576, 9, 3, 64, 1536, 49152, 4)  # SmolLM2-135M, float32
+    cost = CostModel(shape, get_profile("cpu"))
+    s = torch.tensor([2.0, 8.0, 17.0, 33.0] * 6)
+    ctx = torch.linspace(200, 1000, s.numel())
+    measured = 0.08 + 0.002 * s + 5e-5 * ctx
+    cost.fit(s, s * (ctx + s), ctx, measured, per_token=True)
+    assert min(cost.intercept, cost.slope, cost.per_token) >= 0
+    pred = cost.verify_seconds(s, s * (ctx + s), ctx).double()
+    assert ((pred - measured) / measured).abs().max() < 0.25  # measured: 0.17; clamped: 3.1
+    assert abs(float(pred.mean() / measured.mean()) - 1) < 0.03
+
+
 def test_acceptance_calibration_learns_how_overconfident_the_drafter_is():
     torch.manual_seed(0)
     cal = AcceptanceCalibration(alpha=0.05)

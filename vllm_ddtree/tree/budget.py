@@ -23,6 +23,7 @@ request choose alone.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -168,29 +169,36 @@ class CostModel:
             per_token: bool = False) -> None:
         """Least-squares calibration of measured verify (or cycle) seconds against the roofline.
 
-        seconds ~ intercept + slope * roofline (+ per_token * tokens with `per_token`), coefficients
-        kept non-negative (a negative one is dropped and the rest refit). The per-token term lets a
-        device whose step time grows with rows below the roofline's knee (this CPU) be fitted.
+        seconds ~ intercept + slope * roofline (+ per_token * tokens with `per_token`), all
+        coefficients non-negative: the best fit over every subset of the terms whose unconstrained
+        fit is non-negative, which for three terms is exactly non-negative least squares.
+        Clamping a negative coefficient of the full fit instead is not: below the roofline's knee
+        (batch 1 on this CPU) the roofline barely moves, so intercept and slope are nearly collinear,
+        and a fit of -167 ms + 8.1 x roofline clamped to 0 + 8.1 x roofline predicted 2.5x the
+        measured step time (a rate far too low, trees far too big). The per-token term lets a device
+        whose step time grows with rows below the knee (this CPU) be fitted.
         """
         x = roofline_seconds(self.shape, self.profile, tokens.double(), attn_pairs.double(), context_total.double())
         y = seconds.double()
         if x.numel() < 2:
             raise ValueError("calibration needs at least two measured points")
-        features = {"slope": x, "per_token": tokens.double()} if per_token else {"slope": x}
-        coef = {}
-        while features:
-            a = torch.stack([torch.ones_like(y), *features.values()], dim=1)
-            sol = torch.linalg.lstsq(a, y.unsqueeze(1)).solution.squeeze(1)
-            coef = dict(zip(["intercept", *features], sol.tolist()))
-            negative = [k for k in features if coef[k] < 0]
-            if not negative:
-                break
-            features.pop(min(negative, key=lambda k: coef[k]))
+        columns = {"intercept": torch.ones_like(y), "slope": x}
+        if per_token:
+            columns["per_token"] = tokens.double()
+        best, coef = math.inf, {}
+        for k in range(1, len(columns) + 1):
+            for names in itertools.combinations(columns, k):
+                a = torch.stack([columns[n] for n in names], dim=1)
+                sol = torch.linalg.lstsq(a, y.unsqueeze(1)).solution.squeeze(1)
+                if (sol < 0).any():
+                    continue
+                residual = float(((a @ sol - y) ** 2).sum())
+                if residual < best * (1 - 1e-9):  # ties keep the fit with fewer terms
+                    best, coef = residual, dict(zip(names, sol.tolist()))
+        # The intercept alone (the mean of positive times) is always a candidate, so coef is set.
         self.slope = max(coef.get("slope", 0.0), 1e-12)
-        self.per_token = max(coef.get("per_token", 0.0), 0.0)
-        self.intercept = max(coef.get("intercept", 0.0), 0.0)
-        if "slope" not in coef and "per_token" not in coef:  # flat: all of it is the intercept
-            self.intercept = float(y.mean())
+        self.per_token = coef.get("per_token", 0.0)
+        self.intercept = coef.get("intercept", 0.0)
 
     def observe(self, predicted: float, measured: float) -> None:
         """Online drift correction: EMA of measured / predicted step time."""
