@@ -64,6 +64,13 @@ def cost_model_for(shape: ModelShape, c0: float, c1: float) -> CostModel:
     return CostModel(shape, get_profile("cpu"), slope=1e-12, per_token=c1, intercept=max(c0 - c1, 0.0))
 
 
+def on_path(tree, accepted: int) -> torch.Tensor:
+    """[1, W] the step's accepted nodes: the first `accepted` nodes of the true path (ranks grow with depth)."""
+    mask = torch.zeros(1, tree.scores.shape[0], dtype=torch.bool)
+    mask[0, tree.path_ranks[:accepted]] = True
+    return mask
+
+
 def run_rules(trees_per_prompt, cost: CostModel, seconds, width: int) -> dict[str, ReplayResult]:
     """Every rule over all prompts (online rules keep their state from one prompt to the next)."""
     def total(choose, observe=None):
@@ -86,14 +93,14 @@ def run_rules(trees_per_prompt, cost: CostModel, seconds, width: int) -> dict[st
             return n
 
         return choose, lambda t, n, a: auto.observe_acceptance(
-            signal(t)[None], (torch.arange(width) < n)[None], torch.tensor([a]))
+            signal(t)[None], (torch.arange(width) < n)[None], on_path(t, a))
 
     res["auto"] = total(*served(lambda t: t.scores))
     res["auto-logp"] = total(*served(lambda t: t.draft_logp))  # the drafter's log-prob alone as the signal
     cal = AcceptanceCalibration()  # each step's own best A/C (the objective before the running rate)
     res["step-ratio"] = total(
         lambda t: int(allocate_batch(cal.rescale(t.scores[None]), ctx(t), cost, 1, width).budgets[0]),
-        lambda t, n, a: cal.update(t.scores[None], (torch.arange(width) < n)[None], torch.tensor([a])))
+        lambda t, n, a: cal.update(t.scores[None], (torch.arange(width) < n)[None], on_path(t, a)))
 
     rate = max(r.tokens_per_second for r in res.values())
     for _ in range(3):  # the oracle's own rate: a few fixed-point rounds

@@ -88,3 +88,29 @@ def test_async_scheduling_s_device_side_tokens_are_refused():
     runner.input_batch.prev_sampled_token_ids = torch.zeros(3, 1, dtype=torch.int64)
     with pytest.raises(RuntimeError, match="async scheduling"):
         prepare_tree_step(runner, spec, total)
+
+
+def test_the_automatic_budget_is_told_which_tree_nodes_were_accepted():
+    """`sample_tree_step` hands the acceptance calibration each request's accepted nodes: "a" accepts
+    its nodes 0, 2, 3 (10 -> 12 -> 13); "c" accepts 20 of a chain the drafter did not propose, which
+    is neither verified nor accepted as far as the drafter's calibration is concerned."""
+    from vllm_ddtree.tree import AutoBudget, CostModel, ModelShape, get_profile
+
+    seen = []
+
+    class Recording(AutoBudget):
+        def observe_acceptance(self, scores, verified, accepted):
+            seen.append((verified.clone(), accepted.clone()))
+            super().observe_acceptance(scores, verified, accepted)
+
+    runner, spec, total = stand_in_runner(torch.device("cpu"))
+    shape = ModelShape(layers=30, hidden=576, q_heads=9, kv_heads=3, head_dim=64, ffn=1536, vocab=49152,
+                       bytes_per_param=4)
+    runner.drafter.auto = Recording(CostModel(shape, get_profile("cpu")), 1, WIDTH)
+    runner.drafter.trees = {"a": RequestTree(TREE_A.tokens, TREE_A.parents, TREE_A.depths, [-0.1, -1.2, -0.3, -0.6])}
+    step = prepare_tree_step(runner, spec, total)
+    sample_tree_step(runner, step, target_logits(torch.device("cpu")), spec)
+    (verified, accepted), = seen
+    assert verified.tolist() == [[True] * 4, [False] * 4, [False] * 4]
+    assert accepted.tolist() == [[True, False, True, True], [False] * 4, [False] * 4]
+    assert float(runner.drafter.auto.acceptance.bin_accepted.sum()) == 3.0

@@ -270,7 +270,7 @@ def test_acceptance_calibration_learns_how_overconfident_the_drafter_is():
     claimed = torch.arange(1, 5).float().expand(r, 4) * math.log(0.9)  # a chain the drafter rates 0.9 per token
     for _ in range(300):
         accepted = torch.distributions.Geometric(probs=torch.tensor(0.5)).sample((r,)).clamp(max=4)  # P(L >= d) = 0.5^d
-        cal.update(claimed, torch.ones(r, 4, dtype=torch.bool), accepted)
+        cal.update(claimed, torch.ones(r, 4, dtype=torch.bool), torch.arange(4)[None] < accepted[:, None])
     # 0.9^(d * beta) = 0.5^d  =>  beta = ln 0.5 / ln 0.9 = 6.58 (grid steps are 12% apart)
     assert float(cal.beta) == pytest.approx(math.log(0.5) / math.log(0.9), rel=0.12)
     scaled = cal.rescale(torch.tensor([[math.log(0.9), -math.inf]]))
@@ -278,8 +278,33 @@ def test_acceptance_calibration_learns_how_overconfident_the_drafter_is():
     # An underconfident drafter: the exponent goes below 1.
     under = AcceptanceCalibration(alpha=0.2)
     for _ in range(50):
-        under.update(torch.full((r, 1), math.log(0.25)), torch.ones(r, 1, dtype=torch.bool), torch.full((r,), 0.5))
+        under.update(torch.full((r, 1), math.log(0.25)), torch.ones(r, 1, dtype=torch.bool), torch.rand(r, 1) < 0.5)
     assert float(under.beta) == pytest.approx(0.5, rel=0.12)
+
+
+def test_acceptance_calibration_fits_the_shape_one_exponent_cannot():
+    """n-gram rescoring bends the score-to-acceptance curve: confident nodes are accepted more often
+    than p ** beta says and the low-score tail less often. Each score bin's reliability factor
+    corrects it; before any data a bin keeps the exponent's prediction (the prior)."""
+    torch.manual_seed(0)
+    cal = AcceptanceCalibration()
+    r = 32
+    scores = torch.tensor([math.log(0.3), math.log(0.02)]).expand(r, 2)  # one confident node, one tail node
+    true = torch.tensor([0.9, 0.002])  # no exponent maps (0.3, 0.02) to (0.9, 0.002)
+    for _ in range(400):
+        cal.update(scores, torch.ones(r, 2, dtype=torch.bool), torch.rand(r, 2) < true)
+    calibrated = cal.rescale(scores[:1]).exp()[0]
+    assert calibrated.tolist() == pytest.approx(true.tolist(), rel=0.15)
+    beta = float(cal.beta)
+    assert not (abs(0.3 ** beta - 0.9) < 0.15 * 0.9 and abs(0.02 ** beta - 0.002) < 0.15 * 0.002)
+    # A score no verified node has had yet (another bin): the exponent's extrapolation.
+    unseen = torch.tensor([[math.log(0.1), -math.inf]])
+    assert cal.rescale(unseen)[0, 0].exp() == pytest.approx(0.1 ** beta, rel=1e-5)
+    assert cal.rescale(unseen)[0, 1] == -math.inf
+    # Nodes of infinite score (a lookup path's) are neither predicted nor counted.
+    before = cal.bin_accepted.clone()
+    cal.update(torch.full((1, 2), -math.inf), torch.ones(1, 2, dtype=torch.bool), torch.ones(1, 2, dtype=torch.bool))
+    assert torch.allclose(cal.bin_accepted, before * cal.bin_decay)
 
 
 def test_cost_calibration_explores_the_range_then_drives_the_budget_to_the_measured_optimum():
@@ -329,7 +354,7 @@ def test_auto_budget_explores_then_chooses_and_caps_the_width():
         auto.grow(n)
         accepted = int((torch.rand(n, generator=g) < 0.8).long().cumprod(0).sum())
         verified = torch.arange(width)[None] < n
-        auto.observe_acceptance(claimed[:, :width], verified, torch.tensor([accepted]))
+        auto.observe_acceptance(claimed[:, :width], verified, torch.arange(width)[None] < accepted)
         auto.observe_step(1 + n, (1 + n) * (ctx + 1 + n), ctx, true_seconds(1 + n))
     # Exploration: skip one, then 2 steps per size, each kept from a tree at least min_width wide.
     assert kept == [64, 64, 64, 1, 1, 8, 8] and widths[:7] == [64, 64, 64, 8, 8, 8, 8]
@@ -548,7 +573,7 @@ def test_auto_budget_buys_the_lookup_path_where_it_is_accepted_and_drops_it_wher
             committed = target[: k + 1][None]
             auto.observe_lookup(torch.full((1, 6), 7), valid, committed)
             verified = torch.arange(width)[None] < n
-            auto.observe_acceptance(claimed[:, :width], verified, torch.tensor([tree_accepted]))
+            auto.observe_acceptance(claimed[:, :width], verified, torch.arange(width)[None] < tree_accepted)
             rows = 1 + n + e
             auto.observe_step(rows, rows * (301 + rows), 300, 0.05 + 0.002 * rows)
         return taken

@@ -67,12 +67,13 @@ def test_a_whole_tree_step_runs_on_the_device_without_a_host_sync():
     assert branched.tokens.device == META and branched.max_nodes == WIDTH + 5
 
     # The automatic budget, after it has seen acceptances (its exponent is then read from a tensor).
+    first_node = (torch.arange(tree.valid.shape[1], device=META) == 0).expand_as(tree.valid)  # each accepted 1 node
     auto = AutoBudget(cost_model(), 1, WIDTH)
     auto.acceptance = AcceptanceCalibration(betas=torch.logspace(-0.6, 0.9, 31, device=META))
     auto.calibration.explored = [(0, 0, 0, 0)] * 6  # calibrated: choose by the cost model
     for _ in range(2):
         budgets = auto.choose(tree.scores, ctx.float())
-        auto.observe_acceptance(tree.scores, tree.valid, torch.ones(R, device=META))
+        auto.observe_acceptance(tree.scores, tree.valid, first_node)
     plan = allocate_batch(tree.scores, ctx.float(), cost_model(), 1, WIDTH, rate=torch.tensor(20.0, device=META))
     assert budgets.device == plan.budgets.device == META
     # With the lookup path priced in: calibrations moved to the device, no host tensor in the updates.
@@ -81,7 +82,7 @@ def test_a_whole_tree_step_runs_on_the_device_without_a_host_sync():
     for _ in range(2):
         plan = priced.choose_plan(tree.scores, ctx.float(), valid)
         priced.observe_lookup(tokens, valid, torch.zeros(R, 3, dtype=torch.int64, device=META))
-        priced.observe_acceptance(tree.scores, tree.valid, torch.ones(R, device=META))
+        priced.observe_acceptance(tree.scores, tree.valid, first_node)
     assert plan.budgets.device == plan.extra.device == priced.lookup.hits.device == META
 
     kept = tree.truncate(budgets)

@@ -543,8 +543,10 @@ def _calibrate(proposer: DDTreeProposer, step: TreeStep, path_rows: Tensor) -> N
     scores = torch.cat([scores, pad], dim=1)  # + a column the padding of path_rows reads
     nodes = path_rows[:, 1:]  # accepted rows after the root, -1 padded
     node_index = torch.where(nodes > 0, nodes - 1, scores.shape[1] - 1).clamp(max=scores.shape[1] - 1)
-    ranked = torch.isfinite(scores.gather(1, node_index))
-    accepted = torch.where(step.from_tree.to(path_rows.device), ranked.sum(dim=1), 0)
+    # [R, N - 1]: the accepted nodes (padding lands in the extra column, dropped); infinite scores
+    # (lookup nodes) are left out by the calibration itself.
+    on_path = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(1, node_index, nodes > 0)
+    accepted = on_path[:, :-1] & step.from_tree.to(path_rows.device).view(-1, 1)
     proposer.auto.observe_acceptance(step.node_scores, verified, accepted)
     if step.step_size is not None:  # the step verified trees only: its cost is known
         proposer.pending_step = step.step_size

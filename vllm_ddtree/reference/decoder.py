@@ -304,8 +304,9 @@ class ReferenceDecoder:
                 auto.observe_lookup(*proposed, torch.tensor([emitted]))
             if auto is not None:  # what the controller predicted vs what happened, and what it cost
                 # Only the drafter's nodes (finite score) count: a lookup path's are not its predictions.
-                ranked = torch.isfinite(tree.scores[0, (path[1:] - 1).clamp(min=0)]).sum().view(1)
-                auto.observe_acceptance(tree.scores, tree.valid, ranked)
+                on_path = torch.zeros_like(tree.valid)
+                on_path[0, path[1:] - 1] = True
+                auto.observe_acceptance(tree.scores, tree.valid, on_path)
                 prev = ctx - k
                 if len(result.accept_lengths) > 1:  # the first step also drafts over the whole prompt
                     auto.observe_step(n, n * (prev + n), prev, time.perf_counter() - t_step)
