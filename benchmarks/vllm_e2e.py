@@ -73,6 +73,9 @@ def main() -> None:
     ap.add_argument("--prompt-lookup", type=int, default=0, metavar="N",
                     help="also run ddtree-auto with prompt_lookup_tokens=N (the prompt-lookup branch), "
                          "named ddtree-auto-lookup, and, with --methods ddtree, each fixed budget as ddtree-lookup")
+    ap.add_argument("--full-draft-vocab", action="store_true",
+                    help="also run each ddtree-auto method with \"draft_vocab\": \"full\" (the drafter's logits over "
+                         "the whole shared head instead of the checkpoint's draft_vocab.json), named ...-fullvocab")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
@@ -118,6 +121,10 @@ def main() -> None:
                                 tree | {"tree_budget": "auto", "num_speculative_tokens_per_batch_size": schedule}))
             if args.prompt_lookup:
                 methods.append(("ddtree-auto-lookup" + suffix, None, tree | lookup | {"tree_budget": "auto"}))
+
+    if args.full_draft_vocab:
+        methods += [(name + "-fullvocab", b, spec | {"draft_vocab": "full"})
+                    for name, b, spec in list(methods) if name.startswith("ddtree-auto")]
 
     # Round robin: every repeat runs every method once (a fresh engine each), so the machine's drift
     # (other jobs, thermal) spreads over all methods instead of landing on whichever ran last.
@@ -192,7 +199,8 @@ def plot_rows(rows: list[dict], batches: list[int], path: str) -> None:
                            ("ddtree-lookup", "^-", "ddtree + prompt lookup (fixed budget)")],
                    lines=[("none", "gray"), ("dflash", "tab:red"), ("ddtree-auto", "tab:green"),
                           ("ddtree-auto-no-ngram", "tab:olive"), ("ddtree-auto-sd", "tab:purple"),
-                          ("ddtree-auto-lookup", "tab:blue")],
+                          ("ddtree-auto-lookup", "tab:blue"), ("ddtree-auto-fullvocab", "tab:cyan"),
+                          ("ddtree-auto-lookup-fullvocab", "tab:brown")],
                    metrics=[("tokens_per_s", "tokens / s"), ("tau", "tau (tokens / target forward)")], path=path)
 
 

@@ -179,6 +179,52 @@ def test_shared_target_head_is_not_stored_and_reloads(tmp_path):
     torch.testing.assert_close(out.logits, out.hidden @ emb.T)  # the target's tied head over all ids
 
 
+def test_checkpoint_draft_vocab_narrows_the_shared_head_to_the_same_logits(tmp_path):
+    """A shared-head checkpoint with draft_vocab.json loads with a head over those ids only:
+    the same logits there, d2t mapping back to them; "full" ignores the file; bad files are refused."""
+    import pytest
+
+    from vllm_ddtree.drafter import DRAFT_VOCAB_FILE, load_draft_vocab, save_draft_vocab
+
+    torch.manual_seed(0)
+    cfg = DrafterConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=8, vocab_size=64, draft_vocab_size=64,
+                        block_size=4, target_layer_ids=[0, 1], num_target_layers=4, mask_token_id=5)
+    emb = torch.randn(cfg.vocab_size, cfg.hidden_size)
+    m = DFlashDrafter(cfg, emb)
+    with torch.no_grad():
+        m.lm_head.weight.copy_(emb)  # the target's tied head: not stored
+    save_drafter(m, tmp_path, dtype=torch.float32)
+    vocab = torch.tensor([2, 9, 30, 40, 63])
+    save_draft_vocab(tmp_path, vocab[[3, 0, 4, 1, 2, 0]])  # any order, duplicates: stored sorted, unique
+    assert torch.equal(load_draft_vocab(tmp_path, 64), vocab)
+    narrow, full = load_drafter(tmp_path, emb).eval(), load_drafter(tmp_path, emb, draft_vocab="full").eval()
+    assert narrow.cfg.draft_vocab_size == 5 and full.cfg.draft_vocab_size == 64
+    assert torch.equal(narrow.draft_to_target, vocab)
+    r = _record(cfg, 12, 3, 5)
+    ids, pos = make_block(r["tokens"][6:7].long(), torch.tensor([6]), cfg.block_size, cfg.mask_token_id)
+    kw = dict(context_features=r["features"][:6].float()[None], context_positions=torch.arange(6)[None])
+    with torch.no_grad():
+        a, b = narrow(ids, pos, **kw).logits, full(ids, pos, **kw).logits
+    torch.testing.assert_close(a, b[..., vocab])
+    with pytest.raises(ValueError, match="not in this drafter's vocabulary"):
+        narrow.narrow_vocab(torch.tensor([2, 3]))
+    with pytest.raises(ValueError, match=r"must lie in \[0, 64\)"):
+        save_draft_vocab(tmp_path, torch.tensor([1, 64]))
+        load_draft_vocab(tmp_path, 64)
+    (tmp_path / DRAFT_VOCAB_FILE).write_text('{"ids": [3, 1]}')
+    with pytest.raises(ValueError, match="sorted"):
+        load_drafter(tmp_path, emb)
+    (tmp_path / DRAFT_VOCAB_FILE).write_text('{"ids": [1.5, 3]}')
+    with pytest.raises(ValueError, match="integer target token ids"):
+        load_drafter(tmp_path, emb)
+    (tmp_path / DRAFT_VOCAB_FILE).write_text('[1, 3]')
+    with pytest.raises(ValueError, match="a list 'ids'"):
+        load_drafter(tmp_path, emb)
+    with pytest.raises(ValueError, match="draft_vocab must be"):
+        load_drafter(tmp_path, emb, draft_vocab="subset")
+
+
 def test_training_log_plot_reads_resumed_runs_and_picked_up_shards(tmp_path):
     import json
 

@@ -239,6 +239,7 @@ def test_ddtree_options_as_nested_dict(dirs, target_configs):
         ({"prompt_lookup_tokens": 2.5}, r"prompt_lookup_tokens must be an integer, got 2.5"),
         ({"ngram_corpus": "/nonexistent/code.ngram.pt"}, r"ngram_corpus file '/nonexistent/code.ngram.pt' does not exist"),
         ({"device_profile": "tpu"}, r"device_profile='tpu' is unknown; choose one of cpu, h100, h200"),
+        ({"draft_vocab": "small"}, r"draft_vocab='small' is not valid; use \"checkpoint\""),
         ({"num_speculative_tokens": 15}, r"num_speculative_tokens=15 is not used by method 'ddtree'.*here 32"),
         ({"rejection_sample_method": "synthetic", "synthetic_acceptance_length": 2.0},
          r"rejection_sample_method='synthetic' is not supported with method 'ddtree'"),

@@ -35,6 +35,7 @@ def test_ddtree_greedy_is_token_identical_to_no_speculation(tmp_path, drafter):
         {"method": "ddtree", "model": str(path), "tree_budget": 8},
         {"method": "ddtree", "model": str(path), "tree_budget": 64, "ngram_weight": 0},
         {"method": "ddtree", "model": str(path), "tree_budget": "auto"},
+        {"method": "ddtree", "model": str(path), "tree_budget": 8, "draft_vocab": "full"},
     ]
     res = run(tmp_path / "out.json", specs)
     base = res["outputs"][0]
@@ -49,6 +50,12 @@ def test_ddtree_greedy_is_token_identical_to_no_speculation(tmp_path, drafter):
     assert auto["cost_calibrated"] and auto["cost_intercept_ms"] + auto["cost_per_token_ms"] > 0
     assert 0.25 <= auto["drafter_confidence_exponent"] <= 8 and 1 <= auto["mean_tree_nodes"] <= 64
     assert res["ddtree"][1]["mean_tree_nodes"] == 1 and res["ddtree"][3]["mean_tree_nodes"] > 1
+    # A checkpoint's draft_vocab.json narrows the shared head's logits; "full" keeps them all.
+    from vllm_ddtree.drafter import load_draft_vocab
+
+    ids = load_draft_vocab(path)
+    assert res["ddtree"][2]["draft_vocab_size"] == (None if ids is None else len(ids))
+    assert res["ddtree"][5]["draft_vocab_size"] is None
 
 
 def test_ddtree_keeps_outputs_under_preemption_and_chunked_prefill(tmp_path, drafter):

@@ -83,6 +83,13 @@ class DDTreeConfig:
     """Hardware profile of the budget cost model: one of ``cpu``, ``h100``, ``h200``.
     ``None`` picks it from the platform vLLM runs on."""
 
+    draft_vocab: str = "checkpoint"
+    """Vocabulary the drafter's logits span when it shares the target's LM head. ``"checkpoint"``
+    (default): the draft-vocabulary subset the drafter checkpoint ships in
+    ``draft_vocab.json`` if it has one, else the whole head; ``"full"``: the whole head.
+    The subset only changes which tokens can be drafted (and makes the drafter's head matmul
+    smaller); output stays exact."""
+
     drafter_width: int | None = None
     """Resolved from the drafter checkpoint (``block_size - 1``); not a user option."""
 
@@ -162,6 +169,11 @@ class DDTreeConfig:
                     "`vllm-ddtree build-ngram` or remove ngram_corpus to use the online n-gram model only"
                 )
             object.__setattr__(self, "ngram_corpus", str(path))
+        if self.draft_vocab not in ("checkpoint", "full"):
+            raise ValueError(
+                f"speculative_config: draft_vocab={self.draft_vocab!r} is not valid; use \"checkpoint\" "
+                "(the drafter checkpoint's draft_vocab.json, if any) or \"full\" (the whole target vocabulary)"
+            )
         if self.device_profile is not None and self.device_profile not in DEVICE_PROFILES:
             raise ValueError(
                 f"speculative_config: device_profile={self.device_profile!r} is unknown; "

@@ -56,6 +56,7 @@ from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_ddtree.compaction import accepted_path_moves, move_slots_
+from vllm_ddtree.drafter.io import load_draft_vocab
 
 logger = init_logger("vllm.ddtree")  # under "vllm" so vLLM's log configuration applies
 
@@ -182,6 +183,11 @@ class DDTreeProposer(DFlashProposer):
         self.stats = DDTreeStats()
         self._logits: Tensor | None = None
         self._draft_to_target: Tensor | None = None
+        # The drafter checkpoint's draft-vocabulary subset of the shared target head (draft_vocab):
+        # its rows are gathered once, in load_model (the model loads after __init__).
+        self._vocab_ids = (load_draft_vocab(vllm_config.speculative_config.model, vllm_config.model_config.get_vocab_size())
+                           if options.draft_vocab == "checkpoint" else None)
+        self._vocab_head: tuple | None = None  # (layer with the subset rows, the head's quant method, ids [N])
         self.context_order: Tensor | None = None  # set by sample_tree_step for the next propose
         self.context_positions: Tensor | None = None  # likewise: the step's sequential positions
         self.step_tokens: Tensor | None = None  # likewise: [R, L + 1] the step's accepted tokens and bonus
@@ -235,6 +241,12 @@ class DDTreeProposer(DFlashProposer):
         super().propose(self.width, **kwargs)
         return self._tree_drafts(kwargs["common_attn_metadata"], step_tokens)
 
+    @property
+    def draft_vocab_size(self) -> int | None:
+        """Target ids the drafter's logits span when they are the checkpoint's draft-vocabulary
+        subset of the shared head (``draft_vocab``); None when drafts span the drafter's own head."""
+        return None if self._vocab_ids is None else int(self._vocab_ids.numel())
+
     def budget_summary(self) -> dict:
         """The automatic budget's calibrated state (empty for a fixed budget)."""
         return {} if self.auto is None else self.auto.summary()
@@ -269,13 +281,60 @@ class DDTreeProposer(DFlashProposer):
         self._depth = min(self.width, self._build, self.depth_cap.depth)
         hidden_states = hidden_states.view(r, self.width, -1)[:, : self._depth].reshape(r * self._depth, -1)
         d2t = getattr(model, "draft_id_to_target_id", None)
-        if d2t is not None and hasattr(model, "logits_processor") and hasattr(model, "lm_head"):
+        if self._vocab_ids is not None and d2t is None:
+            self._logits, self._draft_to_target = self._subset_logits(model, hidden_states)
+        elif d2t is not None and hasattr(model, "logits_processor") and hasattr(model, "lm_head"):
             self._logits = model.logits_processor(model.lm_head, hidden_states)
             self._draft_to_target = torch.arange(d2t.shape[0], device=d2t.device) + d2t
         else:
             self._logits = model.compute_logits(hidden_states)
             self._draft_to_target = None
         return torch.zeros(rows, dtype=torch.int64, device=hidden_states.device), None  # vLLM views it [R, W]
+
+    def load_model(self, target_model) -> None:
+        """vLLM's DFlash load (the drafter then shares the target's head), then the draft-vocabulary
+        rows of that head, gathered once so a bad setup fails at start-up (see ``_subset_logits``)."""
+        super().load_model(target_model)
+        if self._vocab_ids is not None and getattr(self.model, "draft_id_to_target_id", None) is None:
+            self._gather_vocab_head(self.model.lm_head)
+
+    def _gather_vocab_head(self, head) -> None:
+        weight, ids, method = getattr(head, "weight", None), self._vocab_ids, getattr(head, "quant_method", None)
+        if (weight is None or not weight.is_floating_point() or weight.shape[0] < int(ids[-1]) + 1
+                or not hasattr(method, "apply")):
+            raise ValueError(
+                "speculative_config: draft_vocab=\"checkpoint\" needs the drafter's shared LM head "
+                "unsharded and unquantized (tensor parallel size 1); set \"draft_vocab\": \"full\""
+            )
+        ids = ids.to(weight.device)
+        sub = torch.nn.Module()  # the head's rows of the draft vocabulary, as a layer of its own
+        sub.weight = torch.nn.Parameter(weight[ids].contiguous(), requires_grad=False)
+        bias = getattr(head, "bias", None)
+        sub.bias = None if bias is None else bias[ids].contiguous()
+        # The head's own GEMM set-up for the new layer: on a CPU, vLLM swaps F.linear (5x slower
+        # here for a few rows) for a prepacked oneDNN kernel; a GPU keeps its plain matmul.
+        if hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(sub)
+        self._vocab_head = (sub, method, ids)
+
+    def _subset_logits(self, model, hidden_states: Tensor) -> tuple[Tensor, Tensor]:
+        """Draft logits [rows, N] over the checkpoint's draft vocabulary, and its target ids [N].
+
+        Replaces ``model.compute_logits`` (the shared target head, [rows, V]) for a drafter that
+        ships ``draft_vocab.json``: the same logits on those ids (the head's rows, gathered at
+        load into a layer with the head's own GEMM, then LogitsProcessor's soft cap and scale),
+        a matmul over N rows instead of V.
+        """
+        if self._vocab_head is None:
+            self._gather_vocab_head(model.lm_head)
+        sub, method, ids = self._vocab_head
+        logits = method.apply(sub, hidden_states.to(sub.weight.dtype), bias=sub.bias)
+        lp = model.logits_processor
+        if lp.soft_cap is not None:
+            logits = torch.tanh(logits / lp.soft_cap) * lp.soft_cap
+        if lp.scale != 1.0:
+            logits = logits * lp.scale
+        return logits, ids
 
     def _tree_drafts(self, cad, step_tokens: Tensor) -> list[list[int]]:
         runner = self.runner

@@ -452,6 +452,16 @@ def _resolve_drafter(spec: Any, ddtree: DDTreeConfig) -> DDTreeConfig:
         mask_id = dflash_cfg.get("mask_token_id", getattr(hf, "mask_token_id", None))
         if not isinstance(mask_id, int) or not 0 <= mask_id < t_vocab:
             raise ValueError(f"{where}: dflash_config.mask_token_id {mask_id!r} must be in [0, {t_vocab - 1}]")
+        if ddtree.draft_vocab == "checkpoint":
+            from vllm_ddtree.drafter.io import DRAFT_VOCAB_FILE, load_draft_vocab
+
+            # Checked here so a bad file fails at start-up, not on the first drafting step.
+            if load_draft_vocab(spec.model, t_vocab) is not None and d_draft_vocab != t_vocab:
+                raise ValueError(
+                    f"{where} has its own reduced LM head (draft_vocab_size {d_draft_vocab}) and a "
+                    f"{DRAFT_VOCAB_FILE}, which narrows a shared full head: remove one of them, or set "
+                    "\"draft_vocab\": \"full\" to ignore the file"
+                )
     resolved = ddtree.with_drafter(int(block_size))
     if resolved.device_profile is None:
         from vllm.platforms import current_platform

@@ -45,7 +45,7 @@ def ddtree_summary(llm) -> dict | None:
         return None
     if not hasattr(drafter, "budget_summary"):
         return None
-    return drafter.stats.summary() | drafter.budget_summary()
+    return drafter.stats.summary() | drafter.budget_summary() | {"draft_vocab_size": drafter.draft_vocab_size}
 
 
 if __name__ == "__main__":

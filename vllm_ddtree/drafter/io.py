@@ -13,6 +13,13 @@ Directory layout:
   reference DFlash drafters do, and :func:`load_drafter` takes the rows from ``embed_tokens``.
 * ``mask_embedding.pt`` — ``{"mask_token_id": int, "embedding": Tensor[H]}``, the learned mask
   vector that vLLM substitutes for ``embed_tokens[mask_token_id]``.
+* ``draft_vocab.json`` (optional, ours; vLLM's loader ignores it) — ``{"ids": [...]}``, sorted
+  target ids: the rows of the *shared* target head the drafter's logits are computed over. A shared
+  head spans the whole target vocabulary, and on a CPU that matmul is memory-bound (49152 × 576 fp32
+  rows read for every drafted depth); a subset covering the target's outputs keeps the checkpoint
+  small (no head stored) and the drafter's head cheap. Drafts only: outputs stay exact either way.
+  JSON, not safetensors, because vLLM's loader reads every ``*.safetensors`` file of the drafter's
+  directory as weights and refuses unknown names.
 """
 
 from __future__ import annotations
@@ -98,8 +105,16 @@ def save_drafter(model: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype =
     return out
 
 
-def load_drafter(path: str | Path, embed_tokens: torch.Tensor, dtype: torch.dtype = torch.float32) -> DFlashDrafter:
-    """Load a drafter saved by :func:`save_drafter`; ``embed_tokens`` is the target's [V, H] matrix."""
+def load_drafter(path: str | Path, embed_tokens: torch.Tensor, dtype: torch.dtype = torch.float32,
+                 draft_vocab: str = "checkpoint") -> DFlashDrafter:
+    """Load a drafter saved by :func:`save_drafter`; ``embed_tokens`` is the target's [V, H] matrix.
+
+    ``draft_vocab="checkpoint"`` narrows a shared full head to the checkpoint's
+    ``draft_vocab.json`` when it has one (:meth:`DFlashDrafter.narrow_vocab`, as the vLLM
+    proposer does); ``"full"`` keeps every row.
+    """
+    if draft_vocab not in ("checkpoint", "full"):
+        raise ValueError(f"draft_vocab must be 'checkpoint' or 'full', got {draft_vocab!r}")
     path = Path(path)
     cfg = config_from_dict(json.loads((path / "config.json").read_text()))
     model = DFlashDrafter(cfg, embed_tokens.to(dtype))
@@ -114,7 +129,46 @@ def load_drafter(path: str | Path, embed_tokens: torch.Tensor, dtype: torch.dtyp
     else:
         sd["mask_embedding"] = embed_tokens[cfg.mask_token_id].to(dtype)
     model.load_state_dict(sd, strict=True)
+    ids = load_draft_vocab(path, cfg.vocab_size) if draft_vocab == "checkpoint" else None
+    if ids is not None:
+        model = model.narrow_vocab(ids)
     return model.to(dtype)
+
+
+DRAFT_VOCAB_FILE = "draft_vocab.json"
+
+
+def save_draft_vocab(out_dir: str | Path, ids: torch.Tensor, source: str = "") -> Path:
+    """Write the draft-vocabulary subset ``ids`` (target ids) next to a shared-head checkpoint;
+    ``source`` says how it was chosen (kept in the file for readers)."""
+    ids = torch.as_tensor(ids, dtype=torch.long).unique()  # sorted, no duplicates
+    path = Path(out_dir) / DRAFT_VOCAB_FILE
+    path.write_text(json.dumps({"size": len(ids), "source": source, "ids": ids.tolist()}) + "\n")
+    return path
+
+
+def load_draft_vocab(path: str | Path, vocab_size: int | None = None) -> torch.Tensor | None:
+    """The checkpoint's draft-vocabulary subset (sorted target ids [N]), or None if it has none.
+
+    Raises ``ValueError`` naming the file when it is malformed or has ids outside ``[0, vocab_size)``.
+    """
+    f = Path(path) / DRAFT_VOCAB_FILE
+    if not f.is_file():
+        return None
+    try:
+        raw = json.loads(f.read_text()).get("ids")
+        ids = torch.tensor(raw)
+    except (ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"{f}: expected a JSON object with a list 'ids' of target token ids ({e})") from None
+    if ids.dim() != 1 or ids.numel() == 0 or ids.is_floating_point() or ids.dtype == torch.bool:
+        raise ValueError(f"{f}: expected a JSON object with a non-empty list 'ids' of integer target token ids")
+    ids = ids.long()
+    if not torch.equal(ids, ids.unique()):
+        raise ValueError(f"{f}: 'ids' must be sorted and free of duplicates (save it with save_draft_vocab)")
+    if vocab_size is not None and (int(ids[0]) < 0 or int(ids[-1]) >= vocab_size):
+        raise ValueError(f"{f}: ids must lie in [0, {vocab_size}) (the target's vocabulary), "
+                         f"got [{int(ids[0])}, {int(ids[-1])}]")
+    return ids
 
 
 def target_embeddings(target_dir: str | Path) -> torch.Tensor:

@@ -27,7 +27,7 @@ root token, the drafter sees the mask vector there: drafts get worse, output sta
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -222,6 +222,25 @@ class DFlashDrafter(nn.Module):
         """Per-layer context K/V ([B, kvh, C, hd] each) of fused context states at ``positions`` [B, C]."""
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
         return [layer.self_attn.project_kv(fused, cos, sin) for layer in self.layers]
+
+    def narrow_vocab(self, ids: torch.Tensor) -> "DFlashDrafter":
+        """This drafter with its LM head cut to the target ids ``ids`` (sorted [N], each already in
+        the draft vocabulary): the same logits on those ids, none elsewhere; ``d2t`` maps the rows
+        back. Drafts can only propose those ids; verification keeps the output exact regardless."""
+        ids = torch.as_tensor(ids, dtype=torch.long, device=self.d2t.device)
+        row_of = torch.full((self.cfg.vocab_size,), -1, dtype=torch.long, device=ids.device)
+        row_of[self.draft_to_target] = torch.arange(self.cfg.draft_vocab_size, device=ids.device)
+        rows = row_of[ids]
+        if bool((rows < 0).any()):
+            missing = ids[rows < 0][:5].tolist()
+            raise ValueError(f"narrow_vocab: target ids {missing} are not in this drafter's vocabulary")
+        cfg = replace(self.cfg, draft_vocab_size=len(ids))
+        out = DFlashDrafter(cfg, self.embed_tokens)
+        sd = self.state_dict()
+        sd["lm_head.weight"] = sd["lm_head.weight"][rows].clone()
+        sd["d2t"] = ids - torch.arange(len(ids), device=ids.device)
+        out.load_state_dict(sd)
+        return out.to(self.lm_head.weight.dtype)
 
     def to_target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """Scatter draft-vocabulary logits into the target vocabulary (−inf elsewhere), as vLLM does."""

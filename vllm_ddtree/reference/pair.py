@@ -35,8 +35,11 @@ class ModelPair:
         return tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
 
 
-def load_pair(drafter: str | Path | None = None) -> ModelPair:
-    """Prepare the target if needed and load both models in float32 (exactness needs float32)."""
+def load_pair(drafter: str | Path | None = None, draft_vocab: str = "checkpoint") -> ModelPair:
+    """Prepare the target if needed and load both models in float32 (exactness needs float32).
+
+    ``draft_vocab``: ``"checkpoint"`` uses the drafter checkpoint's draft-vocabulary subset if it
+    ships one (as the vLLM proposer does), ``"full"`` the whole shared head (see ``load_drafter``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from vllm_ddtree.drafter import load_drafter
@@ -52,5 +55,5 @@ def load_pair(drafter: str | Path | None = None) -> ModelPair:
     target = AutoModelForCausalLM.from_pretrained(tdir, dtype=torch.float32, attn_implementation="sdpa").eval()
     tokenizer = AutoTokenizer.from_pretrained(tdir)
     embed = target.get_input_embeddings().weight.detach()
-    draft = load_drafter(ddir, embed, dtype=torch.float32).eval()
+    draft = load_drafter(ddir, embed, dtype=torch.float32, draft_vocab=draft_vocab).eval()
     return ModelPair(target, tokenizer, draft, tdir, ddir)

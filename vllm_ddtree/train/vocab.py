@@ -8,6 +8,9 @@ coverage. ``--keep`` extends an existing vocabulary (its ids always stay).
 
     python -m vllm_ddtree.train.vocab --gen runs/gen --size 12480 --keep runs/train2/state.pt \\
         --out runs/vocab_12480.pt
+
+With no responses (``--gen`` directories absent) the ranking comes from the two corpora alone; that is
+how the committed drafter's ``draft_vocab.json`` is made (its README has the command).
 """
 
 from __future__ import annotations
@@ -65,6 +68,31 @@ def corpus_token_counts(tokenizer, files: list[Path], cap_bytes: int = 100_000) 
     return cnt
 
 
+def corpus_counts(tokenizer, cache: str | Path | None = None) -> dict[str, Counter]:
+    """``{"stdlib": counts, "site": counts}`` (see :func:`corpus_token_counts`), cached as a pickle
+    (default: next to the prepared target in the cache directory) because the site corpus takes
+    about a minute to tokenize."""
+    import pickle
+
+    from vllm_ddtree.models.target import default_cache_dir
+
+    cache = Path(cache) if cache else default_cache_dir() / f"corpus_counts_{len(tokenizer)}.pkl"
+    if cache.is_file():
+        return pickle.loads(cache.read_bytes())
+    counts = {k: corpus_token_counts(tokenizer, corpus_files(k)) for k in ("stdlib", "site")}
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_bytes(pickle.dumps(counts))
+    return counts
+
+
+def ranked_vocab(counts: dict[str, Counter], size: int, always: tuple[int, ...] = (2,),
+                 records: list[dict] = (), weights: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> torch.Tensor:
+    """The ``size`` best-ranked target ids (sorted) from the corpus counts (and optional response
+    ``records``), keeping ``always`` (default: SmolLM2's chat end token ``<|im_end|>``)."""
+    return build_draft_vocab(list(records), size, always=always, response_weight=weights[0],
+                             extra_counts=[(counts["stdlib"], weights[1]), (counts["site"], weights[2])])
+
+
 def response_records(gen_dirs: list[str], extra_shards: list[str] = ()) -> list[dict]:
     """``{tokens, prompt_len, prompt_id}`` of every generated response (jsonl chunks and
     optional feature shards, whose features are dropped)."""
@@ -92,23 +120,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--w-stdlib", type=float, default=1.0)
     ap.add_argument("--w-site", type=float, default=1.0)
     ap.add_argument("--counts-cache", default=None, help="pickle of the corpus counts (written if missing)")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", default=None, help="write the id tensor here (torch.save)")
+    ap.add_argument("--checkpoint", default=None,
+                    help="write it as DIR/draft_vocab.json: the subset of the shared target head a "
+                         "drafter checkpoint without its own head drafts over (vLLM ddtree and the reference)")
     args = ap.parse_args(argv)
-
-    import pickle
+    if not (args.out or args.checkpoint):
+        ap.error("give --out and/or --checkpoint")
 
     from transformers import AutoTokenizer
 
+    from vllm_ddtree.drafter.io import save_draft_vocab
     from vllm_ddtree.models.target import prepare_target
 
-    cache = Path(args.counts_cache) if args.counts_cache else None
-    if cache and cache.exists():
-        corp = pickle.loads(cache.read_bytes())
-    else:
-        tok = AutoTokenizer.from_pretrained(prepare_target())
-        corp = {k: corpus_token_counts(tok, corpus_files(k)) for k in ("stdlib", "site")}
-        if cache:
-            cache.write_bytes(pickle.dumps(corp))
+    corp = corpus_counts(AutoTokenizer.from_pretrained(prepare_target()), args.counts_cache)
     recs = response_records(args.gen, [s for s in args.extra_shards if Path(s).exists()])
     train = [r for r in recs if not is_heldout(r)]
     held = [r for r in recs if is_heldout(r)]
@@ -116,9 +141,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.keep:
         k = torch.load(args.keep, weights_only=False)
         always = tuple((k["draft_vocab"] if isinstance(k, dict) else k).tolist())
-    vocab = build_draft_vocab(train, args.size, always=always, response_weight=args.w_resp,
-                              extra_counts=[(corp["stdlib"], args.w_stdlib), (corp["site"], args.w_site)])
-    torch.save(vocab, args.out)
+    vocab = ranked_vocab(corp, args.size, always, train, (args.w_resp, args.w_stdlib, args.w_site))
+    if args.out:
+        torch.save(vocab, args.out)
+    if args.checkpoint:
+        source = (f"vllm_ddtree.train.vocab --size {args.size}: ranked by relative frequency, weights "
+                  f"responses {args.w_resp} ({len(train)} responses), stdlib {args.w_stdlib}, "
+                  f"site-packages {args.w_site}; no HumanEval text")
+        print(f"wrote {save_draft_vocab(args.checkpoint, vocab, source)}")
     info = {"size": len(vocab), "train_responses": len(train), "heldout_responses": len(held),
             "coverage_heldout": coverage(held, vocab), "weights": [args.w_resp, args.w_stdlib, args.w_site],
             "kept": len(always)}

