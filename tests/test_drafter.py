@@ -49,6 +49,38 @@ def test_multi_block_mask_equals_single_block_api():
                 torch.testing.assert_close(out.logits[0], ref, atol=1e-4, rtol=1e-4)
 
 
+def test_distillation_targets_line_up_with_the_labels():
+    """make_batch(soft=True) reads the teacher row of each labelled slot's token (row r predicts
+    token prompt_len + 1 + r, as extract --teacher-topk stores it): with the token itself as the
+    teacher's only mass, distillation is plain CE; a second candidate outside the draft vocabulary is
+    dropped and the rest renormalised; a spread distribution gives a different loss."""
+    from vllm_ddtree.train.dflash import block_loss, slot_weights
+
+    m, cfg = _tiny()
+    t2d = torch.full((cfg.vocab_size,), -100, dtype=torch.long)
+    t2d[3 : 3 + cfg.draft_vocab_size] = torch.arange(cfg.draft_vocab_size)
+    recs = []
+    for seed, (n, pl) in enumerate([(20, 5), (14, 4)]):
+        r = _record(cfg, n, pl, seed)
+        nxt = r["tokens"][pl + 1 :].long()  # row r: token prompt_len + 1 + r
+        outside = torch.full_like(nxt, 60)  # target id 60 has no draft row (draft ids cover 3..42)
+        r["teacher_ids"] = torch.stack([nxt, outside], -1).int()
+        r["teacher_logp"] = torch.tensor([-0.1, -2.4]).log_softmax(-1).expand(len(nxt), 2).half()
+        recs.append(r)
+    batch = make_batch(recs, cfg, t2d, 3, random.Random(0), [0, 1], soft=True)
+    lab = batch.labels >= 0
+    assert torch.equal(batch.soft_ids[..., 0][lab], batch.labels[lab])
+    assert torch.allclose(batch.soft_p[..., 0][lab], torch.ones(int(lab.sum())))
+    assert float(batch.soft_p[..., 1].abs().sum()) == 0.0 and float(batch.soft_p[~lab].abs().sum()) == 0.0
+    w = slot_weights(cfg.block_size)
+    with torch.no_grad():
+        logits = forward_batch(m, batch)
+    torch.testing.assert_close(block_loss(logits, batch, w, kd_weight=1.0), block_loss(logits, batch, w))
+    batch.soft_p[..., 0] *= 0.5
+    batch.soft_p[..., 1] = 0.5 * lab
+    assert not torch.allclose(block_loss(logits, batch, w, kd_weight=1.0), block_loss(logits, batch, w))
+
+
 def test_kv_cache_append_and_crop():
     m, cfg = _tiny()
     r = _record(cfg, 16, 4, 3)

@@ -217,13 +217,19 @@ class Batch:
     target_labels: torch.Tensor  # [B, Q] target ids, -1 = none (for accuracy)
     slot: torch.Tensor  # [B, Q] slot index k in 0..bs-1
     mask: torch.Tensor  # [B, Q, T + Q] bool
+    soft_ids: torch.Tensor | None = None  # [B, Q, K] draft-vocab ids of the target's top-K, 0 where unused
+    soft_p: torch.Tensor | None = None  # [B, Q, K] their probabilities, renormalised; 0 where unused
 
 
 def make_batch(
     recs: list[dict], cfg: DrafterConfig, t2d: torch.Tensor, blocks_per_seq: int, rng: random.Random,
-    feature_index: list[int], all_anchors: bool = False,
+    feature_index: list[int], all_anchors: bool = False, soft: bool = False,
 ) -> Batch:
-    """Sample anchors and build the block mask. ``t2d`` maps target id → draft id (−100 if absent)."""
+    """Sample anchors and build the block mask. ``t2d`` maps target id → draft id (−100 if absent).
+
+    ``soft``: also the target's next-token distribution at every labelled slot (records with
+    ``teacher_ids``/``teacher_logp`` from ``extract --teacher-topk``), restricted to the draft
+    vocabulary and renormalised over its top K."""
     bs = cfg.block_size
     anchors_per: list[list[int]] = []
     for r in recs:
@@ -245,6 +251,9 @@ def make_batch(
     tlabels = torch.full((B, Q), -1, dtype=torch.long)
     slot = torch.arange(bs).repeat(nb)[None].expand(B, Q).clone()
     mask = torch.zeros((B, Q, T + Q), dtype=torch.bool)
+    K = recs[0]["teacher_ids"].shape[-1] if soft else 0
+    soft_ids = torch.zeros((B, Q, K), dtype=torch.long)
+    soft_p = torch.zeros((B, Q, K), dtype=torch.float32)
     ar = torch.arange(bs)
     for i, (r, anc) in enumerate(zip(recs, anchors_per)):
         toks = r["tokens"].long()
@@ -262,12 +271,22 @@ def make_batch(
             tlabels[i, b * bs + 1 : (b + 1) * bs] = tl
             dl = torch.where(tl >= 0, t2d[tl.clamp(min=0)], torch.full_like(tl, -100))
             labels[i, b * bs + 1 : (b + 1) * bs] = dl
+            if soft:  # teacher row of token j is j - prompt_len - 1
+                rows = (idx[ok] - r["prompt_len"] - 1).long()
+                tid = r["teacher_ids"][rows].long()
+                d = t2d[tid]
+                p = r["teacher_logp"][rows].float().exp() * (d >= 0)
+                p = p / p.sum(-1, keepdim=True).clamp(min=1e-9)
+                q = slice(b * bs + 1, b * bs + 1 + int(ok.sum()))
+                soft_ids[i, q] = d.clamp(min=0)
+                soft_p[i, q] = p
             mask[i, s, :a] = True  # context strictly before the anchor
             mask[i, s, T + b * bs : T + (b + 1) * bs] = True  # its own block, bidirectional
         if len(anc) < nb:  # padding blocks: let them see one key so softmax stays finite
             mask[i, len(anc) * bs :, T + len(anc) * bs :] = True
     ctx_pos = torch.arange(T)[None].expand(B, T)
-    return Batch(feats, ctx_pos, block_ids, block_pos, labels, tlabels, slot, mask)
+    return Batch(feats, ctx_pos, block_ids, block_pos, labels, tlabels, slot, mask,
+                 soft_ids if soft else None, soft_p if soft else None)
 
 
 def slot_weights(bs: int, gamma: float = GAMMA) -> torch.Tensor:
@@ -285,11 +304,19 @@ def forward_batch(model: DFlashDrafter, batch: Batch) -> torch.Tensor:
     return model.run_blocks(batch.block_ids, batch.block_positions, kv, batch.mask).logits
 
 
-def block_loss(logits: torch.Tensor, batch: Batch, weights: torch.Tensor) -> torch.Tensor:
-    """Weighted CE over slots 1..bs−1 (normalised by the total weight of valid slots)."""
+def block_loss(logits: torch.Tensor, batch: Batch, weights: torch.Tensor, kd_weight: float = 0.0) -> torch.Tensor:
+    """Weighted CE over slots 1..bs−1 (normalised by the total weight of valid slots).
+
+    ``kd_weight`` α > 0 mixes in distillation: (1 − α) · CE against the target's token + α · CE
+    against the target's own (top-K, renormalised) next-token distribution there (``batch.soft_*``),
+    which also ranks the alternatives a tree drafts."""
     w = weights[batch.slot] * (batch.labels >= 0)
-    ce = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten().clamp(min=0), reduction="none")
-    return (ce * w.flatten()).sum() / w.sum().clamp(min=1e-6)
+    logp = torch.log_softmax(logits.float(), -1)
+    ce = -logp.gather(-1, batch.labels.clamp(min=0)[..., None])[..., 0]
+    if kd_weight > 0:
+        soft = -(logp.gather(-1, batch.soft_ids) * batch.soft_p).sum(-1)
+        ce = (1 - kd_weight) * ce + kd_weight * soft
+    return (ce * w).sum() / w.sum().clamp(min=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -427,6 +454,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--blocks-per-seq", type=int, default=32)
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--train-lm-head", action="store_true")
+    ap.add_argument("--gamma", type=float, default=GAMMA,
+                    help="slot k's loss weight is exp(-(k-1)/gamma) (DFlash: 7 for block 16); smaller puts the "
+                         "drafter's capacity on the first depths, which carry a chain's and a tree's acceptance")
+    ap.add_argument("--kd-weight", type=float, default=0.0,
+                    help="alpha of distillation against the target's top-K next-token distribution (data from "
+                         "extract --teacher-topk): loss = (1 - alpha) CE(token) + alpha CE(target's distribution)")
+    ap.add_argument("--init-from", default=None,
+                    help="a saved drafter checkpoint (save_drafter format) to start from instead of the target's "
+                         "layers (fresh optimiser; with more --layers it is grown as on resume)")
     ap.add_argument("--init", choices=["target", "random"], default="target",
                     help="target: copy top target layers + pass-through fc; random: only norms/LM head from the target")
     ap.add_argument("--ckpt-every", type=int, default=100)
@@ -474,7 +510,13 @@ def main(argv: list[str] | None = None) -> None:
 
     state_path = out / "state.pt"
     resume = torch.load(state_path, weights_only=False) if state_path.exists() else None
-    if args.vocab_file:
+    if args.vocab_file and Path(args.vocab_file).is_dir():  # a checkpoint's draft_vocab.json
+        from vllm_ddtree.drafter.io import load_draft_vocab
+
+        draft_vocab = load_draft_vocab(args.vocab_file, int(emb.shape[0]))
+        if draft_vocab is None:
+            raise SystemExit(f"--vocab-file {args.vocab_file}: a directory without draft_vocab.json")
+    elif args.vocab_file:
         draft_vocab = torch.load(args.vocab_file, weights_only=False).long().sort().values
     elif resume:
         draft_vocab = resume["draft_vocab"]
@@ -493,6 +535,16 @@ def main(argv: list[str] | None = None) -> None:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     step, elapsed = 0, 0.0
+    if args.init_from and not resume:
+        from vllm_ddtree.drafter.io import load_drafter
+
+        init = load_drafter(args.init_from, emb, draft_vocab="full")
+        if init.cfg.target_layer_ids != layer_ids:
+            raise SystemExit(f"--init-from {args.init_from} reads target layers {init.cfg.target_layer_ids}, "
+                             f"not --target-layer-ids {layer_ids}")
+        resume = {"model": init.float().state_dict(), "opt": {"state": {}, "param_groups": opt.state_dict()["param_groups"]},
+                  "draft_vocab": init.draft_to_target, "step": 0, "elapsed": 0.0}
+        print(f"starting from {args.init_from} ({init.cfg.num_hidden_layers} layers)", flush=True)
     if resume:
         old_vocab = resume["draft_vocab"]
         msd, osd = resume["model"], resume["opt"]
@@ -520,7 +572,9 @@ def main(argv: list[str] | None = None) -> None:
     log.flush()
     print(json.dumps({k: v for k, v in info.items() if k not in ("cfg",)}), flush=True)
 
-    weights = slot_weights(cfg.block_size)
+    weights = slot_weights(cfg.block_size, args.gamma)
+    if args.kd_weight > 0 and not all("teacher_ids" in r for r in train_recs):
+        raise SystemExit("--kd-weight needs records with the target's distribution: extract with --teacher-topk")
     rng = random.Random(args.seed * 1000 + step)
     budget = args.minutes * 60
     warmup = 50
@@ -575,8 +629,9 @@ def main(argv: list[str] | None = None) -> None:
         lr = args.lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         for g in opt.param_groups:
             g["lr"] = lr
-        batch = make_batch([train_recs[i] for i in idx], cfg, t2d, args.blocks_per_seq, rng, feature_index)
-        loss = block_loss(forward_batch(model, batch), batch, weights)
+        batch = make_batch([train_recs[i] for i in idx], cfg, t2d, args.blocks_per_seq, rng, feature_index,
+                           soft=args.kd_weight > 0)
+        loss = block_loss(forward_batch(model, batch), batch, weights, args.kd_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
