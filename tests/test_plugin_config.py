@@ -277,6 +277,22 @@ def test_drafter_vocab_mismatch(dirs, target_configs, tmp_path):
         _spec(target_configs, method="ddtree", model=str(small))
 
 
+def test_draft_vocab_file_checked_at_startup(dirs, target_configs, tmp_path):
+    """draft_vocab.json narrows a shared head: beside a reduced head of the drafter's own it is refused
+    (unless "draft_vocab": "full" ignores it), and a malformed one names the file at start-up."""
+    from vllm_ddtree.drafter import DRAFT_VOCAB_FILE, save_draft_vocab
+
+    own = Path(shutil.copytree(dirs["drafter"], tmp_path / "own"))  # draft_vocab_size 256 with d2t
+    save_draft_vocab(own, torch.arange(100))
+    with pytest.raises(ValueError, match=r"own reduced LM head \(draft_vocab_size 256\) and a draft_vocab.json"):
+        _spec(target_configs, method="ddtree", model=str(own))
+    assert _spec(target_configs, method="ddtree", model=str(own), draft_vocab="full").method == "ddtree"
+    shared = _drafter(tmp_path / "shared", draft_vocab_size=49152)
+    (shared / DRAFT_VOCAB_FILE).write_text('{"ids": [5, 49152]}')
+    with pytest.raises(ValueError, match=r"draft_vocab.json: ids must lie in \[0, 49152\)"):
+        _spec(target_configs, method="ddtree", model=str(shared))
+
+
 def test_drafter_layer_ids_out_of_range(dirs, target_configs, tmp_path):
     deep = _drafter(tmp_path / "deep", target_layer_ids=[1, 15, 40])
     with pytest.raises(ValueError, match=r"target_layer_ids \[1, 15, 40\] must be .* in \[0, 29\]"):
