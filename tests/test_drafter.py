@@ -322,3 +322,24 @@ def test_grow_layers_keeps_the_trained_drafter_and_its_adam_state():
 
     with pytest.raises(ValueError, match="only add layers"):
         grow_layers(m1, m2.state_dict(), opt2.state_dict(), list(m1.parameters()))
+
+
+def test_drop_loops_counts_the_response_only_and_keeps_the_rest():
+    from vllm_ddtree.train.dflash import drop_loops, max_ngram_repeats
+
+    assert max_ngram_repeats(list(range(7))) == 0  # shorter than one 8-gram
+    assert max_ngram_repeats(list(range(20))) == 1
+    assert max_ngram_repeats([1, 2, 3] * 10, n=3) == 10
+    loop = [5, 6, 7, 8] * 12  # "5 6 7 8" x 12: the 8-gram 5..8 5..8 occurs 11 times (overlapping)
+    prose = list(range(100, 160))
+
+    def rec(prompt: list[int], response: list[int]) -> dict:
+        return {"tokens": torch.tensor(prompt + response), "prompt_len": len(prompt), "prompt_id": len(prompt)}
+
+    records = [rec(prose[:10], loop), rec(loop, prose), rec(prose[:3], prose[10:] + loop[:40])]
+    kept, dropped = drop_loops(records, max_repeats=5)
+    # The first loops in its response (11 repeats); the second loops only in its prompt; the third
+    # repeats the 8-gram 9 times (40 tokens of period 4: positions 0..32 step 4) and is dropped too.
+    assert [r["prompt_len"] for r in kept] == [48] and dropped == 2
+    kept, dropped = drop_loops(records, max_repeats=10)
+    assert [r["prompt_len"] for r in kept] == [48, 3] and dropped == 1

@@ -48,6 +48,23 @@ def load_records(data_dir: str | Path, limit_shards: int | None = None) -> list[
     return recs
 
 
+def max_ngram_repeats(tokens: list[int], n: int = 8) -> int:
+    """How many times the most frequent n-token sequence of `tokens` occurs (0 if shorter than n)."""
+    counts = Counter(tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1))
+    return max(counts.values(), default=0)
+
+
+def drop_loops(records: list[dict], max_repeats: int, n: int = 8) -> tuple[list[dict], int]:
+    """Records whose response repeats no n-gram `max_repeats` times or more, and how many were dropped.
+
+    A 135M target's greedy responses often fall into loops (43% of our stdlib/site responses repeat
+    an 8-gram 5+ times, 18% of its HumanEval outputs): easy tokens that take training steps and
+    flatter held-out accuracy. Only the response counts, not the prompt.
+    """
+    kept = [r for r in records if max_ngram_repeats(r["tokens"][r["prompt_len"] :].tolist(), n) < max_repeats]
+    return kept, len(records) - len(kept)
+
+
 def is_heldout(rec: dict, frac: float = 0.04) -> bool:
     """Deterministic held-out split by prompt id."""
     return (zlib.crc32(str(rec["prompt_id"]).encode()) % 10000) < frac * 10000
@@ -463,6 +480,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--init-from", default=None,
                     help="a saved drafter checkpoint (save_drafter format) to start from instead of the target's "
                          "layers (fresh optimiser; with more --layers it is grown as on resume)")
+    ap.add_argument("--drop-loops", type=int, default=0, metavar="K",
+                    help="leave out of training (not of the held-out set) every response that repeats some "
+                         "8-token sequence K or more times; 0 keeps all")
     ap.add_argument("--init", choices=["target", "random"], default="target",
                     help="target: copy top target layers + pass-through fc; random: only norms/LM head from the target")
     ap.add_argument("--ckpt-every", type=int, default=100)
@@ -477,6 +497,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="a data producer still running: pick up its new shards every 100 steps, and raise "
                          "threads to --threads once it exits (until then use 1 thread to avoid contention)")
     args = ap.parse_args(argv)
+    if args.drop_loops < 0 or args.drop_loops == 1:
+        ap.error(f"--drop-loops must be 0 (off) or at least 2 repeats, got {args.drop_loops}")
 
     from safetensors.torch import load_file
     from tqdm import tqdm
@@ -499,6 +521,9 @@ def main(argv: list[str] | None = None) -> None:
     records, manifest = leak_filter(records, tdir)
     train_recs = [r for r in records if not is_heldout(r)]
     held = [r for r in records if is_heldout(r)]
+    if args.drop_loops:
+        train_recs, dropped = drop_loops(train_recs, args.drop_loops)
+        manifest["loop_filter"] = {"ngram": 8, "max_repeats": args.drop_loops, "dropped": dropped}
     manifest["train_sequences"] = len(train_recs)
     manifest["heldout_sequences"] = len(held)
     manifest["leak_check"]["texts_checked"] = len(train_recs)
@@ -600,6 +625,9 @@ def main(argv: list[str] | None = None) -> None:
                 shard_names.add(p.name)
                 recs_new, man_new = leak_filter(torch.load(p, weights_only=False), tdir)
                 tr_new = [r for r in recs_new if not is_heldout(r)]
+                if args.drop_loops:
+                    tr_new, dropped = drop_loops(tr_new, args.drop_loops)
+                    manifest["loop_filter"]["dropped"] += dropped
                 train_recs.extend(tr_new)
                 held.extend(r for r in recs_new if is_heldout(r))
                 manifest["sequences_generated"] += man_new["sequences_generated"]
