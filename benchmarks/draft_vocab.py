@@ -17,7 +17,6 @@ target head does over all 49152 ids. Writes JSON rows
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -52,25 +51,17 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None, help="PNG path (default: next to --json)")
     args = ap.parse_args()
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-
     import torch
     from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
 
-    from vllm_ddtree.data.humaneval import chat_prompt, load_humaneval
+    from vllm_ddtree.data.humaneval import target_greedy_outputs
     from vllm_ddtree.drafter import target_embeddings
     from vllm_ddtree.models.target import prepare_target
     from vllm_ddtree.train.vocab import corpus_counts, ranked_vocab
 
+    tokens = torch.tensor([t for out in target_greedy_outputs(args.prompts, args.max_tokens) for t in out])
     target = str(prepare_target())
     tok = AutoTokenizer.from_pretrained(target)
-    prompts = [chat_prompt(tok, p["prompt"]) for p in load_humaneval(args.prompts)]
-    llm = LLM(model=target, dtype="float32", enforce_eager=True, max_model_len=2048, seed=0)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens))
-    tokens = torch.tensor([t for o in outs for t in o.outputs[0].token_ids])
-    del llm
     print(f"{len(tokens)} target output tokens on {args.prompts} HumanEval prompts")
 
     torch.set_num_threads(args.threads)

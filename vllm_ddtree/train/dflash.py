@@ -57,9 +57,9 @@ def max_ngram_repeats(tokens: list[int], n: int = 8) -> int:
 def drop_loops(records: list[dict], max_repeats: int, n: int = 8) -> tuple[list[dict], int]:
     """Records whose response repeats no n-gram `max_repeats` times or more, and how many were dropped.
 
-    A 135M target's greedy responses often fall into loops (43% of our stdlib/site responses repeat
-    an 8-gram 5+ times, 18% of its HumanEval outputs): easy tokens that take training steps and
-    flatter held-out accuracy. Only the response counts, not the prompt.
+    A 135M target's greedy responses often fall into loops (`benchmarks/loop_share.py`: 43% of our
+    regenerated stdlib/site responses repeat an 8-gram 5+ times, 18% of its HumanEval outputs): easy
+    tokens that take training steps and flatter held-out accuracy. Only the response counts.
     """
     kept = [r for r in records if max_ngram_repeats(r["tokens"][r["prompt_len"] :].tolist(), n) < max_repeats]
     return kept, len(records) - len(kept)
