@@ -9,9 +9,10 @@ the chat's end token. Coverage = fraction of the target's own greedy output toke
 float32, chat-templated HumanEval prompts) whose id is in the subset: a token outside it can never be
 drafted (verification still emits it, so output is unchanged). Head time = one drafting step's LM
 head over ``--rows`` hidden states (the depths a tree uses), float32, median of 50, ``--threads``
-threads, through vLLM's GEMM for an unquantized head (what the proposer runs): the matmul a shared
-target head does over all 49152 ids. Writes JSON rows
-``{"size", "coverage", "head_ms"}`` (size null = the full vocabulary) and a PNG.
+threads, through vLLM's GEMM for an unquantized head (what the proposer runs; the full vocabulary's
+row is the matmul a shared target head does over all 49152 ids) and, for comparison, plain
+``F.linear`` on the same weights. Writes JSON rows ``{"size", "coverage", "head_ms", "flinear_ms"}``
+(size null = the full vocabulary) and a PNG.
 """
 
 from __future__ import annotations
@@ -21,24 +22,29 @@ import statistics
 import time
 
 
-def head_ms(weight, rows: int, reps: int = 50) -> float:
-    """Median ms of one LM-head matmul over ``rows`` hidden states, through vLLM's own GEMM for an
-    unquantized head (on a CPU a prepacked oneDNN kernel: F.linear is ~5x slower at a few rows)."""
+def _median_ms(fn, reps: int = 50) -> float:
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def head_ms(weight, rows: int) -> tuple[float, float]:
+    """Median ms of one LM-head matmul over ``rows`` hidden states: through vLLM's own GEMM for an
+    unquantized head (on a CPU a prepacked oneDNN kernel, what the proposer uses), and plain F.linear."""
     import torch
+    import torch.nn.functional as F
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
     layer, method = torch.nn.Module(), UnquantizedEmbeddingMethod()
     layer.weight = torch.nn.Parameter(weight, requires_grad=False)
     method.process_weights_after_loading(layer)
     h = torch.randn(rows, weight.shape[1])
-    for _ in range(5):
-        method.apply(layer, h)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        method.apply(layer, h)
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+    return _median_ms(lambda: method.apply(layer, h)), _median_ms(lambda: F.linear(h, weight))
 
 
 def main() -> None:
@@ -71,11 +77,11 @@ def main() -> None:
     for size in [int(s) for s in args.sizes.split(",")] + [None]:
         ids = torch.arange(emb.shape[0]) if size is None else ranked_vocab(counts, size)
         covered = torch.isin(tokens, ids).float().mean().item()
-        ms = head_ms(emb[ids].contiguous(), args.rows)
-        rows.append({"size": size, "coverage": covered, "head_ms": ms, "rows": args.rows,
+        ms, linear_ms = head_ms(emb[ids].contiguous(), args.rows)
+        rows.append({"size": size, "coverage": covered, "head_ms": ms, "flinear_ms": linear_ms, "rows": args.rows,
                      "threads": args.threads, "output_tokens": len(tokens), "prompts": args.prompts})
         print(f"size {size or emb.shape[0]:>6}: coverage {100 * covered:6.2f}%, LM head {ms:6.2f} ms "
-              f"({args.rows} rows)")
+              f"(F.linear {linear_ms:6.2f} ms; {args.rows} rows)")
 
     from plotting import save_results
 
@@ -94,7 +100,10 @@ def plot(rows: list[dict], vocab: int, path: str) -> None:
     a.axhline(99, color="grey", ls="--", lw=1)
     a.set(xlabel="draft vocabulary (ids)", ylabel="% of target output tokens covered",
           title=f"HumanEval greedy outputs ({rows[0]['output_tokens']} tokens)")
-    b.plot(sizes, [r["head_ms"] for r in rows], "o-")
+    b.plot(sizes, [r["head_ms"] for r in rows], "o-", label="vLLM's GEMM (the proposer's)")
+    if "flinear_ms" in rows[0]:
+        b.plot(sizes, [r["flinear_ms"] for r in rows], "s--", label="F.linear")
+    b.legend()
     b.set(xlabel="draft vocabulary (ids)", ylabel="ms", ylim=(0, None),
           title=f"drafter LM head, {rows[0]['rows']} rows, fp32, {rows[0]['threads']} threads")
     fig.tight_layout()
