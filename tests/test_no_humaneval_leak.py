@@ -32,6 +32,16 @@ def test_training_prompts_have_no_humaneval_signature_or_solution():
     assert find_leaks(prompts, probs) == []
 
 
+def test_humaneval_shaped_prompts_have_no_humaneval_signature_or_solution():
+    """The doctest source is the closest to HumanEval's form, so it is checked in full too."""
+    from vllm_ddtree.train.prompts import doctest_prompts
+
+    probs = load_humaneval()
+    prompts = doctest_prompts()
+    assert sum(">>>" in p for p in prompts) > 1000
+    assert find_leaks(prompts, probs) == []
+
+
 def test_committed_training_manifest_is_clean():
     """The trained checkpoint ships the leak check it ran over its decoded training texts."""
     manifest = ROOT / "checkpoints" / "smollm2-dflash" / "data_manifest.json"
@@ -63,10 +73,36 @@ def test_site_prompts_skip_tests_humaneval_and_prompts_already_used(tmp_path):
 def test_generator_sources_use_separate_prompt_id_and_chunk_ranges(tmp_path):
     from vllm_ddtree.train.vllm_gen import select_prompts
 
-    (tmp_path / "mod.py").write_text('def scale_values(x):\n    """Some long enough docstring for a training prompt."""\n')
+    (tmp_path / "mod.py").write_text('def scale_values(x: list) -> list:\n    """Some long enough docstring for a training prompt."""\n')
     stdlib, id0, chunk0 = select_prompts("stdlib")
     site, id1, chunk1 = select_prompts("site", site_root=str(tmp_path))
     assert (id0, chunk0) == (0, 0) and id1 > len(stdlib) and chunk1 * 192 > len(stdlib)
     assert len(site) == 1 and site[0] not in stdlib
-    with pytest.raises(ValueError, match="use 'stdlib' or 'site'"):
+    doctest, id2, chunk2 = select_prompts("doctest", site_root=str(tmp_path))
+    assert id2 > id1 + len(site) and chunk2 > chunk1
+    with pytest.raises(ValueError, match="use 'stdlib', 'site' or 'doctest'"):
         select_prompts("hub")
+
+
+def test_doctest_prompts_are_humaneval_shaped_free_functions(tmp_path):
+    """Module-level public functions only, with examples first; methods, private, untyped
+    example-less and HumanEval-named functions are left out; typing imports are kept."""
+    from vllm_ddtree.train.prompts import doctest_prompts
+
+    doc = '    """Return the thing this function computes, explained at some length.\n'
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "mod.py").write_text(
+        "import os\nfrom typing import List\n\n"
+        "def typed(xs: List[int]) -> int:\n" + doc + '    """\n    return 0\n\n'
+        "def with_examples(x):\n" + doc + '    >>> with_examples(1)\n    1\n    """\n    return x\n\n'
+        "def untyped(x):\n" + doc + '    """\n\n'
+        "def _private(x: int) -> int:\n" + doc + '    >>> _private(1)\n    """\n\n'
+        "def below_zero(operations: List[int]) -> bool:\n" + doc + '    """\n\n'  # a HumanEval entry point
+        "def quotes_one(f: object) -> bool:\n" + doc + '    def f(n): ...\n    """\n\n'  # HumanEval/106's signature
+        "class K:\n    def method(self, x: int) -> int:\n    " + doc + '        """\n')
+    (tmp_path / "tests" / "test_mod.py").write_text("def in_tests(x: int) -> int:\n" + doc + '    """\n')
+    prompts = doctest_prompts(exclude_names={p["entry_point"] for p in load_humaneval()}, roots=[str(tmp_path)])
+    assert [p.split("def ")[1].split("(")[0] for p in prompts] == ["with_examples", "typed"]
+    assert all(p.startswith("from typing import List\n\n\ndef ") for p in prompts)
+    assert prompts[1].endswith('"""\n') and "return" not in prompts[1]
+    assert find_leaks(prompts, load_humaneval()) == []

@@ -1,6 +1,10 @@
 """Code-completion training prompts built from the Python standard library's own source (and,
 for more data, the installed site-packages).
 
+Three sources: ``stdlib`` and ``site`` take every documented function or method; ``doctest``
+takes only module-level public functions in HumanEval's own layout (typing imports, a free
+function, a docstring with ``>>>`` examples first, then typed ones without examples).
+
 Each prompt is a function header plus its docstring (optionally with the module's imports),
 the same "complete this code" shape HumanEval uses, but from offline material that is not
 HumanEval. The sources are parsed with :mod:`ast`, never imported (no side effects).
@@ -113,3 +117,74 @@ def site_prompts(exclude_names: set[str] | None = None, seed: int = 0, root: str
     files = [path for path in sorted(base.rglob("*.py"))
              if not any(part in _SITE_SKIP or part.endswith(".dist-info") for part in path.relative_to(base).parts)]
     return _collect(files, exclude_names, seed, set(exclude_prompts or ()))
+
+
+def _is_typed(fn: ast.FunctionDef) -> bool:
+    args = fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs
+    return fn.returns is not None or any(a.annotation is not None for a in args)
+
+
+def _free_function_prompts(path: Path, exclude_names: set[str]) -> tuple[list[str], list[str]]:
+    """(with ``>>>`` examples, typed without examples) prompts of `path`'s module-level public
+    functions: the ``typing`` imports the module has, then the header and docstring."""
+    try:
+        src = path.read_text(encoding="utf-8")
+        tree = ast.parse(src)
+    except (SyntaxError, UnicodeDecodeError, ValueError):
+        return [], []
+    lines = src.splitlines()
+    typing_imports = [src_line for src_line in _imports(tree, lines)
+                      if src_line.startswith(("from typing import", "import typing"))]
+    header = "\n".join(typing_imports) + "\n\n\n" if typing_imports else ""
+    examples, typed = [], []
+    for node in tree.body:
+        if not isinstance(node, ast.FunctionDef) or node.name.startswith("_") or node.name in exclude_names:
+            continue
+        doc = ast.get_docstring(node, clean=False)
+        if not doc or len(doc) < MIN_DOC_CHARS or doc.count("\n") > MAX_DOC_LINES:
+            continue
+        has_examples = ">>>" in doc
+        if not has_examples and not _is_typed(node):
+            continue
+        seg = textwrap.dedent("\n".join(lines[node.lineno - 1 : node.body[0].end_lineno])) + "\n"
+        if "\t" in seg:
+            continue
+        (examples if has_examples else typed).append(header + seg)
+    return examples, typed
+
+
+def doctest_prompts(exclude_names: set[str] | None = None, seed: int = 0, roots: list[str] | None = None,
+                    exclude_prompts: set[str] | None = None) -> list[str]:
+    """HumanEval-shaped prompts from the standard library and the installed packages: free
+    functions whose docstring has ``>>>`` examples (shuffled), then typed free functions without
+    examples (shuffled). Prompts in ``exclude_prompts``, HumanEval entry-point names and any prompt
+    the leak check flags are left out: this source is the closest to HumanEval's form, and a
+    docstring can quote a HumanEval signature (hypothesis' ``def f(n): ...`` matches HumanEval/106's)."""
+    from vllm_ddtree.data.humaneval import load_humaneval
+    from vllm_ddtree.train.contamination import find_leaks
+
+    problems = load_humaneval()
+    if exclude_names is None:
+        exclude_names = {p["entry_point"] for p in problems}
+    if roots is None:
+        files = stdlib_files()
+        base = Path(sysconfig.get_paths()["purelib"])
+        files += [path for path in sorted(base.rglob("*.py")) if not any(
+            part in _SITE_SKIP or part.endswith(".dist-info") for part in path.relative_to(base).parts)]
+    else:
+        files = [path for root in roots for path in sorted(Path(root).rglob("*.py"))
+                 if not any(part in _SITE_SKIP for part in path.relative_to(root).parts)]
+    seen = set(exclude_prompts or ())
+    examples: list[str] = []
+    typed: list[str] = []
+    for path in files:
+        ex, ty = _free_function_prompts(path, exclude_names)
+        for prompt, bucket in [(q, examples) for q in ex] + [(q, typed) for q in ty]:
+            if prompt not in seen:
+                seen.add(prompt)
+                bucket.append(prompt)
+    random.Random(seed).shuffle(examples)
+    random.Random(seed + 1).shuffle(typed)
+    prompts = examples + typed
+    leaked = {leak.index for leak in find_leaks(prompts, problems)}
+    return [p for i, p in enumerate(prompts) if i not in leaked]

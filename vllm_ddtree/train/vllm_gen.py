@@ -20,20 +20,24 @@ from pathlib import Path
 
 
 SITE_ID_BASE, SITE_CHUNK_BASE = 100000, 1000
+DOCTEST_ID_BASE, DOCTEST_CHUNK_BASE = 200000, 2000
 
 
 def select_prompts(source: str, site_root: str | None = None) -> tuple[list[str], int, int]:
-    """(prompts, first prompt id, first chunk number) of a source: "stdlib", or "site" (installed
-    packages, minus any prompt stdlib also gives) in its own id and file ranges, so chunks of the two
-    sources never collide."""
-    from vllm_ddtree.train.prompts import site_prompts, stdlib_prompts
+    """(prompts, first prompt id, first chunk number) of a source: "stdlib"; "site" (installed
+    packages, minus any prompt stdlib also gives); or "doctest" (HumanEval-shaped free functions of
+    both). Each source has its own id and file ranges, so chunks of two sources never collide."""
+    from vllm_ddtree.train.prompts import doctest_prompts, site_prompts, stdlib_prompts
 
     prompts = stdlib_prompts()
     if source == "stdlib":
         return prompts, 0, 0
     if source == "site":
         return site_prompts(exclude_prompts=set(prompts), root=site_root), SITE_ID_BASE, SITE_CHUNK_BASE
-    raise ValueError(f"unknown prompt source {source!r}: use 'stdlib' or 'site'")
+    if source == "doctest":
+        roots = None if site_root is None else [site_root]
+        return doctest_prompts(exclude_prompts=set(prompts), roots=roots), DOCTEST_ID_BASE, DOCTEST_CHUNK_BASE
+    raise ValueError(f"unknown prompt source {source!r}: use 'stdlib', 'site' or 'doctest'")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -44,8 +48,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--minutes", type=float, default=35.0)
     ap.add_argument("--sample-every", type=int, default=3, help="every k-th chunk samples at T=1, others greedy")
     ap.add_argument("--skip-prompts", default="", help="comma-separated prompt ids already covered elsewhere")
-    ap.add_argument("--source", choices=["stdlib", "site"], default="stdlib",
-                    help="site: prompts from installed packages; prompt ids from 100000, chunk files from 1000")
+    ap.add_argument("--source", choices=["stdlib", "site", "doctest"], default="stdlib",
+                    help="site: prompts from installed packages; prompt ids from 100000, chunk files from 1000. "
+                         "doctest: HumanEval-shaped free functions (examples first); ids from 200000, chunks from 2000")
     args = ap.parse_args(argv)
 
     t0 = time.time()
