@@ -32,16 +32,6 @@ def test_training_prompts_have_no_humaneval_signature_or_solution():
     assert find_leaks(prompts, probs) == []
 
 
-def test_humaneval_shaped_prompts_have_no_humaneval_signature_or_solution():
-    """The doctest source is the closest to HumanEval's form, so it is checked in full too."""
-    from vllm_ddtree.train.prompts import doctest_prompts
-
-    probs = load_humaneval()
-    prompts = doctest_prompts()
-    assert sum(">>>" in p for p in prompts) > 1000
-    assert find_leaks(prompts, probs) == []
-
-
 def test_committed_training_manifest_is_clean():
     """The trained checkpoint ships the leak check it ran over its decoded training texts."""
     manifest = ROOT / "checkpoints" / "smollm2-dflash" / "data_manifest.json"

@@ -113,10 +113,15 @@ def site_prompts(exclude_names: set[str] | None = None, seed: int = 0, root: str
         from vllm_ddtree.data.humaneval import load_humaneval
 
         exclude_names = {p["entry_point"] for p in load_humaneval()}
+    return _collect(site_files(root), exclude_names, seed, set(exclude_prompts or ()))
+
+
+def site_files(root: str | None = None) -> list[Path]:
+    """All .py files of the installed third-party packages (or of `root`), minus test suites,
+    HumanEval's own package and this project (sorted)."""
     base = Path(root or sysconfig.get_paths()["purelib"])
-    files = [path for path in sorted(base.rglob("*.py"))
-             if not any(part in _SITE_SKIP or part.endswith(".dist-info") for part in path.relative_to(base).parts)]
-    return _collect(files, exclude_names, seed, set(exclude_prompts or ()))
+    return [path for path in sorted(base.rglob("*.py"))
+            if not any(part in _SITE_SKIP or part.endswith(".dist-info") for part in path.relative_to(base).parts)]
 
 
 def _is_typed(fn: ast.FunctionDef) -> bool:
@@ -157,7 +162,7 @@ def doctest_prompts(exclude_names: set[str] | None = None, seed: int = 0, roots:
                     exclude_prompts: set[str] | None = None) -> list[str]:
     """HumanEval-shaped prompts from the standard library and the installed packages: free
     functions whose docstring has ``>>>`` examples (shuffled), then typed free functions without
-    examples (shuffled). Prompts in ``exclude_prompts``, HumanEval entry-point names and any prompt
+    examples (shuffled); `roots` replaces both with these directories. Prompts in ``exclude_prompts``, HumanEval entry-point names and any prompt
     the leak check flags are left out: this source is the closest to HumanEval's form, and a
     docstring can quote a HumanEval signature (hypothesis' ``def f(n): ...`` matches HumanEval/106's)."""
     from vllm_ddtree.data.humaneval import load_humaneval
@@ -166,14 +171,7 @@ def doctest_prompts(exclude_names: set[str] | None = None, seed: int = 0, roots:
     problems = load_humaneval()
     if exclude_names is None:
         exclude_names = {p["entry_point"] for p in problems}
-    if roots is None:
-        files = stdlib_files()
-        base = Path(sysconfig.get_paths()["purelib"])
-        files += [path for path in sorted(base.rglob("*.py")) if not any(
-            part in _SITE_SKIP or part.endswith(".dist-info") for part in path.relative_to(base).parts)]
-    else:
-        files = [path for root in roots for path in sorted(Path(root).rglob("*.py"))
-                 if not any(part in _SITE_SKIP for part in path.relative_to(root).parts)]
+    files = stdlib_files() + site_files() if roots is None else [f for root in roots for f in site_files(root)]
     seen = set(exclude_prompts or ())
     examples: list[str] = []
     typed: list[str] = []

@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> None:
     skip = {int(x) for x in args.skip_prompts.split(",") if x}
     ids = [tok(chat_prompt(tok, p), add_special_tokens=False)["input_ids"] for p in prompts]
     keep = [i for i in range(len(ids)) if len(ids[i]) <= 384 and i not in skip]
+    print(f"--source {args.source}: {len(prompts)} prompts, {sum('>>>' in p for p in prompts)} with >>> examples, "
+          f"{len(keep)} of at most 384 tokens and not skipped", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     llm = LLM(model=str(tdir), dtype="float32", max_model_len=1024, max_num_seqs=128, enforce_eager=True, seed=0)
