@@ -270,13 +270,18 @@ def test_training_log_plot_reads_resumed_runs_and_picked_up_shards(tmp_path):
         {"event": "start", "step": 300, "train_seqs": 150, "train_resp_tokens": 33000, "cfg": {"num_hidden_layers": 2}},
         {"step": 310, "elapsed": 9.0, "loss": 5.0, "loss_ema": 6.0, "lr": 1e-4},
         {"event": "final", "step": 310, "eval": {"mean_accepted": 0.25}},  # not a curve point
+        # a fine-tune initialised from those weights counts from 0 again: drawn after step 310
+        {"event": "start", "step": 0, "train_seqs": 80, "train_resp_tokens": 16000,
+         "cfg": {"num_hidden_layers": 2}, "args": {"init_from": "checkpoints/x"}},
+        {"step": 10, "elapsed": 1.0, "loss": 4.0, "loss_ema": 4.0, "lr": 1e-4},
+        {"step": 20, "eval": {"mean_accepted": 0.3}},
     ]
     path = tmp_path / "train_log.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
     log = read_log(path)
-    assert log["loss"] == [(10, 9.0), (310, 6.0)] and log["evals"] == [(300, 0.2)]
-    assert log["data"] == [(0, 20000, True), (100, 30000.0, False), (300, 33000, True)]
-    assert log["eval_loss"] == [(300, 4.5)] and log["layers"] == [(0, 1), (300, 2)]
+    assert log["loss"] == [(10, 9.0), (310, 6.0), (320, 4.0)] and log["evals"] == [(300, 0.2), (330, 0.3)]
+    assert log["data"] == [(0, 20000, True), (100, 30000.0, False), (300, 33000, True), (310, 16000, True)]
+    assert log["eval_loss"] == [(300, 4.5)] and log["layers"] == [(0, 1), (300, 2), (310, 2)]
     plot_log(path, tmp_path / "t.png")
     assert (tmp_path / "t.png").stat().st_size > 10_000
 
@@ -343,3 +348,43 @@ def test_drop_loops_counts_the_response_only_and_keeps_the_rest():
     assert [r["prompt_len"] for r in kept] == [48] and dropped == 2
     kept, dropped = drop_loops(records, max_repeats=10)
     assert [r["prompt_len"] for r in kept] == [48, 3] and dropped == 1
+
+
+def test_fine_tune_with_init_from_starts_from_the_checkpoint_and_keeps_its_data_record(tmp_path):
+    """`train.dflash --init-from CKPT`, end to end on synthetic records with target-shaped features and a
+    zero time budget: the exported drafter is CKPT's weights, the data manifest nests CKPT's own (the
+    leak check of every stage stays on record) and the log's start names CKPT."""
+    import json
+
+    import pytest
+    from conftest import TRAINED_DRAFTER
+    from safetensors.torch import load_file
+
+    from vllm_ddtree.train.dflash import is_heldout, main
+
+    if not (TRAINED_DRAFTER / "data_manifest.json").exists():
+        pytest.skip("no trained checkpoint committed")
+    g = torch.Generator().manual_seed(0)
+    held_ids = [i for i in range(200) if is_heldout({"prompt_id": i})][:2]
+    train_ids = [i for i in range(200) if not is_heldout({"prompt_id": i})][:4]
+    recs = [{"tokens": torch.randint(1000, 9000, (48,), generator=g, dtype=torch.int32), "prompt_len": 16,
+             "features": torch.randn(47, 5, 576, generator=g), "mode": "greedy", "prompt_id": i}
+            for i in held_ids + train_ids]
+    data = tmp_path / "data"
+    data.mkdir()
+    torch.save(recs, data / "shard_00000.pt")
+    (data / "meta.json").write_text(json.dumps({"feature_layer_ids": [1, 8, 14, 20, 27], "eos_id": 2}))
+    out = tmp_path / "run"
+    main(["--data", str(data), "--out", str(out), "--minutes", "0", "--layers", "2", "--threads", "1",
+          "--vocab-file", str(TRAINED_DRAFTER), "--init-from", str(TRAINED_DRAFTER),
+          "--export-shared-head", str(tmp_path / "export")])
+
+    manifest = json.loads((tmp_path / "export" / "data_manifest.json").read_text())
+    assert manifest["train_sequences"] == 4 and manifest["heldout_sequences"] == 2
+    assert manifest["init_from"] == json.loads((TRAINED_DRAFTER / "data_manifest.json").read_text())
+    start = json.loads((out / "train_log.jsonl").read_text().splitlines()[0])
+    assert start["event"] == "start" and start["args"]["init_from"] == str(TRAINED_DRAFTER)
+    exported = load_file(str(tmp_path / "export" / "model.safetensors"))
+    committed = load_file(str(TRAINED_DRAFTER / "model.safetensors"))
+    assert exported.keys() == committed.keys()
+    assert all(torch.equal(exported[k], committed[k]) for k in committed)

@@ -529,6 +529,9 @@ def main(argv: list[str] | None = None) -> None:
     manifest["leak_check"]["texts_checked"] = len(train_recs)
     manifest["train_response_tokens"] = sum(len(r["tokens"]) - r["prompt_len"] for r in train_recs)
     manifest["train_tokens_total"] = sum(len(r["tokens"]) for r in train_recs)
+    base_manifest = Path(args.init_from or "") / "data_manifest.json"
+    if args.init_from and base_manifest.exists():  # the weights' earlier data stays on record
+        manifest["init_from"] = json.loads(base_manifest.read_text())
     (out / "data_manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     target_sd = load_file(str(Path(tdir) / "model.safetensors"))
     emb = target_sd["model.embed_tokens.weight"].float()

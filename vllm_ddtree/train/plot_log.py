@@ -4,6 +4,8 @@
 
 The log may span several resumed runs (one ``start`` record each): every start and every shard the
 trainer picked up mid-run is a vertical line labelled with the training response tokens it had then.
+A run started with ``--init-from`` counts its steps from 0 again; its records are drawn after the
+steps logged before it, so a fine-tune appended to its base checkpoint's log continues the curve.
 """
 
 from __future__ import annotations
@@ -18,8 +20,14 @@ def read_log(path: str | Path) -> dict:
     data-size events and the drafter's layer count at each run start."""
     loss, evals, eval_loss, data, layers = [], [], [], [], []
     tokens_per_seq = None
+    offset, last_step = 0, 0
     for line in Path(path).read_text().splitlines():
         rec = json.loads(line)
+        if rec.get("event") == "start" and rec["step"] == 0 and (rec.get("args") or {}).get("init_from"):
+            offset = last_step  # a fine-tune from earlier weights restarts its step count
+        if "step" in rec:
+            rec["step"] += offset
+            last_step = max(last_step, rec["step"])
         if "loss_ema" in rec:
             loss.append((rec["step"], rec["loss_ema"]))
         elif "eval" in rec and "event" not in rec:
