@@ -33,13 +33,17 @@ def test_training_prompts_have_no_humaneval_signature_or_solution():
 
 
 def test_committed_training_manifest_is_clean():
-    """The trained checkpoint ships the leak check it ran over its decoded training texts."""
+    """The trained checkpoint ships the leak check it ran over its decoded training texts, for every
+    training stage (a fine-tune's manifest nests the one of the weights it started from)."""
     manifest = ROOT / "checkpoints" / "smollm2-dflash" / "data_manifest.json"
     if not manifest.exists():
         pytest.skip("no trained checkpoint committed yet")
-    m = json.loads(manifest.read_text())
-    assert m["leak_check"]["leaks_in_training_data"] == 0
-    assert m["leak_check"]["texts_checked"] == m["train_sequences"]
+    m, stages = json.loads(manifest.read_text()), 0
+    while m is not None:
+        assert m["leak_check"]["leaks_in_training_data"] == 0
+        assert m["leak_check"]["texts_checked"] == m["train_sequences"] > 0
+        m, stages = m.get("init_from"), stages + 1
+    assert stages == 2  # stdlib/site-package training, then the HumanEval-shaped fine-tune
 
 
 def test_site_prompts_skip_tests_humaneval_and_prompts_already_used(tmp_path):
