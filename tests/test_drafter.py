@@ -375,7 +375,8 @@ def test_fine_tune_with_init_from_starts_from_the_checkpoint_and_keeps_its_data_
     torch.save(recs, data / "shard_00000.pt")
     (data / "meta.json").write_text(json.dumps({"feature_layer_ids": [1, 8, 14, 20, 27], "eos_id": 2}))
     out = tmp_path / "run"
-    main(["--data", str(data), "--out", str(out), "--minutes", "0", "--layers", "2", "--threads", "1",
+    threads = str(torch.get_num_threads())  # main() sets torch's thread count for the rest of this process
+    main(["--data", str(data), "--out", str(out), "--minutes", "0", "--layers", "2", "--threads", threads,
           "--vocab-file", str(TRAINED_DRAFTER), "--init-from", str(TRAINED_DRAFTER),
           "--export-shared-head", str(tmp_path / "export")])
 

@@ -162,9 +162,10 @@ def doctest_prompts(exclude_names: set[str] | None = None, seed: int = 0, roots:
                     exclude_prompts: set[str] | None = None) -> list[str]:
     """HumanEval-shaped prompts from the standard library and the installed packages: free
     functions whose docstring has ``>>>`` examples (shuffled), then typed free functions without
-    examples (shuffled); `roots` replaces both with these directories. Prompts in ``exclude_prompts``, HumanEval entry-point names and any prompt
-    the leak check flags are left out: this source is the closest to HumanEval's form, and a
-    docstring can quote a HumanEval signature (hypothesis' ``def f(n): ...`` matches HumanEval/106's)."""
+    examples (shuffled); `roots` replaces both with these directories. Prompts in ``exclude_prompts``,
+    HumanEval entry-point names and any prompt the leak check flags are left out: this source is the
+    closest to HumanEval's form, and a docstring can quote a HumanEval signature (hypothesis'
+    ``def f(n): ...`` matches HumanEval/106's)."""
     from vllm_ddtree.data.humaneval import load_humaneval
     from vllm_ddtree.train.contamination import find_leaks
 
