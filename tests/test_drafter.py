@@ -389,3 +389,33 @@ def test_fine_tune_with_init_from_starts_from_the_checkpoint_and_keeps_its_data_
     committed = load_file(str(TRAINED_DRAFTER / "model.safetensors"))
     assert exported.keys() == committed.keys()
     assert all(torch.equal(exported[k], committed[k]) for k in committed)
+
+
+def test_bf16_autocast_step_keeps_float32_state_and_the_float32_gradient():
+    """``train.dflash --bf16``: the forward runs in bfloat16 (logits come out bf16), the parameters and
+    their gradients stay float32, the loss is finite, and the gradient points where float32's does."""
+    from vllm_ddtree.train.dflash import block_loss, slot_weights
+
+    m, cfg = _tiny()
+    m.train()
+    recs = [_record(cfg, 40, 6, 11), _record(cfg, 25, 4, 12)]  # unequal lengths: padded context columns
+    t2d = torch.full((cfg.vocab_size,), -100, dtype=torch.long)
+    t2d[3 : 3 + cfg.draft_vocab_size] = torch.arange(cfg.draft_vocab_size)
+    batch = make_batch(recs, cfg, t2d, 6, random.Random(0), [0, 1])
+    w = slot_weights(cfg.block_size)
+
+    def grads(bf16: bool) -> tuple[torch.Tensor, torch.Tensor, float]:
+        m.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logits = forward_batch(m, batch)
+        loss = block_loss(logits, batch, w)
+        loss.backward()
+        g = torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None])
+        return logits, g, float(loss)
+
+    logits32, g32, loss32 = grads(False)
+    logits16, g16, loss16 = grads(True)
+    assert logits32.dtype == torch.float32 and logits16.dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 and (p.grad is None or p.grad.dtype == torch.float32) for p in m.parameters())
+    assert torch.isfinite(g16).all() and abs(loss16 - loss32) < 0.05 * abs(loss32)
+    assert torch.nn.functional.cosine_similarity(g16, g32, dim=0) > 0.99

@@ -488,6 +488,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ckpt-every", type=int, default=100)
     ap.add_argument("--eval-every", type=int, default=300)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--bf16", action="store_true",
+                    help="run the drafter's forward under torch.autocast(bfloat16): weights, Adam state and the "
+                         "loss stay float32. About 2x faster steps on CPUs with avx512_bf16 or AMX (this one: "
+                         "0.57 s vs 1.12 s a step); on CPUs without them bf16 is emulated and slower")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--export", default=None, help="after training, save the drafter here (bf16)")
     ap.add_argument("--export-shared-head", default=None,
@@ -662,7 +666,9 @@ def main(argv: list[str] | None = None) -> None:
             g["lr"] = lr
         batch = make_batch([train_recs[i] for i in idx], cfg, t2d, args.blocks_per_seq, rng, feature_index,
                            soft=args.kd_weight > 0)
-        loss = block_loss(forward_batch(model, batch), batch, weights, args.kd_weight)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+            logits = forward_batch(model, batch)
+        loss = block_loss(logits, batch, weights, args.kd_weight)  # float32: block_loss upcasts the logits
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
