@@ -223,3 +223,23 @@ def test_step_cost_fit_recovers_a_line():
     assert c0 == pytest.approx(0.1) and c1 == pytest.approx(0.002)
     with pytest.raises(ValueError):
         fit_step_cost(rows[:1])
+
+
+def test_chain_by_window_counts_each_step_where_its_root_sits():
+    """`benchmarks/chain_by_position.py`: a chain step counts in the window of its root's output
+    position, with the tokens it emits (capped by what the decode has left); roots past the last edge
+    are not counted."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        from chain_by_position import chain_by_window
+    finally:
+        sys.path.pop(0)
+    n_prompt, accepted = 10, [2, 9, 9, 0, 5, 0]  # output positions 0..5: steps at 0 (+2), 3 (+0), 4 (+5, capped)
+    trees = [PositionTree(torch.zeros(16), torch.zeros(16), torch.tensor([], dtype=torch.long),
+                          remaining=6 - i, context=n_prompt + i, chain_accepted=k) for i, k in enumerate(accepted)]
+    assert chain_by_window(trees, n_prompt, 15, [0, 2, 6]) == ([1, 2], [3, 3])  # 3 tokens, then 1 + 2
+    assert chain_by_window(trees, n_prompt, 15, [0, 2, 4]) == ([1, 1], [3, 1])  # the step at 4 is outside
+    assert chain_by_window(trees, n_prompt, 1, [0, 6]) == ([3], [6])  # depth 1: steps at 0, 2, 4, each emits 2
