@@ -419,3 +419,44 @@ def test_bf16_autocast_step_keeps_float32_state_and_the_float32_gradient():
     assert all(p.dtype == torch.float32 and (p.grad is None or p.grad.dtype == torch.float32) for p in m.parameters())
     assert torch.isfinite(g16).all() and abs(loss16 - loss32) < 0.05 * abs(loss32)
     assert torch.nn.functional.cosine_similarity(g16, g32, dim=0) > 0.99
+
+
+def test_add_shard_filters_each_shard_and_sums_the_manifest(tmp_path):
+    """Training data loads shard by shard: each shard is leak-filtered, split by prompt id, and its
+    looping training records dropped before the next loads; held-out records keep their loops (the
+    held-out set measures the real distribution) and the manifest sums over shards."""
+    from transformers import AutoTokenizer
+
+    from vllm_ddtree.data.humaneval import load_humaneval
+    from vllm_ddtree.models.target import prepare_target
+    from vllm_ddtree.train.dflash import add_shard, empty_training_data, is_heldout
+
+    tdir = prepare_target()
+    tok = AutoTokenizer.from_pretrained(tdir)
+    held_ids = [i for i in range(300) if is_heldout({"prompt_id": i})][:2]
+    train_ids = [i for i in range(300) if not is_heldout({"prompt_id": i})][:6]
+    prose = list(range(100, 160))
+    loop = [5, 6, 7, 8] * 12
+    leaked = tok(load_humaneval(3)[2]["prompt"], add_special_tokens=False)["input_ids"]
+
+    def rec(pid: int, response: list[int], mode: str = "greedy") -> dict:
+        return {"tokens": torch.tensor(prose[:10] + response), "prompt_len": 10, "prompt_id": pid, "mode": mode}
+
+    shard_a = [rec(train_ids[0], prose), rec(train_ids[1], loop), rec(held_ids[0], loop)]
+    shard_b = [rec(train_ids[2], prose, "sample"), rec(train_ids[3], leaked), rec(held_ids[1], prose),
+               rec(train_ids[4], loop)]
+    for name, recs in (("shard_a.pt", shard_a), ("shard_b.pt", shard_b)):
+        torch.save(recs, tmp_path / name)
+    data = empty_training_data(drop_loops_repeats=5)
+    add_shard(data, tmp_path / "shard_a.pt", tdir, 5)
+    assert [r["prompt_id"] for r in data.train] == [train_ids[0]]
+    assert [r["prompt_id"] for r in data.held] == [held_ids[0]]  # loops, but held out: kept
+    add_shard(data, tmp_path / "shard_b.pt", tdir, 5)
+    assert [r["prompt_id"] for r in data.train] == [train_ids[0], train_ids[2]]
+    assert [r["prompt_id"] for r in data.held] == held_ids
+    m = data.manifest
+    assert m["sequences_generated"] == 7 and m["modes"] == {"greedy": 5, "sample": 1}
+    assert m["leak_check"]["dropped"] == 1 and m["leak_check"]["dropped_tasks"] == ["HumanEval/2"]
+    assert m["leak_check"]["texts_checked"] == m["train_sequences"] == 2 and m["heldout_sequences"] == 2
+    assert m["loop_filter"] == {"ngram": 8, "max_repeats": 5, "dropped": 2}
+    assert m["train_response_tokens"] == 2 * len(prose) and m["train_tokens_total"] == 2 * (10 + len(prose))

@@ -39,15 +39,6 @@ GAMMA = 7.0
 # ---------------------------------------------------------------------------------------------
 # data
 # ---------------------------------------------------------------------------------------------
-def load_records(data_dir: str | Path, limit_shards: int | None = None) -> list[dict]:
-    """All records of all shards (sorted by name)."""
-    shards = sorted(Path(data_dir).glob("shard_*.pt"))[:limit_shards]
-    recs: list[dict] = []
-    for s in shards:
-        recs.extend(torch.load(s, weights_only=False))
-    return recs
-
-
 def max_ngram_repeats(tokens: list[int], n: int = 8) -> int:
     """How many times the most frequent n-token sequence of `tokens` occurs (0 if shorter than n)."""
     counts = Counter(tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1))
@@ -451,6 +442,50 @@ def leak_filter(records: list[dict], target_dir) -> tuple[list[dict], dict]:
     return kept, manifest
 
 
+@dataclass
+class TrainingData:
+    """Training and held-out records with the manifest of how they were filtered."""
+
+    train: list[dict]
+    held: list[dict]
+    manifest: dict
+
+
+def empty_training_data(drop_loops_repeats: int) -> TrainingData:
+    """No records yet; the manifest has every key ``add_shard`` sums into."""
+    manifest = {"sequences_generated": 0, "modes": {},
+                "leak_check": {"dropped": 0, "dropped_tasks": [], "leaks_in_training_data": 0, "texts_checked": 0}}
+    if drop_loops_repeats:
+        manifest["loop_filter"] = {"ngram": 8, "max_repeats": drop_loops_repeats, "dropped": 0}
+    return TrainingData([], [], manifest)
+
+
+def add_shard(data: TrainingData, shard: Path, target_dir, drop_loops_repeats: int) -> None:
+    """Leak-filter one shard, split it, drop looping training records, and add what is left to ``data``.
+
+    Shard by shard so that memory holds the kept records plus one shard: loading every shard
+    before filtering held the ~35% of records the loop filter drops too, and that peak, not
+    the kept data, limited how many shards could train together."""
+    recs, man = leak_filter(torch.load(shard, weights_only=False), target_dir)
+    train = [r for r in recs if not is_heldout(r)]
+    data.held.extend(r for r in recs if is_heldout(r))
+    m = data.manifest
+    if drop_loops_repeats:
+        train, dropped = drop_loops(train, drop_loops_repeats)
+        m["loop_filter"]["dropped"] += dropped
+    data.train.extend(train)
+    m["sequences_generated"] += man["sequences_generated"]
+    for k, v in man["modes"].items():
+        m["modes"][k] = m["modes"].get(k, 0) + v
+    m["leak_check"]["dropped"] += man["leak_check"]["dropped"]
+    m["leak_check"]["dropped_tasks"] = sorted(set(m["leak_check"]["dropped_tasks"]) | set(man["leak_check"]["dropped_tasks"]))
+    m["leak_check"]["texts_checked"] = len(data.train)
+    m["train_sequences"] = len(data.train)
+    m["heldout_sequences"] = len(data.held)
+    m["train_response_tokens"] = sum(len(r["tokens"]) - r["prompt_len"] for r in data.train)
+    m["train_tokens_total"] = sum(len(r["tokens"]) for r in data.train)
+
+
 # ---------------------------------------------------------------------------------------------
 # main loop
 # ---------------------------------------------------------------------------------------------
@@ -519,20 +554,13 @@ def main(argv: list[str] | None = None) -> None:
     layer_ids = [int(x) for x in args.target_layer_ids.split(",")]
     feature_index = [stored_ids.index(i) for i in layer_ids]
 
-    shard_names = {p.name for p in Path(args.data).glob("shard_*.pt")}
-    records = load_records(args.data)
+    shards = sorted(Path(args.data).glob("shard_*.pt"))
+    shard_names = {p.name for p in shards}
     tdir = prepare_target()
-    records, manifest = leak_filter(records, tdir)
-    train_recs = [r for r in records if not is_heldout(r)]
-    held = [r for r in records if is_heldout(r)]
-    if args.drop_loops:
-        train_recs, dropped = drop_loops(train_recs, args.drop_loops)
-        manifest["loop_filter"] = {"ngram": 8, "max_repeats": args.drop_loops, "dropped": dropped}
-    manifest["train_sequences"] = len(train_recs)
-    manifest["heldout_sequences"] = len(held)
-    manifest["leak_check"]["texts_checked"] = len(train_recs)
-    manifest["train_response_tokens"] = sum(len(r["tokens"]) - r["prompt_len"] for r in train_recs)
-    manifest["train_tokens_total"] = sum(len(r["tokens"]) for r in train_recs)
+    data = empty_training_data(args.drop_loops)
+    for p in tqdm(shards, desc="load shards", unit="shard"):
+        add_shard(data, p, tdir, args.drop_loops)
+    train_recs, held, manifest = data.train, data.held, data.manifest
     base_manifest = Path(args.init_from or "") / "data_manifest.json"
     if args.init_from and base_manifest.exists():  # the weights' earlier data stays on record
         manifest["init_from"] = json.loads(base_manifest.read_text())
@@ -630,22 +658,7 @@ def main(argv: list[str] | None = None) -> None:
             new = sorted(p for p in Path(args.data).glob("shard_*.pt") if p.name not in shard_names)
             for p in new:
                 shard_names.add(p.name)
-                recs_new, man_new = leak_filter(torch.load(p, weights_only=False), tdir)
-                tr_new = [r for r in recs_new if not is_heldout(r)]
-                if args.drop_loops:
-                    tr_new, dropped = drop_loops(tr_new, args.drop_loops)
-                    manifest["loop_filter"]["dropped"] += dropped
-                train_recs.extend(tr_new)
-                held.extend(r for r in recs_new if is_heldout(r))
-                manifest["sequences_generated"] += man_new["sequences_generated"]
-                manifest["leak_check"]["dropped"] += man_new["leak_check"]["dropped"]
-                for k, v in man_new["modes"].items():
-                    manifest["modes"][k] = manifest["modes"].get(k, 0) + v
-                manifest["train_sequences"] = len(train_recs)
-                manifest["heldout_sequences"] = len(held)
-                manifest["leak_check"]["texts_checked"] = len(train_recs)
-                manifest["train_response_tokens"] = sum(len(r["tokens"]) - r["prompt_len"] for r in train_recs)
-                manifest["train_tokens_total"] = sum(len(r["tokens"]) for r in train_recs)
+                add_shard(data, p, tdir, args.drop_loops)
                 (out / "data_manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
                 log.write(json.dumps({"event": "new_shard", "step": step, "shard": p.name,
                                       "train_seqs": len(train_recs), "heldout_seqs": len(held)}) + "\n")
