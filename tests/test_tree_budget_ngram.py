@@ -356,8 +356,8 @@ def test_auto_budget_explores_then_chooses_and_caps_the_width():
         verified = torch.arange(width)[None] < n
         auto.observe_acceptance(claimed[:, :width], verified, torch.arange(width)[None] < accepted)
         auto.observe_step(1 + n, (1 + n) * (ctx + 1 + n), ctx, true_seconds(1 + n))
-    # Exploration: skip one, then 2 steps per size, each kept from a tree at least min_width wide.
-    assert kept == [64, 64, 64, 1, 1, 8, 8] and widths[:7] == [64, 64, 64, 8, 8, 8, 8]
+    # Exploration: skip one, then 3 steps per size, each kept from a tree at least min_width wide.
+    assert kept == [64] * 4 + [1] * 3 + [8] * 3 and widths[:10] == [64] * 4 + [8] * 6
     assert not auto.exploring
     # Calibrated: the chosen budget is near the optimum of the *true* acceptance (0.8) and cost.
     n = torch.arange(1, 65).float()
@@ -367,6 +367,34 @@ def test_auto_budget_explores_then_chooses_and_caps_the_width():
     auto.grow(chosen)
     assert auto.build_width() == min(64, max(8, 2 * chosen))
     assert auto.summary()["cost_calibrated"]
+
+
+def test_a_stalled_exploration_step_does_not_set_the_cost_of_large_trees():
+    """The largest exploration size's steps alone set how cost grows with the tree (the controller
+    rarely chooses large trees afterwards). One of them stalling by 150 ms must not move the fit:
+    each size enters it as its median step, and the summary shows what the fit was given."""
+    cost = cost_model("cpu")
+    cal = CostCalibration.for_range(cost, 1, 64)
+    ctx = 300.0
+
+    def true_seconds(tokens):  # a CPU-like step: 55 ms + 1.8 ms per row
+        return 0.055 + 0.0018 * tokens
+
+    stalled = False
+    while (b := cal.explore_budget()) is not None:
+        s = 1 + b
+        extra = 0.0
+        if b == 64 and cal.explored and not stalled:  # the second measured 64-node step
+            extra, stalled = 0.150, True
+        cal.add(s, s * (ctx + s), ctx, true_seconds(s) + extra)
+    assert stalled and cal.calibrated
+    for s in (2.0, 9.0, 65.0):
+        assert float(cost.verify_seconds(torch.tensor(s), torch.tensor(s * (ctx + s)), torch.tensor(ctx))) == \
+            pytest.approx(true_seconds(s), rel=0.03)
+    auto = AutoBudget(cost, 1, 64, calibration=cal)
+    assert auto.summary()["explored_step_ms"] == {65: pytest.approx(1e3 * true_seconds(65), abs=0.1),
+                                                  2: pytest.approx(1e3 * true_seconds(2), abs=0.1),
+                                                  9: pytest.approx(1e3 * true_seconds(9), abs=0.1)}
 
 
 def test_exploration_at_a_large_batch_stays_near_the_sizes_it_will_choose():
@@ -388,7 +416,7 @@ def test_exploration_at_a_large_batch_stays_near_the_sizes_it_will_choose():
         rows = int(n.sum()) + r
         totals.append(int(n.sum()))
         auto.observe_step(rows, rows * (ctx + rows / r), ctx * r, 0.4 + 0.0025 * rows)
-    assert totals == [256, 256, 256, 64, 64, 128, 128]
+    assert totals == [256] * 4 + [64] * 3 + [128] * 3
     assert auto.cost.per_token > 0 or auto.cost.slope > 1e-9  # the fit saw a spread of step sizes
 
 
@@ -431,7 +459,7 @@ def test_auto_budget_rate_beats_per_step_ratio_over_a_mix_of_steps():
 
     per_step = throughput(lambda lp: int(allocate_batch(lp, ctx, cost, 1, 64).budgets[0]))
     auto = AutoBudget(cost, 1, 64)
-    auto.calibration.explored = [(0, 0, 0, 0)] * 6  # already calibrated: drive `choose` directly
+    auto.calibration.explored = [(0, 0, 0, 0)] * (3 * auto.calibration.repeats)  # already calibrated: drive `choose` directly
     with_rate = throughput(lambda lp: int(auto.choose(lp, ctx)[0]))
     assert auto.rate is not None and with_rate > 1.005 * per_step  # measured: 67.4 vs 66.6 tok/s
     best_fixed = max(throughput(lambda lp, b=b: b) for b in range(1, 65))

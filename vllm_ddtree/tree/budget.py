@@ -516,11 +516,16 @@ class CostCalibration:
     every `refit_every` measurements the model is refit (intercept + roofline + per-token term) on
     the exploration points plus a window of recent ones. Measurements far above the current
     prediction (an idle engine between requests, a stall) are dropped.
+
+    Each exploration size is measured `repeats` times and enters the fit as its median step: the
+    controller rarely chooses large trees afterwards, so the largest size's few points alone set
+    how the cost grows with the tree, and one stalled step among them made the fit double-count
+    its cost. Stalls only ever add time, so the median of three is the robust choice.
     """
 
     cost: CostModel
     budgets: tuple[int, ...]  # per-request budgets to explore at batch 1, in order
-    repeats: int = 2
+    repeats: int = 3
     max_explore_nodes: int = 0  # draft nodes of an exploration step, summed over requests (0: 4 x max size)
     skip: int = 1  # first measurement dropped (warm-up)
     refit_every: int = 8
@@ -580,8 +585,15 @@ class CostCalibration:
         if self._since_fit >= self.refit_every:
             self.refit()
 
+    def explored_medians(self) -> list[tuple[float, float, float, float]]:
+        """The exploration points, one per step size (total tokens): the one of median seconds."""
+        by_size: dict[float, list] = {}
+        for p in self.explored:
+            by_size.setdefault(p[0], []).append(p)
+        return [sorted(g, key=lambda p: p[3])[(len(g) - 1) // 2] for g in by_size.values()]
+
     def refit(self) -> None:
-        pts = torch.tensor(self.explored + self.recent, dtype=torch.float64)
+        pts = torch.tensor(self.explored_medians() + self.recent, dtype=torch.float64)
         self.cost.t_draft = self.cost.t_aux = 0.0  # cycle times: the intercept holds drafting and overheads
         self.cost.correction = 1.0
         self.cost.fit(pts[:, 0], pts[:, 1], pts[:, 2], pts[:, 3], per_token=True)
@@ -728,4 +740,9 @@ class AutoBudget:
                 "drafter_confidence_exponent": float(self.acceptance.beta),
                 "acceptance_reliability": [round(float(f), 2) for f in self.acceptance.reliability],
                 "planned_tokens_per_s": None if self.rate is None else float(self.rate),
+                # what the fit was given for each explored size, and what it predicts there
+                "explored_step_ms": {int(p[0]): round(1e3 * p[3], 1) for p in self.calibration.explored_medians()},
+                "predicted_step_ms": {int(p[0]): round(1e3 * float(c.correction * c.verify_seconds(
+                    torch.tensor(p[0]), torch.tensor(p[1]), torch.tensor(p[2]))), 1)
+                    for p in self.calibration.explored_medians()},
                 "lookup_acceptance": None if self.lookup is None else [round(float(q), 3) for q in self.lookup.acceptance]}
