@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from vllm_ddtree.drafter import DFlashDrafter, DrafterConfig, DrafterKVCache, load_drafter, make_block, save_drafter
@@ -460,3 +461,15 @@ def test_add_shard_filters_each_shard_and_sums_the_manifest(tmp_path):
     assert m["leak_check"]["texts_checked"] == m["train_sequences"] == 2 and m["heldout_sequences"] == 2
     assert m["loop_filter"] == {"ngram": 8, "max_repeats": 5, "dropped": 2}
     assert m["train_response_tokens"] == 2 * len(prose) and m["train_tokens_total"] == 2 * (10 + len(prose))
+
+
+def test_committed_drafter_directory_is_within_25_mb():
+    """Issue 3 caps the toy drafter at 25 MB on disk. The whole committed directory counts (weights,
+    vocabulary, mask vector, log, plot, README): a third layer's weights alone come to 24.6 MB, so
+    growing the drafter would also mean trimming what ships beside it."""
+    from conftest import TRAINED_DRAFTER
+
+    if not (TRAINED_DRAFTER / "model.safetensors").exists():
+        pytest.skip("no trained checkpoint committed yet")
+    total = sum(f.stat().st_size for f in TRAINED_DRAFTER.rglob("*") if f.is_file())
+    assert total <= 25_000_000, f"{TRAINED_DRAFTER} holds {total / 1e6:.2f} MB"
