@@ -459,7 +459,7 @@ def test_auto_budget_rate_beats_per_step_ratio_over_a_mix_of_steps():
 
     per_step = throughput(lambda lp: int(allocate_batch(lp, ctx, cost, 1, 64).budgets[0]))
     auto = AutoBudget(cost, 1, 64)
-    auto.calibration.explored = [(0, 0, 0, 0)] * (3 * auto.calibration.repeats)  # already calibrated: drive `choose` directly
+    auto.calibration.explored = [(0, 0, 0, 0)] * (len(auto.calibration.budgets) * auto.calibration.repeats)  # already calibrated: drive `choose` directly
     with_rate = throughput(lambda lp: int(auto.choose(lp, ctx)[0]))
     assert auto.rate is not None and with_rate > 1.005 * per_step  # measured: 67.4 vs 66.6 tok/s
     best_fixed = max(throughput(lambda lp, b=b: b) for b in range(1, 65))

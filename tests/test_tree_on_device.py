@@ -70,7 +70,7 @@ def test_a_whole_tree_step_runs_on_the_device_without_a_host_sync():
     first_node = (torch.arange(tree.valid.shape[1], device=META) == 0).expand_as(tree.valid)  # each accepted 1 node
     auto = AutoBudget(cost_model(), 1, WIDTH)
     auto.acceptance = AcceptanceCalibration(betas=torch.logspace(-0.6, 0.9, 31, device=META))
-    auto.calibration.explored = [(0, 0, 0, 0)] * (3 * auto.calibration.repeats)  # calibrated: choose by the cost model
+    auto.calibration.explored = [(0, 0, 0, 0)] * (len(auto.calibration.budgets) * auto.calibration.repeats)  # calibrated: choose by the cost model
     for _ in range(2):
         budgets = auto.choose(tree.scores, ctx.float())
         auto.observe_acceptance(tree.scores, tree.valid, first_node)
@@ -78,7 +78,7 @@ def test_a_whole_tree_step_runs_on_the_device_without_a_host_sync():
     assert budgets.device == plan.budgets.device == META
     # With the lookup path priced in: calibrations moved to the device, no host tensor in the updates.
     priced = AutoBudget(cost_model(), 1, WIDTH, lookup=LookupCalibration(5)).to(META)
-    priced.calibration.explored = [(0, 0, 0, 0)] * (3 * priced.calibration.repeats)
+    priced.calibration.explored = [(0, 0, 0, 0)] * (len(priced.calibration.budgets) * priced.calibration.repeats)
     for _ in range(2):
         plan = priced.choose_plan(tree.scores, ctx.float(), valid)
         priced.observe_lookup(tokens, valid, torch.zeros(R, 3, dtype=torch.int64, device=META))

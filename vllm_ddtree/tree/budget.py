@@ -736,14 +736,14 @@ class AutoBudget:
     def summary(self) -> dict:
         """The calibrated state, for logs and benchmark tables."""
         c = self.cost
+        explored = self.calibration.explored_medians()
         return {"cost_calibrated": self.calibration.calibrated, "cost_intercept_ms": 1e3 * c.intercept,
                 "cost_per_token_ms": 1e3 * c.per_token, "cost_roofline_slope": c.slope,
                 "drafter_confidence_exponent": float(self.acceptance.beta),
                 "acceptance_reliability": [round(float(f), 2) for f in self.acceptance.reliability],
                 "planned_tokens_per_s": None if self.rate is None else float(self.rate),
                 # what the fit was given for each explored size, and what it predicts there
-                "explored_step_ms": {int(p[0]): round(1e3 * p[3], 1) for p in self.calibration.explored_medians()},
+                "explored_step_ms": {int(p[0]): round(1e3 * p[3], 1) for p in explored},
                 "predicted_step_ms": {int(p[0]): round(1e3 * float(c.correction * c.verify_seconds(
-                    torch.tensor(p[0]), torch.tensor(p[1]), torch.tensor(p[2]))), 1)
-                    for p in self.calibration.explored_medians()},
+                    torch.tensor(p[0]), torch.tensor(p[1]), torch.tensor(p[2]))), 1) for p in explored},
                 "lookup_acceptance": None if self.lookup is None else [round(float(q), 3) for q in self.lookup.acceptance]}
