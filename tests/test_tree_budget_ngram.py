@@ -245,6 +245,33 @@ def test_fit_with_a_per_token_term_recovers_a_linear_cpu_step():
     assert (roof_only.verify_seconds(s, s * (ctx + s), ctx).double() - measured).abs().max() > 0.01
 
 
+def test_fit_finds_where_a_flat_cpu_step_starts_to_grow():
+    """This CPU's step costs the same from 2 to 9 rows and then ~1.5 ms more per row (the quick study's
+    explored and fixed-budget steps). A per-token term from row 0 cannot draw that: through the 2-,
+    9- and 65-row steps the old fit charged ~0.9 ms per row between 9 and 33 rows, so the budget
+    bought trees past the 8 nodes where throughput peaks. The fitted knee puts the price back."""
+    cost = cost_model("cpu")
+    ctx = 300.0
+
+    def true_seconds(rows):
+        return 0.077 + 0.0015 * (rows - 9).clamp(min=0)
+
+    s = torch.tensor([65.0, 2.0, 9.0])  # what exploration measures (64, 1 and 8 nodes + the root)
+    c = torch.full_like(s, ctx)
+    cost.fit(s, s * (c + s), c, true_seconds(s), per_token=True)
+    assert cost.knee == 9.0
+    every = torch.arange(2.0, 66.0)
+    pred = cost.verify_seconds(every, every * (ctx + every), torch.full_like(every, ctx)).double()
+    assert torch.allclose(pred, true_seconds(every).double(), rtol=0.01)
+    # What the budget prices: the cost of 24 more nodes past 8 (0.9 ms a node before, in the docstring)
+    marginal = float(pred[33 - 2] - pred[9 - 2]) / 24
+    assert marginal == pytest.approx(1.5e-3, rel=0.02)
+    # A step that grows from the first row keeps knee 0: the search only moves it where that fits better.
+    linear = cost_model("cpu")
+    linear.fit(every, every * (ctx + every), torch.full_like(every, ctx), 0.055 + 0.0018 * every, per_token=True)
+    assert linear.knee == 0.0 and linear.per_token == pytest.approx(0.0018, rel=1e-3)
+
+
 def test_fit_is_non_negative_least_squares_not_a_clamped_fit():
     # Batch 1 on this CPU: the roofline is flat in rows (below its knee) and moves only with the
     # context, so intercept and slope are nearly collinear. Here the unconstrained fit is

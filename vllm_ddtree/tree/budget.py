@@ -124,9 +124,10 @@ def roofline_seconds(shape: ModelShape, profile: DeviceProfile, tokens, attn_pai
 
 @dataclass
 class CostModel:
-    """Calibrated cycle cost of a speculative step: T_draft + T_aux + slope * roofline + intercept.
+    """Calibrated cycle cost of a speculative step:
+    T_draft + T_aux + intercept + slope * roofline + per_token * max(tokens - knee, 0).
 
-    `fit` sets slope/intercept from measured verify times; `observe` keeps an EMA of measured over
+    `fit` sets the coefficients from measured verify times; `observe` keeps an EMA of measured over
     predicted step time and scales predictions by it (BASTION's "EMA + Calib").
     """
 
@@ -139,17 +140,19 @@ class CostModel:
     ema_alpha: float = 0.1
     correction: float = 1.0
     per_token: float = 0.0  # seconds per step token beyond the roofline (fitted; kernels that scale with rows)
+    knee: float = 0.0  # step tokens the per-token term starts after (fitted; a step this small costs the same)
 
     def __post_init__(self) -> None:
-        if self.slope <= 0 or self.intercept < 0 or self.t_draft < 0 or self.t_aux < 0 or self.per_token < 0:
-            raise ValueError("cost model needs slope > 0 and non-negative intercept, per_token, t_draft, t_aux")
+        if min(self.intercept, self.t_draft, self.t_aux, self.per_token, self.knee) < 0 or self.slope <= 0:
+            raise ValueError("cost model needs slope > 0 and non-negative intercept, per_token, knee, t_draft, t_aux")
         if not 0 < self.ema_alpha <= 1:
             raise ValueError(f"ema_alpha must be in (0, 1], got {self.ema_alpha}")
 
     def verify_seconds(self, tokens, attn_pairs, context_total):
         """Calibrated verify time for a step with these totals (see `roofline_seconds`)."""
         raw = roofline_seconds(self.shape, self.profile, tokens, attn_pairs, context_total)
-        return self.slope * raw + self.per_token * torch.as_tensor(tokens) + self.intercept
+        rows = (torch.as_tensor(tokens) - self.knee).clamp(min=0)
+        return self.slope * raw + self.per_token * rows + self.intercept
 
     def step_seconds(self, tree_tokens, context_total, num_requests: int = 1):
         """Predicted cycle time of a step with `tree_tokens` draft nodes over `num_requests` requests.
@@ -169,36 +172,52 @@ class CostModel:
             per_token: bool = False) -> None:
         """Least-squares calibration of measured verify (or cycle) seconds against the roofline.
 
-        seconds ~ intercept + slope * roofline (+ per_token * tokens with `per_token`), all
-        coefficients non-negative: the best fit over every subset of the terms whose unconstrained
+        seconds ~ intercept + slope * roofline (+ per_token * max(tokens - knee, 0) with `per_token`),
+        all coefficients non-negative: the best fit over every subset of the terms whose unconstrained
         fit is non-negative, which for three terms is exactly non-negative least squares.
         Clamping a negative coefficient of the full fit instead is not: below the roofline's knee
         (batch 1 on this CPU) the roofline barely moves, so intercept and slope are nearly collinear,
         and a fit of -167 ms + 8.1 x roofline clamped to 0 + 8.1 x roofline predicted 2.5x the
         measured step time (a rate far too low, trees far too big). The per-token term lets a device
-        whose step time grows with rows below the knee (this CPU) be fitted.
+        whose step time grows with rows below the roofline's knee (this CPU) be fitted.
+
+        Its own knee is searched over the measured step sizes (0 first; a tie keeps the smaller knee):
+        this CPU's step costs the same from 2 to 9 rows and then ~1.5 ms more per row, which a
+        per-token term from row 0 cannot draw. Fitted through the 2-, 9- and 65-row steps (with the
+        roofline) it charged 0.9 ms per row from 9 to 33 rows, where the fixed budgets cost ~1.5,
+        and the budget bought trees of 10-14 nodes where 8 was best.
         """
         x = roofline_seconds(self.shape, self.profile, tokens.double(), attn_pairs.double(), context_total.double())
         y = seconds.double()
+        t = tokens.double()
         if x.numel() < 2:
             raise ValueError("calibration needs at least two measured points")
-        columns = {"intercept": torch.ones_like(y), "slope": x}
+        knees = torch.zeros(1, dtype=torch.float64)
+        if per_token:  # a knee at or below the smallest step only moves the intercept; at or past the
+            steps = torch.unique(t)  # largest it leaves the term nothing to fit
+            knees = torch.cat([knees, steps[(steps > t.min()) & (steps < t.max())]])
+        columns = {"intercept": torch.ones_like(y).expand(len(knees), -1), "slope": x.expand(len(knees), -1)}
         if per_token:
-            columns["per_token"] = tokens.double()
-        best, coef = math.inf, {}
+            columns["per_token"] = (t[None, :] - knees[:, None]).clamp(min=0)  # [K, n]
+        best, coef, best_knee = math.inf, {}, 0.0
         for k in range(1, len(columns) + 1):
             for names in itertools.combinations(columns, k):
-                a = torch.stack([columns[n] for n in names], dim=1)
-                sol = torch.linalg.lstsq(a, y.unsqueeze(1)).solution.squeeze(1)
-                if (sol < 0).any():
-                    continue
-                residual = float(((a @ sol - y) ** 2).sum())
-                if residual < best * (1 - 1e-9):  # ties keep the fit with fewer terms
-                    best, coef = residual, dict(zip(names, sol.tolist()))
+                # Without the per-token term every knee gives the same fit: solve it once. Else one
+                # batched solve over the knees [K, n, k] (a refit runs every few decode steps).
+                kk = len(knees) if "per_token" in names else 1
+                a = torch.stack([columns[n][:kk] for n in names], dim=2)  # [kk, n, k]
+                sol = torch.linalg.lstsq(a, y[None, :, None].expand(kk, -1, -1)).solution  # [kk, k, 1]
+                residual = ((a @ sol).squeeze(2) - y).pow(2).sum(1)
+                residual[(sol < 0).any(dim=1).squeeze(1)] = math.inf
+                i = int(residual.argmin())  # the first minimum: the smallest knee
+                if float(residual[i]) < best * (1 - 1e-9):  # ties keep the fit found first: fewer terms
+                    best, best_knee = float(residual[i]), float(knees[i])
+                    coef = dict(zip(names, sol[i, :, 0].tolist()))
         # The intercept alone (the mean of positive times) is always a candidate, so coef is set.
         self.slope = max(coef.get("slope", 0.0), 1e-12)
         self.per_token = coef.get("per_token", 0.0)
         self.intercept = coef.get("intercept", 0.0)
+        self.knee = best_knee if "per_token" in coef else 0.0
 
     def observe(self, predicted: float, measured: float) -> None:
         """Online drift correction: EMA of measured / predicted step time."""
@@ -738,7 +757,8 @@ class AutoBudget:
         c = self.cost
         explored = self.calibration.explored_medians()
         return {"cost_calibrated": self.calibration.calibrated, "cost_intercept_ms": 1e3 * c.intercept,
-                "cost_per_token_ms": 1e3 * c.per_token, "cost_roofline_slope": c.slope,
+                "cost_per_token_ms": 1e3 * c.per_token, "cost_knee_tokens": c.knee,
+                "cost_roofline_slope": c.slope,
                 "drafter_confidence_exponent": float(self.acceptance.beta),
                 "acceptance_reliability": [round(float(f), 2) for f in self.acceptance.reliability],
                 "planned_tokens_per_s": None if self.rate is None else float(self.rate),
