@@ -43,7 +43,7 @@ def test_committed_training_manifest_is_clean():
         assert m["leak_check"]["leaks_in_training_data"] == 0
         assert m["leak_check"]["texts_checked"] == m["train_sequences"] > 0
         m, stages = m.get("init_from"), stages + 1
-    assert stages == 4  # stdlib/site-package training, then three HumanEval-shaped fine-tunes
+    assert stages == 5  # stdlib/site-package training, then four HumanEval-shaped fine-tunes
 
 
 def test_site_prompts_skip_tests_humaneval_and_prompts_already_used(tmp_path):
