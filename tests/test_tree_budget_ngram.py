@@ -248,8 +248,8 @@ def test_fit_with_a_per_token_term_recovers_a_linear_cpu_step():
 def test_fit_finds_where_a_flat_cpu_step_starts_to_grow():
     """This CPU's step costs the same from 2 to 9 rows and then ~1.5 ms more per row (the quick study's
     explored and fixed-budget steps). A per-token term from row 0 cannot draw that: through the 2-,
-    9- and 65-row steps the old fit charged ~0.9 ms per row between 9 and 33 rows, so the budget
-    bought trees past the 8 nodes where throughput peaks. The fitted knee puts the price back."""
+    9- and 65-row steps the old fit charged ~0.9 ms per row between 9 and 33 rows. The fitted knee
+    puts the per-row price back (what that did to the timed budget: README, acceptance study)."""
     cost = cost_model("cpu")
     ctx = 300.0
 
