@@ -101,6 +101,9 @@ def main() -> None:
             tps = sum(len(r.tokens) for r in res) / sum(r.seconds for r in res)
             hist = collections.Counter(a for r in res for a in r.accept_lengths)
             chosen = [b for r in res for b in r.budgets]
+            # Each response's first step is left out: it also feeds the drafter the whole prompt.
+            steps = [(n, sec) for r in res for n, sec in list(zip(r.budgets or [0] * len(r.step_seconds),
+                                                                 r.step_seconds))[1:]]
             rows.append(
                 dict(
                     method=name,
@@ -113,17 +116,26 @@ def main() -> None:
                     mean_verified_nodes=statistics.mean(chosen) if chosen else 0.0,
                     mismatches_vs_ar=mismatches[(name, budget)] if temp == 0 else None,
                     prompts=len(res),
+                    step_ms_median=1e3 * statistics.median(sec for _, sec in steps) if steps else None,
+                    # the share of the wall time spent outside those steps (prefill, first steps)
+                    outside_steps_share=1 - sum(sec for _, sec in steps) / sum(r.seconds for r in res),
                 )
             )
+            if budget is None and name != "ar":  # what a step of each size cost while the budget varied
+                by_nodes = collections.defaultdict(list)
+                for n, sec in steps:
+                    by_nodes[n].append(sec)
+                rows[-1]["step_ms_by_nodes"] = {n: [round(1e3 * statistics.median(v), 1), len(v)]
+                                                for n, v in sorted(by_nodes.items()) if len(v) >= 3}
             if name in calibration[temp]:
                 rows[-1]["calibration"] = calibration[temp][name]
     print(f"\n{n_prompts} HumanEval prompts, max_new_tokens {max_new}, float32, batch 1, {args.threads} threads")
-    print(f"{'method':<26}{'B':>5}{'T':>4}{'tau':>7}{'tok/s':>8}{'vs AR':>7}{'nodes':>7}{'diff':>6}")
+    print(f"{'method':<26}{'B':>5}{'T':>4}{'tau':>7}{'tok/s':>8}{'vs AR':>7}{'nodes':>7}{'step ms':>8}{'diff':>6}")
     for r in rows:
         b = "-" if r["budget"] is None else r["budget"]
         diff = "-" if r["mismatches_vs_ar"] is None else r["mismatches_vs_ar"]
         print(f"{r['method']:<26}{b:>5}{r['temperature']:>4g}{r['tau']:>7.2f}{r['tokens_per_s']:>8.1f}"
-              f"{r['speedup_vs_ar']:>7.2f}{r['mean_verified_nodes']:>7.1f}{diff:>6}")
+              f"{r['speedup_vs_ar']:>7.2f}{r['mean_verified_nodes']:>7.1f}{r['step_ms_median'] or 0:>8.1f}{diff:>6}")
     from plotting import save_results
 
     save_results(rows, args.json, args.plot, lambda png: plot_rows(rows, temps, png))

@@ -66,6 +66,8 @@ def test_greedy_is_token_identical_to_target_alone(decoder, spec):
             ar = decoder.generate(prompt, n, SpecConfig(method="ar")).tokens
             out = decoder.generate(prompt, n, spec)
             assert out.tokens == ar, (prompt, n)
+            # one timed step per target forward after prefill, so per-step costs can be reported
+            assert len(out.step_seconds) == len(out.accept_lengths) and all(t > 0 for t in out.step_seconds)
             accepted_multi += sum(1 for a in out.accept_lengths if a > 1)
     if spec.method == "ddtree" and spec.budget >= 8:
         # trees were accepted beyond the bonus token: compaction ran. The adaptive budget sizes its

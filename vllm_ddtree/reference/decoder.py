@@ -106,6 +106,7 @@ class GenerationResult:
     accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per target forward
     budgets: list[int] = field(default_factory=list)  # draft nodes verified per step
     depths: list[int] = field(default_factory=list)  # deepest node of each step's tree
+    step_seconds: list[float] = field(default_factory=list)  # wall time of each step after prefill
     seconds: float = 0.0  # wall time of generate(), prefill included
     cache: object = None  # the target's KV cache at the end (only with keep_cache=True)
 
@@ -225,10 +226,12 @@ class ReferenceDecoder:
 
         if spec.method == "ar":
             while True:
+                t_step = time.perf_counter()
                 logits, _, cache = self._target_forward(torch.tensor([[root]]), torch.tensor([[ctx]]), cache, None)
                 ctx += 1
                 root = int(self._pick(logits, sampling, gen)[0])
                 result.accept_lengths.append(1)
+                result.step_seconds.append(time.perf_counter() - t_step)
                 if self._emit(result, [root], max_new_tokens):
                     break
             result.seconds = time.perf_counter() - t0
@@ -307,9 +310,12 @@ class ReferenceDecoder:
                 on_path = torch.zeros_like(tree.valid)
                 on_path[0, path[1:] - 1] = True
                 auto.observe_acceptance(tree.scores, tree.valid, on_path)
+            seconds = time.perf_counter() - t_step  # the whole cycle, the controller's bookkeeping included
+            result.step_seconds.append(seconds)
+            if auto is not None:
                 prev = ctx - k
                 if len(result.accept_lengths) > 1:  # the first step also drafts over the whole prompt
-                    auto.observe_step(n, n * (prev + n), prev, time.perf_counter() - t_step)
+                    auto.observe_step(n, n * (prev + n), prev, seconds)
             if done:
                 break
         result.seconds = time.perf_counter() - t0
