@@ -1,15 +1,19 @@
-"""The automatic budget with and without the per-score-bin acceptance reliability, side by side
+"""The automatic budget as served against one part of its calibration switched off, side by side
 (a measurement, not a test).
 
-    python benchmarks/calibration_ab.py [--prompts 8] [--max-new-tokens 128] [--rounds 2] [--json PATH] [--plot PNG]
+    python benchmarks/calibration_ab.py [--compare reliability|residual] [--temperature T] [--prompts 8]
+        [--max-new-tokens 128] [--rounds 2] [--json PATH] [--plot PNG]
 
-Reference decoder, HumanEval prompts, float32, batch 1, T = 0, n-gram weight 0.2, with and without an
+Reference decoder, HumanEval prompts, float32, batch 1, n-gram weight 0.2, with and without an
 8-token prompt-lookup path. For each: the fixed budgets 8 and 16, the automatic budget as served
-("bins"), and the same controller with one confidence exponent only ("one-exponent":
-`AcceptanceCalibration(prior=1e12)`, so every bin's factor stays 1, the calibration before
-`23f7417`). One process, every method back to back on each prompt, `--rounds` passes over the
-prompts; medians over rounds of tokens/s, tau and mean verified nodes. Greedy outputs must all
-equal AR's (counted).
+("bins" / "table"), and the same controller without one part:
+- `--compare reliability` (default): one confidence exponent only ("one-exponent":
+  `AcceptanceCalibration(prior=1e12)`, so every bin's factor stays 1, the calibration before `23f7417`);
+- `--compare residual`: the step cost's smooth fit only ("smooth": `CostCalibration(residual=False)`,
+  no per-size residual table, the cost model before session 23).
+One process, every method back to back on each prompt, `--rounds` passes over the prompts; medians
+over rounds of tokens/s, tau and mean verified nodes. At T = 0 greedy outputs must all equal AR's
+(counted); at T > 0 prompt i samples with seed i in every method.
 """
 
 from __future__ import annotations
@@ -25,9 +29,14 @@ from vllm_ddtree.reference import ReferenceDecoder, SamplingConfig, SpecConfig
 from vllm_ddtree.reference.pair import load_pair
 from vllm_ddtree.tree import AcceptanceCalibration
 
+VARIANTS = {"reliability": ("bins", "one-exponent"), "residual": ("table", "smooth")}
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--compare", choices=sorted(VARIANTS), default="reliability",
+                    help="which part of the calibration the second controller goes without")
+    ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
@@ -41,29 +50,33 @@ def main() -> None:
 
     pair = load_pair()
     # Two decoders on the same models: each keeps its own automatic-budget controllers.
-    bins = ReferenceDecoder(pair.target, pair.drafter, eos_token_ids=pair.eos_token_ids)
-    one_exp = ReferenceDecoder(pair.target, pair.drafter, eos_token_ids=pair.eos_token_ids)
+    served = ReferenceDecoder(pair.target, pair.drafter, eos_token_ids=pair.eos_token_ids)
+    without = ReferenceDecoder(pair.target, pair.drafter, eos_token_ids=pair.eos_token_ids)
+    label_on, label_off = VARIANTS[args.compare]
     prompts = [pair.tokenizer(chat_prompt(pair.tokenizer, p["prompt"]), add_special_tokens=False)["input_ids"]
                for p in load_humaneval(args.prompts)]
-    grid = [("ar", None, bins, SpecConfig(method="ar"))]
+    grid = [("ar", None, served, SpecConfig(method="ar"))]
     for lookup in (0, 8):
         name = "ddtree+ngram" + ("+lookup" if lookup else "")
         kw = dict(method="ddtree", ngram_weight=args.ngram_weight, prompt_lookup_tokens=lookup)
-        grid += [(name, b, bins, SpecConfig(budget=b, **kw)) for b in (8, 16)]
+        grid += [(name, b, served, SpecConfig(budget=b, **kw)) for b in (8, 16)]
         auto = SpecConfig(budget=args.max_budget, adaptive=True, **kw)
-        grid += [(f"{name}-auto bins", None, bins, auto), (f"{name}-auto one-exponent", None, one_exp, auto)]
-        one_exp.auto_budget(auto).acceptance = AcceptanceCalibration(prior=1e12)
+        grid += [(f"{name}-auto {label_on}", None, served, auto), (f"{name}-auto {label_off}", None, without, auto)]
+        if args.compare == "reliability":
+            without.auto_budget(auto).acceptance = AcceptanceCalibration(prior=1e12)
+        else:
+            without.auto_budget(auto).calibration.residual = False
 
     per_round = {(n, b): [] for n, b, _, _ in grid}  # (tokens/s, tau, nodes) per round
     mismatches = 0
     for r in range(args.rounds):
         tot = {(n, b): [0, 0.0, 0, 0] for n, b, _, _ in grid}  # tokens, seconds, steps, nodes
-        for ids in tqdm(prompts, desc=f"round {r + 1}/{args.rounds}"):
+        for i, ids in enumerate(tqdm(prompts, desc=f"round {r + 1}/{args.rounds}")):
             ar_tokens = None
             for name, budget, dec, spec in grid:
-                res = dec.generate(ids, args.max_new_tokens, spec, SamplingConfig(temperature=0))
+                res = dec.generate(ids, args.max_new_tokens, spec, SamplingConfig(temperature=args.temperature, seed=i))
                 ar_tokens = ar_tokens or res.tokens
-                mismatches += res.tokens != ar_tokens
+                mismatches += args.temperature == 0 and res.tokens != ar_tokens
                 t = tot[(name, budget)]
                 t[0] += len(res.tokens)
                 t[1] += res.seconds
@@ -73,13 +86,14 @@ def main() -> None:
             per_round[key].append((tokens / secs, tokens / steps, nodes / steps))
 
     rows = []
-    print(f"\n{args.prompts} prompts x {args.max_new_tokens} tokens, {args.rounds} rounds; "
-          f"greedy outputs differing from AR: {mismatches}")
+    print(f"\n{args.prompts} prompts x {args.max_new_tokens} tokens, T = {args.temperature:g}, {args.rounds} rounds; "
+          f"greedy outputs differing from AR: {mismatches if args.temperature == 0 else '-'}")
     print(f"{'method':<36}{'B':>4}{'tau':>7}{'nodes':>7}{'tok/s':>8}  rounds")
     for (name, budget), runs in per_round.items():
         tps, tau, nodes = (statistics.median(x[i] for x in runs) for i in range(3))
-        rows.append(dict(method=name, budget=budget, temperature=0.0, tau=tau, mean_verified_nodes=nodes,
-                         tokens_per_s=tps, runs_tokens_per_s=[x[0] for x in runs], mismatches_vs_ar=mismatches))
+        rows.append(dict(method=name, budget=budget, temperature=args.temperature, tau=tau, mean_verified_nodes=nodes,
+                         tokens_per_s=tps, runs_tokens_per_s=[x[0] for x in runs],
+                         mismatches_vs_ar=mismatches if args.temperature == 0 else None))
         print(f"{name:<36}{budget or '-':>4}{tau:>7.2f}{nodes:>7.1f}{tps:>8.1f}  {[round(x[0], 1) for x in runs]}")
     from plotting import save_results
 
@@ -96,7 +110,8 @@ def plot_bars(rows: list[dict], path: str) -> None:
     labels = [r["method"] + (f" B={r['budget']}" if r["budget"] else "") for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(12, 0.45 * len(rows) + 1.5), sharey=True)
     for ax, key, title in zip(axes, ("tokens_per_s", "mean_verified_nodes"), ("tokens/s (median)", "verified nodes")):
-        colors = ["tab:green" if "bins" in lab else "tab:gray" if "one-exponent" in lab else "tab:blue" for lab in labels]
+        colors = ["tab:green" if lab.endswith(("bins", "table")) else "tab:gray" if lab.endswith(("one-exponent", "smooth"))
+                  else "tab:blue" for lab in labels]
         ax.barh(range(len(rows)), [r[key] for r in rows], color=colors)
         ax.set_title(title)
     axes[0].set_yticks(range(len(rows)), labels)

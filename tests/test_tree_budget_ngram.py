@@ -272,6 +272,50 @@ def test_fit_finds_where_a_flat_cpu_step_starts_to_grow():
     assert linear.knee == 0.0 and linear.per_token == pytest.approx(0.0018, rel=1e-3)
 
 
+def staircase_seconds(rows):
+    """The toy target's verify on this CPU (session 23, `_target_forward` at 200 tokens of context):
+    36-41 ms for 1-3 rows, a jump to 53 ms at 4 (the matmul kernels change with the row count), then
+    ~1.4 ms a row; 16 rows cost less than 12."""
+    rows = torch.as_tensor(rows, dtype=torch.float64)
+    return torch.where(rows <= 3, 0.036 + 0.0022 * (rows - 1), 0.053 + 0.0014 * (rows - 4)) - \
+        0.008 * ((rows >= 13) & (rows <= 16))
+
+
+def test_the_residual_table_learns_the_steps_a_smooth_fit_cannot_draw():
+    """Fitted through a staircase, the line-with-knee misses the sizes next to the jump by several ms
+    (the quick study's controller: 59 ms predicted for a 2-row step that took 52, 70 for a 9-row one
+    that took 81). The residual table puts each measured size back; sizes never measured keep the fit."""
+    smollm2 = ModelShape(30, 576, 9, 3, 64, 1536, 49152, 4)  # SmolLM2-135M, float32
+    auto = AutoBudget(CostModel(smollm2, get_profile("cpu")), 1, 64)
+    ctx = 200.0
+    sizes = [1 + b for b in (64, 64, 64, 64, 1, 1, 1, 8, 8, 8)] + [2, 3, 4, 5, 6, 9, 13, 17] * 6
+    for rows in sizes:  # exploration, then steps of the sizes a controller settles around
+        auto.observe_step(rows, rows * (ctx + rows), ctx, float(staircase_seconds(rows)))
+    cost = auto.cost
+    seen = torch.tensor(sorted(set(sizes)), dtype=torch.float64)
+    pred = cost.verify_seconds(seen, seen * (ctx + seen), torch.full_like(seen, ctx))
+    true = staircase_seconds(seen)
+    smooth = pred - cost.residual[seen.long()]
+    assert (smooth - true).abs().max() > 3e-3  # the fit alone misses by more than 3 ms somewhere
+    # Each measured size is at least half way back (one point: half; six: 6/7), those the recent
+    # window holds six of to within 1 ms.
+    assert ((pred - true).abs() <= (smooth - true).abs() / 2 + 1e-6).all()
+    assert (pred - true)[seen != 65].abs().max() < 1e-3
+    never = torch.tensor([40.0])  # a size no step had: the smooth fit only
+    assert float(cost.verify_seconds(never, never * (ctx + never), torch.tensor([ctx]))) == pytest.approx(
+        float(cost.intercept + cost.slope * roofline_seconds(cost.shape, cost.profile, never, never * (ctx + never),
+                                                             torch.tensor([ctx])) + cost.per_token * (40 - cost.knee)),
+        rel=1e-5)
+    assert auto.summary()["cost_residual_ms"]  # the table is in the benchmark's JSON
+    # One step at a new size, 20 ms slower than the fit, moves that size by about half of it (the
+    # table's n / (n + 1), and the line bends a little towards it), not all the way: one step may stall.
+    fitted = float(cost.verify_seconds(never, never * (ctx + never), torch.tensor([ctx])))
+    auto.calibration.recent.append((40.0, 40.0 * (ctx + 40), ctx, fitted + 0.020))
+    auto.calibration.refit()
+    moved = float(cost.verify_seconds(never, never * (ctx + never), torch.tensor([ctx]))) - fitted
+    assert 0.008 < moved < 0.013
+
+
 def test_fit_is_non_negative_least_squares_not_a_clamped_fit():
     # Batch 1 on this CPU: the roofline is flat in rows (below its knee) and moves only with the
     # context, so intercept and slope are nearly collinear. Here the unconstrained fit is

@@ -8,9 +8,10 @@ keeps A concave and the batch merge prefix-consistent).
 
 Cycle cost C = T_draft + T_aux + T_verify, T_verify from a roofline of the target's forward
 (BASTION appendix F, generalised to a batch: weights are read once per step, FLOPs and activations
-grow with the step's total tokens), times a linear calibration fitted to measured step times and an
-online EMA correction. Estimated speedup A(N) / C(N) is maximised exactly over [min, max] budget
-with a cumulative sum and an argmax on device (no host round trip, no first-descent heuristic).
+grow with the step's total tokens), times a linear calibration fitted to measured step times, plus a
+residual per measured step size (the cost of a CPU step is a staircase), and an online EMA
+correction. Estimated speedup A(N) / C(N) is maximised exactly over [min, max] budget with a
+cumulative sum and an argmax on device (no host round trip, no first-descent heuristic).
 While decoding, the automatic budget maximises A(N) - rate * C(N) instead, rate = the throughput its
 plans reach: over many steps that, not each step's own A / C, maximises tokens per second.
 
@@ -125,10 +126,14 @@ def roofline_seconds(shape: ModelShape, profile: DeviceProfile, tokens, attn_pai
 @dataclass
 class CostModel:
     """Calibrated cycle cost of a speculative step:
-    T_draft + T_aux + intercept + slope * roofline + per_token * max(tokens - knee, 0).
+    T_draft + T_aux + intercept + slope * roofline + per_token * max(tokens - knee, 0) + residual[tokens].
 
     `fit` sets the coefficients from measured verify times; `observe` keeps an EMA of measured over
-    predicted step time and scales predictions by it (BASTION's "EMA + Calib").
+    predicted step time and scales predictions by it (BASTION's "EMA + Calib"). `residual` [S] (seconds
+    by step size in rows, 0 past its end) holds what the smooth fit misses at the sizes measured:
+    a CPU's matmul kernels change with the row count, so the step cost is a staircase (the toy
+    target's verify here: 36 / 37 / 40 ms at 1 / 2 / 3 rows, then 53 ms at 4; 75 ms at 12 rows but
+    68 at 16), which no line or knee draws.
     """
 
     shape: ModelShape
@@ -141,6 +146,7 @@ class CostModel:
     correction: float = 1.0
     per_token: float = 0.0  # seconds per step token beyond the roofline (fitted; kernels that scale with rows)
     knee: float = 0.0  # step tokens the per-token term starts after (fitted; a step this small costs the same)
+    residual: Tensor | None = None  # [S] seconds added at a step of s rows (measured minus fitted; 0 past S)
 
     def __post_init__(self) -> None:
         if min(self.intercept, self.t_draft, self.t_aux, self.per_token, self.knee) < 0 or self.slope <= 0:
@@ -151,8 +157,16 @@ class CostModel:
     def verify_seconds(self, tokens, attn_pairs, context_total):
         """Calibrated verify time for a step with these totals (see `roofline_seconds`)."""
         raw = roofline_seconds(self.shape, self.profile, tokens, attn_pairs, context_total)
-        rows = (torch.as_tensor(tokens) - self.knee).clamp(min=0)
-        return self.slope * raw + self.per_token * rows + self.intercept
+        tokens = torch.as_tensor(tokens)
+        rows = (tokens - self.knee).clamp(min=0)
+        smooth = self.slope * raw + self.per_token * rows + self.intercept
+        if self.residual is None:
+            return smooth
+        if self.residual.device != tokens.device:  # once per refit (rebuilt on the host): a tiny copy
+            self.residual = self.residual.to(tokens.device)
+        size = tokens.round().long()
+        inside = (size >= 0) & (size < self.residual.numel())
+        return smooth + torch.where(inside, self.residual[size.clamp(0, self.residual.numel() - 1)], 0.0)
 
     def step_seconds(self, tree_tokens, context_total, num_requests: int = 1):
         """Predicted cycle time of a step with `tree_tokens` draft nodes over `num_requests` requests.
@@ -187,7 +201,8 @@ class CostModel:
         roofline) it charged 0.9 ms per row from 9 to 33 rows, where the fixed budgets cost ~1.5,
         and the budget bought trees of 10-14 nodes where 8 was best. With the knee the per-row price
         is right (1.39-1.42 ms), yet the quick study's controllers still kept 11-12 nodes, at
-        0.938x / 0.956x the best fixed budget: what the fit still lacks is not measured (README).
+        0.938x / 0.956x the best fixed budget: the step cost is a staircase no smooth fit draws,
+        which `CostCalibration.refit` adds as the per-size `residual` on top of this fit.
         """
         x = roofline_seconds(self.shape, self.profile, tokens.double(), attn_pairs.double(), context_total.double())
         y = seconds.double()
@@ -535,8 +550,8 @@ class CostCalibration:
     64-node tree per request is a 4160-row step, and the controller never chooses anything near it
     there. After that,
     every `refit_every` measurements the model is refit (intercept + roofline + per-token term past
-a fitted knee) on
-    the exploration points plus a window of recent ones. Measurements far above the current
+    a fitted knee, then the residual at each measured step size) on the exploration points plus a
+    window of recent ones. Measurements far above the current
     prediction (an idle engine between requests, a stall) are dropped.
 
     Each exploration size is measured `repeats` times and enters the fit as its median step: the
@@ -553,6 +568,7 @@ a fitted knee) on
     skip: int = 1  # first measurement dropped (warm-up)
     refit_every: int = 8
     window: int = 128
+    residual: bool = True  # also fit the per-size residual table (False: the smooth fit only)
     explored: list = field(default_factory=list)  # (tokens, pairs, ctx, seconds) from exploration
     recent: list = field(default_factory=list)
     _seen: int = 0
@@ -599,7 +615,8 @@ a fitted knee) on
             if self.calibrated:
                 self.refit()
             return
-        predicted = float(self.cost.step_seconds(torch.tensor(tokens), torch.tensor(context_total)))
+        predicted = float(self.cost.correction * self.cost.verify_seconds(
+            torch.tensor(tokens), torch.tensor(attn_pairs), torch.tensor(context_total)))
         recent_secs = [p[3] for p in self.recent[-32:]] or [predicted]
         if seconds > 4 * max(predicted, statistics.median(recent_secs)):
             return
@@ -616,11 +633,24 @@ a fitted knee) on
         return [sorted(g, key=lambda p: p[3])[(len(g) - 1) // 2] for g in by_size.values()]
 
     def refit(self) -> None:
+        """The smooth fit on the exploration medians and the recent window, then the residual table:
+        at each step size measured, the median of measured minus fitted seconds there, shrunk towards
+        0 by n / (n + 1) for n points (one noisy step moves its size half as far)."""
         pts = torch.tensor(self.explored_medians() + self.recent, dtype=torch.float64)
         self.cost.t_draft = self.cost.t_aux = 0.0  # cycle times: the intercept holds drafting and overheads
         self.cost.correction = 1.0
+        self.cost.residual = None
         self.cost.fit(pts[:, 0], pts[:, 1], pts[:, 2], pts[:, 3], per_token=True)
         self._since_fit = 0
+        if not self.residual:
+            return
+        miss = pts[:, 3] - self.cost.verify_seconds(pts[:, 0], pts[:, 1], pts[:, 2])
+        size = pts[:, 0].round().long()
+        table = torch.zeros(int(size.max()) + 1, dtype=torch.float32)
+        for s in torch.unique(size).tolist():
+            m = miss[size == s]
+            table[s] = float(m.median()) * len(m) / (len(m) + 1)
+        self.cost.residual = table
 
 
 @dataclass
@@ -761,6 +791,8 @@ class AutoBudget:
         explored = self.calibration.explored_medians()
         return {"cost_calibrated": self.calibration.calibrated, "cost_intercept_ms": 1e3 * c.intercept,
                 "cost_per_token_ms": 1e3 * c.per_token, "cost_knee_tokens": c.knee,
+                "cost_residual_ms": {} if c.residual is None else {
+                    int(i): round(1e3 * float(v), 1) for i, v in enumerate(c.residual.cpu()) if abs(float(v)) >= 5e-5},
                 "cost_roofline_slope": c.slope,
                 "drafter_confidence_exponent": float(self.acceptance.beta),
                 "acceptance_reliability": [round(float(f), 2) for f in self.acceptance.reliability],
