@@ -273,9 +273,9 @@ def test_fit_finds_where_a_flat_cpu_step_starts_to_grow():
 
 
 def staircase_seconds(rows):
-    """The toy target's verify on this CPU (session 23, `_target_forward` at 200 tokens of context):
-    36-41 ms for 1-3 rows, a jump to 53 ms at 4 (the matmul kernels change with the row count), then
-    ~1.4 ms a row; 16 rows cost less than 12."""
+    """The toy target's verify on this CPU (`benchmarks/results/verify_rows.json`, 200 tokens of
+    context): 35-39 ms for 1-3 rows, a jump to 52 ms at 4 (the matmul kernels change with the row
+    count), then ~1.4 ms a row; 16 rows cost less than 12."""
     rows = torch.as_tensor(rows, dtype=torch.float64)
     return torch.where(rows <= 3, 0.036 + 0.0022 * (rows - 1), 0.053 + 0.0014 * (rows - 4)) - \
         0.008 * ((rows >= 13) & (rows <= 16))

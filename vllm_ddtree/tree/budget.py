@@ -132,8 +132,8 @@ class CostModel:
     predicted step time and scales predictions by it (BASTION's "EMA + Calib"). `residual` [S] (seconds
     by step size in rows, 0 past its end) holds what the smooth fit misses at the sizes measured:
     a CPU's matmul kernels change with the row count, so the step cost is a staircase (the toy
-    target's verify here: 36 / 37 / 40 ms at 1 / 2 / 3 rows, then 53 ms at 4; 75 ms at 12 rows but
-    68 at 16), which no line or knee draws.
+    target's verify here, `benchmarks/verify_rows.py`: 35 / 36 / 39 ms at 1 / 2 / 3 rows, then 52 ms
+    at 4; 72-74 ms at 12 rows but 65-69 at 16), which no line or knee draws.
     """
 
     shape: ModelShape
@@ -162,8 +162,9 @@ class CostModel:
         smooth = self.slope * raw + self.per_token * rows + self.intercept
         if self.residual is None:
             return smooth
-        if self.residual.device != tokens.device:  # once per refit (rebuilt on the host): a tiny copy
-            self.residual = self.residual.to(tokens.device)
+        if self.residual.device != tokens.device:  # once per refit (rebuilt on the host); pinned and
+            src = self.residual.pin_memory() if tokens.device.type == "cuda" else self.residual  # non-blocking:
+            self.residual = src.to(tokens.device, non_blocking=True)  # no host sync in the decode loop
         size = tokens.round().long()
         inside = (size >= 0) & (size < self.residual.numel())
         return smooth + torch.where(inside, self.residual[size.clamp(0, self.residual.numel() - 1)], 0.0)
