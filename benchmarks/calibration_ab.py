@@ -1,7 +1,7 @@
 """The automatic budget as served against one part of its calibration switched off, side by side
 (a measurement, not a test).
 
-    python benchmarks/calibration_ab.py [--compare reliability|residual] [--temperature T] [--prompts 8]
+    python benchmarks/calibration_ab.py [--compare reliability|residual|gate] [--temperature T] [--prompts 8]
         [--max-new-tokens 128] [--rounds 2] [--json PATH] [--plot PNG]
 
 Reference decoder, HumanEval prompts, float32, batch 1, n-gram weight 0.2, with and without an
@@ -10,7 +10,9 @@ Reference decoder, HumanEval prompts, float32, batch 1, n-gram weight 0.2, with 
 - `--compare reliability` (default): one confidence exponent only ("one-exponent":
   `AcceptanceCalibration(prior=1e12)`, so every bin's factor stays 1, the calibration before `23f7417`);
 - `--compare residual`: the step cost's smooth fit only ("smooth": `CostCalibration(residual=False)`,
-  no per-size residual table, the cost model before session 23).
+  no per-size residual table, the cost model before session 23);
+- `--compare gate`: the controller that may also choose no tree ("gated": min_budget 0, a
+  `SpeculationGate`) against the one that always drafts ("always-drafts": min_budget 1).
 One process, every method back to back on each prompt, `--rounds` passes over the prompts; medians
 over rounds of tokens/s, tau and mean verified nodes. At T = 0 greedy outputs must all equal AR's
 (counted); at T > 0 prompt i samples with seed i in every method.
@@ -29,7 +31,7 @@ from vllm_ddtree.reference import ReferenceDecoder, SamplingConfig, SpecConfig
 from vllm_ddtree.reference.pair import load_pair
 from vllm_ddtree.tree import AcceptanceCalibration
 
-VARIANTS = {"reliability": ("bins", "one-exponent"), "residual": ("table", "smooth")}
+VARIANTS = {"reliability": ("bins", "one-exponent"), "residual": ("table", "smooth"), "gate": ("gated", "always-drafts")}
 
 
 def main() -> None:
@@ -61,10 +63,11 @@ def main() -> None:
         kw = dict(method="ddtree", ngram_weight=args.ngram_weight, prompt_lookup_tokens=lookup)
         grid += [(name, b, served, SpecConfig(budget=b, **kw)) for b in (8, 16)]
         auto = SpecConfig(budget=args.max_budget, adaptive=True, **kw)
-        grid += [(f"{name}-auto {label_on}", None, served, auto), (f"{name}-auto {label_off}", None, without, auto)]
+        auto_on = SpecConfig(budget=args.max_budget, adaptive=True, min_budget=0, **kw) if args.compare == "gate" else auto
+        grid += [(f"{name}-auto {label_on}", None, served, auto_on), (f"{name}-auto {label_off}", None, without, auto)]
         if args.compare == "reliability":
             without.auto_budget(auto).acceptance = AcceptanceCalibration(prior=1e12)
-        else:
+        elif args.compare == "residual":
             without.auto_budget(auto).calibration.residual = False
 
     per_round = {(n, b): [] for n, b, _, _ in grid}  # (tokens/s, tau, nodes) per round
@@ -86,6 +89,7 @@ def main() -> None:
             per_round[key].append((tokens / secs, tokens / steps, nodes / steps))
 
     rows = []
+    controllers = {(n, b): dec.auto_budget(spec).summary() for n, b, dec, spec in grid if spec.adaptive}
     print(f"\n{args.prompts} prompts x {args.max_new_tokens} tokens, T = {args.temperature:g}, {args.rounds} rounds; "
           f"greedy outputs differing from AR: {mismatches if args.temperature == 0 else '-'}")
     print(f"{'method':<36}{'B':>4}{'tau':>7}{'nodes':>7}{'tok/s':>8}  rounds")
@@ -93,8 +97,12 @@ def main() -> None:
         tps, tau, nodes = (statistics.median(x[i] for x in runs) for i in range(3))
         rows.append(dict(method=name, budget=budget, temperature=args.temperature, tau=tau, mean_verified_nodes=nodes,
                          tokens_per_s=tps, runs_tokens_per_s=[x[0] for x in runs],
-                         mismatches_vs_ar=mismatches if args.temperature == 0 else None))
-        print(f"{name:<36}{budget or '-':>4}{tau:>7.2f}{nodes:>7.1f}{tps:>8.1f}  {[round(x[0], 1) for x in runs]}")
+                         mismatches_vs_ar=mismatches if args.temperature == 0 else None)
+                    | ({"controller": controllers[(name, budget)]} if (name, budget) in controllers else {}))
+        gate = controllers.get((name, budget), {})
+        gated = (f"  gate: {gate['gate_undrafted_steps']} of {gate['gate_undrafted_steps'] + gate['gate_drafted_steps']}"
+                 f" steps undrafted, advantage {gate['gate_advantage']}" if "gate_advantage" in gate else "")
+        print(f"{name:<36}{budget or '-':>4}{tau:>7.2f}{nodes:>7.1f}{tps:>8.1f}  {[round(x[0], 1) for x in runs]}{gated}")
     from plotting import save_results
 
     save_results(rows, args.json, args.plot, lambda png: plot_bars(rows, png))
@@ -110,7 +118,8 @@ def plot_bars(rows: list[dict], path: str) -> None:
     labels = [r["method"] + (f" B={r['budget']}" if r["budget"] else "") for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(12, 0.45 * len(rows) + 1.5), sharey=True)
     for ax, key, title in zip(axes, ("tokens_per_s", "mean_verified_nodes"), ("tokens/s (median)", "verified nodes")):
-        colors = ["tab:green" if lab.endswith(("bins", "table")) else "tab:gray" if lab.endswith(("one-exponent", "smooth"))
+        colors = ["tab:green" if lab.endswith(("bins", "table", "gated"))
+                  else "tab:gray" if lab.endswith(("one-exponent", "smooth", "always-drafts"))
                   else "tab:blue" for lab in labels]
         ax.barh(range(len(rows)), [r[key] for r in rows], color=colors)
         ax.set_title(title)

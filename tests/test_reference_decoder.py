@@ -92,6 +92,39 @@ def test_adaptive_budget_calibrates_online_and_stays_in_range(pair):
     assert auto.acceptance.updates == len(budgets)  # every step fed the drafter-confidence fit
 
 
+def test_steps_the_gate_keeps_from_drafting_are_exact_and_the_drafter_catches_up_on_them(pair):
+    target, drafter = pair
+    dec = ReferenceDecoder(target, drafter)
+    spec = SpecConfig(method="ddtree", budget=16, adaptive=True, min_budget=0)  # 0: the gate may skip drafting
+    auto = dec.auto_budget(spec)
+    auto.gate.probe_every = 3
+    auto.gate.ar_seconds[1] = [1e-6]  # the target alone looks far faster than any tree: the gate closes
+    budgets = []
+    for prompt in PROMPTS:
+        for n in (7, 40):
+            ar = dec.generate(prompt, n, SpecConfig(method="ar")).tokens
+            out = dec.generate(prompt, n, spec, keep_cache=True)
+            assert out.tokens == ar, (prompt, n)
+            assert len(out.budgets) == len(out.accept_lengths) == len(out.step_seconds)
+            budgets += out.budgets
+            # The drafter's context K/V, built step by step (trees, undrafted steps, the catch-up after
+            # them), equals one pass over every committed token's target features.
+            committed = prompt + out.tokens[:-1]
+            with torch.no_grad():
+                _, feats, _ = dec._target_forward(torch.tensor([committed]), torch.arange(len(committed))[None],
+                                                  None, None)
+                fresh = drafter.context_kv(drafter.fuse_features(feats), torch.arange(len(committed))[None])
+            m = out.drafter_cache.length
+            assert m >= len(prompt)
+            for (k, v), (fk, fv) in zip(out.drafter_cache.layers, fresh):
+                torch.testing.assert_close(k, fk[:, :, :m], atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(v, fv[:, :, :m], atol=1e-5, rtol=1e-5)
+    assert auto.calibration.calibrated
+    after = budgets[len(auto.calibration.explored) + 1:]  # past exploration: undrafted steps and probes
+    assert after.count(0) > sum(b > 0 for b in after) > 0
+    assert auto.gate.undrafted == budgets.count(0) and auto.summary()["gate_advantage"] < 1
+
+
 def test_eos_inside_an_accepted_path_ends_at_that_token(pair, decoder):
     target, drafter = pair
     prompt = PROMPTS[2]

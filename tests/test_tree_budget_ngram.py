@@ -8,12 +8,14 @@ import torch
 from vllm_ddtree.tree import (
     AcceptanceCalibration,
     AutoBudget,
+    BudgetPlan,
     CostCalibration,
     CostModel,
     LookupCalibration,
     ModelShape,
     NGramCounts,
     NGramModel,
+    SpeculationGate,
     allocate_batch,
     batch_estimate,
     build_corpus_ngram,
@@ -680,3 +682,54 @@ def test_auto_budget_buys_the_lookup_path_where_it_is_accepted_and_drops_it_wher
     follows, ignores = run(0.9), run(0.02)
     assert sum(follows[-50:]) / 50 >= 4  # most of the 6-token path, once calibrated
     assert sum(ignores[-50:]) <= 3  # dropped (a chance hit lifts the EMA for a step or two)
+
+
+def _plan(tokens_per_second: float) -> BudgetPlan:
+    one = torch.tensor(1.0)
+    return BudgetPlan(torch.tensor([4]), one, one / tokens_per_second, torch.tensor(tokens_per_second))
+
+
+def test_speculation_gate_measures_the_target_alone_then_drafts_only_while_plans_beat_it():
+    gate = SpeculationGate(probe_every=4, alpha=0.5)
+    # A request count never decoded without drafting is measured first; until a measurement comes
+    # (a step with prefills in it measures nothing), every 4th step tries again and the rest draft.
+    assert [gate.speculate(1) for _ in range(6)] == [False, True, True, True, False, True]
+    gate.observe_ar_step(1, 0.040)  # the target alone: 25 tokens/s
+    assert gate.speculate(1) is True  # the gate starts open
+    gate.observe_plan(_plan(20.0), 1)  # that step's plan: 0.8x the target alone
+    # advantage 0.5 + 0.5 * 0.8 = 0.9: the steps decode alone, every 4th still drafts (a probe)
+    assert [gate.speculate(1) for _ in range(4)] == [False, False, False, True]
+    gate.observe_plan(_plan(20.0), 1)  # the probe's plan: 0.8x again
+    assert [gate.speculate(1) for _ in range(4)] == [False, False, False, True]
+    assert gate.advantage == pytest.approx(0.85)
+    gate.observe_plan(_plan(50.0), 1)  # the next probe's plan is worth 2x: the gate opens again
+    assert gate.speculate(1) is True and gate.advantage == pytest.approx(1.425)
+    # Another batch size has its own measured baseline; a plan is compared at its own size.
+    assert gate.speculate(4) is False
+    gate.observe_ar_step(4, 0.050)  # 80 tokens/s
+    gate.observe_ar_step(4, 0.900)  # a stall (over 4x the median): dropped
+    assert gate.ar_rate(4) == pytest.approx(80.0)
+    gate.observe_plan(_plan(160.0), 4)
+    assert gate.speculate(4) is True and gate.advantage == pytest.approx(0.5 * 1.425 + 0.5 * 2.0)
+    assert (gate.drafted, gate.undrafted) == (9, 9)
+    with pytest.raises(ValueError, match="probe_every"):
+        SpeculationGate(probe_every=0)
+
+
+def test_auto_budget_consults_its_gate_only_once_the_cost_is_calibrated():
+    auto = AutoBudget(cost_model("cpu", t_draft=0.0), 1, 8, gate=SpeculationGate())
+    scores = torch.log(torch.full((1, 8), 0.5))
+    steps = 0
+    while auto.exploring:  # exploration drafts every step, whatever the gate would say
+        assert auto.speculate(1)
+        rows = 1 + int(auto.choose_plan(scores, torch.tensor([100])).budgets[0])
+        auto.observe_step(rows, rows * (100 + rows), 100, 0.04 + 0.001 * rows)
+        steps += 1
+    assert steps >= 9 and auto.gate.drafted == auto.gate.undrafted == 0 and auto.gate._pending is None
+    assert not auto.speculate(1)  # then the target alone is measured once
+    auto.observe_ar_step(1, 0.001)  # ... and found far faster than any tree
+    assert auto.speculate(1)
+    auto.choose_plan(scores, torch.tensor([100]))
+    assert auto.gate._pending is not None  # the chosen plan's rate, read at the next decision
+    assert not auto.speculate(1) and auto.gate.advantage < 1
+    assert "gate_advantage" in auto.summary() and auto.summary()["gate_undrafted_step_ms"] == {1: 1.0}

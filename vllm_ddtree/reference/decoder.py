@@ -36,6 +36,7 @@ from vllm_ddtree.tree import (
     LookupCalibration,
     ModelShape,
     NGramModel,
+    SpeculationGate,
     add_branch,
     apply_compaction_,
     build_tree,
@@ -58,7 +59,8 @@ class SpecConfig:
 
     adaptive: the tree size is chosen per step in [min_budget, budget] by the decoder's `AutoBudget`,
     which keeps its calibration across `generate` calls (like a server: the first few steps after
-    the decoder is created explore sizes to fit the cost model).
+    the decoder is created explore sizes to fit the cost model). min_budget 0 (adaptive only) also
+    lets it choose no tree: a `SpeculationGate` skips drafting while trees are not worth their cost.
     """
 
     method: str = "ddtree"
@@ -73,8 +75,9 @@ class SpecConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
-        if self.budget < 1 or self.min_budget < 1 or self.min_budget > self.budget:
-            raise ValueError(f"need 1 <= min_budget <= budget, got min_budget={self.min_budget}, budget={self.budget}")
+        if self.budget < 1 or self.min_budget < (0 if self.adaptive else 1) or self.min_budget > self.budget:
+            raise ValueError(f"need 1 <= min_budget <= budget (0 <= min_budget with adaptive), got "
+                             f"min_budget={self.min_budget}, budget={self.budget}, adaptive={self.adaptive}")
         if self.ngram_weight < 0:
             raise ValueError(f"ngram_weight must be >= 0, got {self.ngram_weight}")
         if self.adaptive and self.method != "ddtree":
@@ -109,6 +112,7 @@ class GenerationResult:
     step_seconds: list[float] = field(default_factory=list)  # wall time of each step after prefill
     seconds: float = 0.0  # wall time of generate(), prefill included
     cache: object = None  # the target's KV cache at the end (only with keep_cache=True)
+    drafter_cache: object = None  # the drafter's context K/V at its last drafting step (likewise)
 
     @property
     def tau(self) -> float:
@@ -188,8 +192,9 @@ class ReferenceDecoder:
         if key not in self.auto:
             shape = ModelShape.from_hf_config(self.target.config, str(self.target.dtype))
             lookup = LookupCalibration(spec.prompt_lookup_tokens) if spec.prompt_lookup_tokens > 0 else None
-            self.auto[key] = AutoBudget(CostModel(shape, get_profile("cpu")), spec.min_budget, spec.budget,
-                                        lookup=lookup)
+            gate = SpeculationGate() if spec.min_budget == 0 else None  # budget 0: no tree, no drafting
+            self.auto[key] = AutoBudget(CostModel(shape, get_profile("cpu")), max(spec.min_budget, 1), spec.budget,
+                                        lookup=lookup, gate=gate)
         return self.auto[key]
 
     # ---- decoding ---------------------------------------------------------------------------
@@ -204,7 +209,8 @@ class ReferenceDecoder:
     ) -> GenerationResult:
         """Generate up to `max_new_tokens` after `prompt_ids`, stopping after an EOS token.
 
-        keep_cache: return the target's final KV cache in `result.cache` (tests check compaction).
+        keep_cache: return the target's final KV cache in `result.cache` and the drafter's in
+        `result.drafter_cache` (tests check compaction and the drafter's context).
         """
         spec = spec or SpecConfig(method="ar")
         sampling = sampling or SamplingConfig()
@@ -244,8 +250,29 @@ class ReferenceDecoder:
         if spec.ngram_weight > 0 or spec.prompt_lookup_tokens > 0:
             ngram = NGramModel(self.target.config.vocab_size, spec.ngram_order)
             ngram.observe(0, prompt_ids + [root])
+        undrafted_before = False  # the last step skipped drafting: this one's drafter catches up on context
         while True:
             t_step = time.perf_counter()
+            if auto is not None and not auto.speculate(1):
+                # The budget chose no tree: one target step, whose features join the drafter's context.
+                logits, feats, cache = self._target_forward(torch.tensor([[root]]), torch.tensor([[ctx]]), cache, None)
+                new_feats = torch.cat([new_feats, feats], dim=1)
+                new_pos = torch.cat([new_pos, torch.tensor([[ctx]])], dim=1)
+                ctx += 1
+                root = int(self._pick(logits, sampling, gen)[0])
+                result.budgets.append(0)
+                result.depths.append(0)
+                result.accept_lengths.append(1)
+                done = self._emit(result, [root], max_new_tokens)
+                if ngram is not None:
+                    ngram.observe(0, [root])
+                seconds = time.perf_counter() - t_step
+                result.step_seconds.append(seconds)
+                auto.observe_ar_step(1, seconds)
+                undrafted_before = True
+                if done:
+                    break
+                continue
             # 1. Draft: one block [root, MASK x L] against the committed context.
             block, bpos = make_block(torch.tensor([root]), torch.tensor([ctx]), self.depth + 1)
             budget = self.depth if spec.method == "dflash" else spec.budget
@@ -314,13 +341,16 @@ class ReferenceDecoder:
             result.step_seconds.append(seconds)
             if auto is not None:
                 prev = ctx - k
-                if len(result.accept_lengths) > 1:  # the first step also drafts over the whole prompt
+                # The first step also drafts over the whole prompt, one after undrafted steps over their tokens.
+                if len(result.accept_lengths) > 1 and not undrafted_before:
                     auto.observe_step(n, n * (prev + n), prev, seconds)
+            undrafted_before = False
             if done:
                 break
         result.seconds = time.perf_counter() - t0
         if keep_cache:
             result.cache = cache
+            result.drafter_cache = drafter_cache
         return result
 
     def _candidates(self, draft_logits: Tensor, spec: SpecConfig, budget: int) -> tuple[Tensor, Tensor]:

@@ -13,6 +13,7 @@ from .budget import (
     DeviceProfile,
     LookupCalibration,
     ModelShape,
+    SpeculationGate,
     allocate_batch,
     batch_estimate,
     choose_budgets,

