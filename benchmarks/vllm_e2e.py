@@ -2,7 +2,7 @@
 
     python benchmarks/vllm_e2e.py [--quick] --json PATH [--plot PNG]
 
-float32, HumanEval prompts (chat-templated), greedy, max_tokens 256, batch 1 (requests one at a
+float32, HumanEval prompts (chat-templated), greedy (`--temperature T`: sampled, a seed per request), max_tokens 256, batch 1 (requests one at a
 time) and batch 8 (eight at once). Methods: no speculation, "dflash" (the chain, 15 tokens),
 "ddtree" with tree_budget 8/16/32/64 and "auto", each at every --ngram-weights value. All in one
 process, one engine per method, same prompts. tau = 1 + accepted / drafts from vLLM's spec-decode
@@ -51,6 +51,9 @@ def reset_ddtree_stats(llm) -> None:
         from vllm_ddtree.engine import DDTreeStats
 
         drafter.stats = DDTreeStats()
+        gate = drafter.auto.gate if drafter.auto is not None else None
+        if gate is not None:  # its counts per measured run (its calibration stays)
+            gate.drafted = gate.undrafted = 0
 
 
 def main() -> None:
@@ -76,6 +79,11 @@ def main() -> None:
     ap.add_argument("--full-draft-vocab", action="store_true",
                     help="also run each ddtree-auto method with \"draft_vocab\": \"full\" (the drafter's logits over "
                          "the whole shared head instead of the checkpoint's draft_vocab.json), named ...-fullvocab")
+    ap.add_argument("--gate", action="store_true",
+                    help="also run each ddtree-auto method with \"min_tree_budget\": 0 (the budget may choose no "
+                         "tree: the speculation gate), named ...-gated")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature (default 0: greedy, outputs compared with no speculation)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
@@ -100,7 +108,9 @@ def main() -> None:
     drafter = args.drafter or str(drafter_dir())
     tok = AutoTokenizer.from_pretrained(target)
     prompts = [chat_prompt(tok, p["prompt"]) for p in load_humaneval(n_prompts)]
-    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    # T > 0: one seed per request (the same in every engine); outputs then differ between methods.
+    params = [SamplingParams(temperature=args.temperature, max_tokens=max_tokens, seed=i if args.temperature else None)
+              for i in range(n_prompts)]
 
     wanted = set(args.methods.split(","))
     methods = [("none", None, None)]
@@ -122,6 +132,9 @@ def main() -> None:
             if args.prompt_lookup:
                 methods.append(("ddtree-auto-lookup" + suffix, None, tree | lookup | {"tree_budget": "auto"}))
 
+    if args.gate:
+        methods += [(name + "-gated", b, spec | {"min_tree_budget": 0})
+                    for name, b, spec in list(methods) if name.startswith("ddtree-auto")]
     if args.full_draft_vocab:
         methods += [(name + "-fullvocab", b, spec | {"draft_vocab": "full"})
                     for name, b, spec in list(methods) if name.startswith("ddtree-auto")]
@@ -141,7 +154,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 outs = []
                 for i in range(0, len(prompts), batch):
-                    outs += llm.generate(prompts[i : i + batch], params, use_tqdm=False)
+                    outs += llm.generate(prompts[i : i + batch], params[i : i + batch], use_tqdm=False)
                 secs = time.perf_counter() - t0
                 after = spec_counters(llm)
                 tokens = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -172,18 +185,22 @@ def main() -> None:
     for row in rows:
         base = next(r for r in rows if r["method"] == "none" and r["batch"] == row["batch"])
         row["speedup_vs_ar"] = row["tokens_per_s"] / base["tokens_per_s"]
-        row["identical_to_ar"] = row["outputs"] == base["outputs"]
+        row["identical_to_ar"] = row["outputs"] == base["outputs"] if args.temperature == 0 else None
     for row in rows:
         del row["outputs"]
 
-    print(f"\n{n_prompts} HumanEval prompts, max_tokens {max_tokens}, float32, greedy, median of {repeats}")
-    print(f"{'method':<24}{'B':>6}{'batch':>6}{'tau':>7}{'tok/s':>9}{'vs AR':>7}{'same':>6}{'nodes':>7}{'depth':>7}")
+    print(f"\n{n_prompts} HumanEval prompts, max_tokens {max_tokens}, float32, "
+          f"{'greedy' if args.temperature == 0 else f'T = {args.temperature:g}'}, median of {repeats}")
+    print(f"{'method':<24}{'B':>6}{'batch':>6}{'tau':>7}{'tok/s':>9}{'vs AR':>7}{'same':>6}{'nodes':>7}{'depth':>7}"
+          f"{'undrafted':>10}")
     for r in rows:
         b = "-" if r["budget"] is None else r["budget"]
         tree = r.get("ddtree") or {}  # the tree proposer's own means: nodes verified and deepest node per tree
         nodes, depth = (f"{tree[k]:>7.1f}" if k in tree else f"{'-':>7}" for k in ("mean_tree_nodes", "mean_tree_depth"))
+        steps = tree.get("gate_drafted_steps", 0) + tree.get("gate_undrafted_steps", 0)
+        undrafted = f"{tree['gate_undrafted_steps'] / steps:>10.0%}" if steps else f"{'-':>10}"
         print(f"{r['method']:<24}{b:>6}{r['batch']:>6}{r['tau']:>7.2f}{r['tokens_per_s']:>9.1f}"
-              f"{r['speedup_vs_ar']:>7.2f}{'yes' if r['identical_to_ar'] else 'NO':>6}{nodes}{depth}")
+              f"{r['speedup_vs_ar']:>7.2f}{'-' if r['identical_to_ar'] is None else 'yes' if r['identical_to_ar'] else 'NO':>6}{nodes}{depth}{undrafted}")
     from plotting import save_results
 
     save_results(rows, args.json, args.plot, lambda png: plot_rows(rows, batches, png))
@@ -200,7 +217,8 @@ def plot_rows(rows: list[dict], batches: list[int], path: str) -> None:
                    lines=[("none", "gray"), ("dflash", "tab:red"), ("ddtree-auto", "tab:green"),
                           ("ddtree-auto-no-ngram", "tab:olive"), ("ddtree-auto-sd", "tab:purple"),
                           ("ddtree-auto-lookup", "tab:blue"), ("ddtree-auto-fullvocab", "tab:cyan"),
-                          ("ddtree-auto-lookup-fullvocab", "tab:brown")],
+                          ("ddtree-auto-lookup-fullvocab", "tab:brown"), ("ddtree-auto-gated", "tab:pink"),
+                          ("ddtree-auto-lookup-gated", "tab:orange")],
                    metrics=[("tokens_per_s", "tokens / s"), ("tau", "tau (tokens / target forward)")], path=path)
 
 

@@ -232,6 +232,7 @@ def test_ddtree_options_as_nested_dict(dirs, target_configs):
         ({"tree_budget": "auto", "min_tree_budget": 40, "max_tree_budget": 8},
          r"min_tree_budget \(40\) is larger than max_tree_budget \(8\)"),
         ({"tree_budget": "auto", "max_tree_budget": 0}, r"max_tree_budget must be >= 1"),
+        ({"tree_budget": "auto", "min_tree_budget": -1}, r"min_tree_budget must be >= 0 \(0: the controller may skip"),
         ({"tree_budget": 16, "max_tree_budget": 32}, r"max_tree_budget only applies with tree_budget=\"auto\""),
         ({"ngram_weight": -0.1}, r"ngram_weight must be a number >= 0"),
         ({"ngram_order": 1}, r"ngram_order must be >= 2"),

@@ -684,34 +684,42 @@ def test_auto_budget_buys_the_lookup_path_where_it_is_accepted_and_drops_it_wher
     assert sum(ignores[-50:]) <= 3  # dropped (a chance hit lifts the EMA for a step or two)
 
 
-def _plan(tokens_per_second: float) -> BudgetPlan:
-    one = torch.tensor(1.0)
-    return BudgetPlan(torch.tensor([4]), one, one / tokens_per_second, torch.tensor(tokens_per_second))
+def _drafted(gate: SpeculationGate, tokens_per_second: float, num_requests: int = 1) -> None:
+    """A drafted step: its plan expects 2 tokens in a predicted 10 ms; the step measures 2 / rate seconds."""
+    gate.observe_plan(BudgetPlan(torch.tensor([4]), torch.tensor(2.0), torch.tensor(0.01), torch.tensor(200.0)),
+                      num_requests)
+    gate.observe_drafted_step(2.0 / tokens_per_second)
 
 
-def test_speculation_gate_measures_the_target_alone_then_drafts_only_while_plans_beat_it():
+def test_speculation_gate_measures_the_target_alone_then_drafts_only_while_trees_beat_it():
     gate = SpeculationGate(probe_every=4, alpha=0.5)
     # A request count never decoded without drafting is measured first; until a measurement comes
     # (a step with prefills in it measures nothing), every 4th step tries again and the rest draft.
     assert [gate.speculate(1) for _ in range(6)] == [False, True, True, True, False, True]
     gate.observe_ar_step(1, 0.040)  # the target alone: 25 tokens/s
     assert gate.speculate(1) is True  # the gate starts open
-    gate.observe_plan(_plan(20.0), 1)  # that step's plan: 0.8x the target alone
+    # That step: 0.8x the target alone, measured (the plan's own 10 ms prediction, 200 tokens/s, is
+    # not what the gate goes by).
+    _drafted(gate, 20.0)
     # advantage 0.5 + 0.5 * 0.8 = 0.9: the steps decode alone, every 4th still drafts (a probe)
     assert [gate.speculate(1) for _ in range(4)] == [False, False, False, True]
-    gate.observe_plan(_plan(20.0), 1)  # the probe's plan: 0.8x again
+    _drafted(gate, 20.0)  # the probe: 0.8x again
     assert [gate.speculate(1) for _ in range(4)] == [False, False, False, True]
     assert gate.advantage == pytest.approx(0.85)
-    gate.observe_plan(_plan(50.0), 1)  # the next probe's plan is worth 2x: the gate opens again
+    gate.observe_plan(BudgetPlan(torch.tensor([4]), torch.tensor(9.0), torch.tensor(0.01), torch.tensor(900.0)), 1)
+    assert gate.speculate(1) is False and gate.advantage == pytest.approx(0.85)  # a step not timed: nothing learnt
+    gate._since_probe = 3
+    assert gate.speculate(1) is True  # the next probe
+    _drafted(gate, 50.0)  # worth 2x: the gate opens again
     assert gate.speculate(1) is True and gate.advantage == pytest.approx(1.425)
-    # Another batch size has its own measured baseline; a plan is compared at its own size.
+    # Another batch size has its own measured baseline; a step is compared at its own size.
     assert gate.speculate(4) is False
     gate.observe_ar_step(4, 0.050)  # 80 tokens/s
     gate.observe_ar_step(4, 0.900)  # a stall (over 4x the median): dropped
     assert gate.ar_rate(4) == pytest.approx(80.0)
-    gate.observe_plan(_plan(160.0), 4)
+    _drafted(gate, 160.0, 4)
     assert gate.speculate(4) is True and gate.advantage == pytest.approx(0.5 * 1.425 + 0.5 * 2.0)
-    assert (gate.drafted, gate.undrafted) == (9, 9)
+    assert (gate.drafted, gate.undrafted) == (10, 10)
     with pytest.raises(ValueError, match="probe_every"):
         SpeculationGate(probe_every=0)
 
@@ -730,6 +738,9 @@ def test_auto_budget_consults_its_gate_only_once_the_cost_is_calibrated():
     auto.observe_ar_step(1, 0.001)  # ... and found far faster than any tree
     assert auto.speculate(1)
     auto.choose_plan(scores, torch.tensor([100]))
-    assert auto.gate._pending is not None  # the chosen plan's rate, read at the next decision
+    assert auto.gate._pending is not None  # the chosen plan's tokens, read at the next decision
+    fitted = len(auto.calibration.recent)
+    auto.observe_step(9, 9 * 109, 100, 0.05, fit=False)  # with that step's time (not for the cost fit)
+    assert len(auto.calibration.recent) == fitted
     assert not auto.speculate(1) and auto.gate.advantage < 1
     assert "gate_advantage" in auto.summary() and auto.summary()["gate_undrafted_step_ms"] == {1: 1.0}

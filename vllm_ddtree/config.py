@@ -53,7 +53,11 @@ class DDTreeConfig:
     ``min_tree_budget`` and ``max_tree_budget``."""
 
     min_tree_budget: int | None = None
-    """Smallest tree the budget controller may choose (``tree_budget="auto"`` only; default 1)."""
+    """Smallest tree the budget controller may choose (``tree_budget="auto"`` only; default 1).
+    ``0`` lets it choose no tree at all: while the trees' predicted tokens per second stay below
+    the target alone's, measured on undrafted steps, steps decode without drafting (vLLM's K = 0
+    path: the drafter only reads the new context), with a drafted probe every few steps
+    (``vllm_ddtree.tree.SpeculationGate``)."""
 
     max_tree_budget: int | None = None
     """Largest tree the budget controller may choose (``tree_budget="auto"`` only; default 64).
@@ -138,8 +142,9 @@ class DDTreeConfig:
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
                 raise ValueError(f"speculative_config: {key} must be an integer, got {v!r}")
         lo, hi = self.min_budget, self.max_budget
-        if lo < 1:
-            raise ValueError(f"speculative_config: min_tree_budget must be >= 1, got {lo}")
+        if lo < (0 if self.adaptive else 1):
+            raise ValueError(f"speculative_config: min_tree_budget must be >= 0 (0: the controller may skip "
+                             f"drafting), got {lo}")
         if hi < 1:
             raise ValueError(f"speculative_config: max_tree_budget must be >= 1, got {hi}")
         if lo > hi:
@@ -194,7 +199,7 @@ class DDTreeConfig:
 
     @property
     def min_budget(self) -> int:
-        """Smallest tree size used (equals the fixed budget when not adaptive)."""
+        """Smallest tree size used (equals the fixed budget when not adaptive; 0: no tree allowed)."""
         if not self.adaptive:
             return int(self.tree_budget)
         return 1 if self.min_tree_budget is None else self.min_tree_budget

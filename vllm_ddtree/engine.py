@@ -39,6 +39,7 @@ from vllm_ddtree.tree import (
     LookupCalibration,
     ModelShape,
     NGramModel,
+    SpeculationGate,
     TreeBatch,
     add_branch,
     build_tree,
@@ -203,6 +204,8 @@ class DDTreeProposer(DFlashProposer):
         self.auto: AutoBudget | None = None
         self._last_propose: float | None = None
         self.pending_step: tuple[float, float, float] | None = None  # set by sample_tree_step: the step's size
+        self.undrafted = False  # this propose drafted nothing: the next step decodes alone
+        self.pending_ar_step: int | None = None  # set by prepare_tree_step: that step's requests, if decode only
         if options.tree_budget == "auto":
             shape = ModelShape.from_hf_config(target.hf_config.to_dict() | {"vocab_size": target.get_vocab_size()},
                                               str(target.dtype))
@@ -212,7 +215,11 @@ class DDTreeProposer(DFlashProposer):
             # With a lookup path, its nodes compete with the tree's for the step at their measured
             # acceptance (LookupCalibration), so the budget pays for the rows it adds.
             lookup = LookupCalibration(self.lookup) if self.lookup > 0 else None
-            self.auto = AutoBudget(cost, options.min_budget, options.max_budget, lookup=lookup).to(device)
+            # min_tree_budget 0: the budget may also choose no tree (SpeculationGate), and the step then
+            # takes vLLM's K = 0 path (the drafter only reads the new context).
+            gate = SpeculationGate() if options.min_budget == 0 else None
+            self.auto = AutoBudget(cost, max(options.min_budget, 1), options.max_budget, lookup=lookup,
+                                   gate=gate).to(device)
         self._proposed: tuple[list[str], Tensor, Tensor] | None = None  # last step's lookup paths (auto)
 
     # vLLM calls propose(num_speculative_tokens=<scheduler's count>, ...): the drafter's width is W,
@@ -234,10 +241,13 @@ class DDTreeProposer(DFlashProposer):
             x = kwargs["target_positions"]
             positions = positions.to(x.device, x.dtype)
             kwargs["target_positions"] = torch.cat([positions, x[n:]]) if x.shape[0] > n else positions
-        if self._cap == 0:  # Dynamic SD turned drafting off at this batch size
+        r = kwargs["common_attn_metadata"].batch_size()
+        # Dynamic SD turned drafting off at this batch size, or the automatic budget chose no tree.
+        self.undrafted = self._cap == 0 or (self.auto is not None and not self.auto.speculate(r))
+        if self.undrafted:
             self._proposed = None  # no lookup proposals this step: none to score next step
             super().propose(0, **kwargs)  # the drafter still takes in the context (vLLM's K = 0 path)
-            return [[] for _ in range(kwargs["common_attn_metadata"].batch_size())]
+            return [[] for _ in range(r)]
         super().propose(self.width, **kwargs)
         return self._tree_drafts(kwargs["common_attn_metadata"], step_tokens)
 
@@ -255,12 +265,16 @@ class DDTreeProposer(DFlashProposer):
         """Cycle time of the last step (propose to propose: verify forward, walk, drafting, scheduling).
 
         Measured only after a step that verified trees and nothing else (no prefill in it), so the
-        cost calibration sees steps whose size it knows.
+        cost calibration sees steps whose size it knows; and after an undrafted step of one token per
+        request, the speculation gate's baseline (the drafter's K = 0 context pass included).
         """
         now = time.perf_counter()
-        if self.auto is not None and self.pending_step is not None and self._last_propose is not None:
-            self.auto.observe_step(*self.pending_step, now - self._last_propose)
-        self.pending_step = None
+        if self.auto is not None and self._last_propose is not None:
+            if self.pending_step is not None:
+                self.auto.observe_step(*self.pending_step, now - self._last_propose)
+            elif self.pending_ar_step is not None:  # an undrafted decode step: the gate's baseline
+                self.auto.observe_ar_step(self.pending_ar_step, now - self._last_propose)
+        self.pending_step = self.pending_ar_step = None
         self._last_propose = now
 
     def _sample_draft_tokens(self, hidden_states: Tensor, sampling_metadata):
@@ -461,6 +475,11 @@ def prepare_tree_step(runner, spec_decode_metadata, total_tokens: int) -> TreeSt
     r = len(req_ids)
     drafted = spec_decode_metadata.num_draft_tokens
     width = max(drafted)
+    if width == 0:  # no request has drafts (Dynamic SD's K = 0, or the budget chose no tree): vLLM's own step
+        set_step_tree_masks(None)
+        if proposer.undrafted and total_tokens == r:  # one token each, decode only: the gate's baseline
+            proposer.pending_ar_step = r
+        return None
     calibrating = proposer.auto is not None
     qsl = runner.query_start_loc.cpu[: r + 1].long()
     drafted_t = torch.tensor(drafted, dtype=torch.int64)

@@ -348,7 +348,7 @@ def _check_batch_size_schedule(spec: Any) -> None:
     from vllm.v1.spec_decode.dynamic.utils import validate_and_normalize_dynamic_sd_schedule
 
     ddtree: DDTreeConfig = spec.ddtree
-    lo, hi = ddtree.min_budget if ddtree.adaptive else 1, ddtree.verify_width
+    lo, hi = max(ddtree.min_budget, 1) if ddtree.adaptive else 1, ddtree.verify_width
     for start, end, k in validate_and_normalize_dynamic_sd_schedule(schedule):
         if k != 0 and not lo <= k <= hi:
             raise ValueError(

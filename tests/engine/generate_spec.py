@@ -5,7 +5,9 @@
 SPEC_JSON "none" runs without speculation. --engine adds LLM(...) keyword arguments, --sampling
 SamplingParams keyword arguments (default greedy, 40 tokens), --repeat N sends only the first
 prompt, N times, --requests JSON sends [[prompt index, SamplingParams keyword arguments], ...] instead
-(one batch, per-request parameters). Writes {"outputs": [[token ids per prompt] per spec], "metrics": [spec-decode
+(one batch, per-request parameters), --gate-closed I makes the automatic budget's speculation gate of
+spec I (min_tree_budget 0) find the target alone far faster than any tree, at every batch size, and
+probe every 3 steps. Writes {"outputs": [[token ids per prompt] per spec], "metrics": [spec-decode
 counters per spec], "ddtree": [the tree proposer's summary per spec, or null], "finish": [per spec: per prompt
 [finish_reason, stop_reason, text]], "logprobs": [per spec: per prompt, per token {token id: logprob}] (null without
 logprobs in --sampling)}.
@@ -60,6 +62,7 @@ if __name__ == "__main__":
     ap.add_argument("--sampling", default='{"temperature": 0, "max_tokens": 40}')
     ap.add_argument("--repeat", type=int, default=0)
     ap.add_argument("--requests", default=None)
+    ap.add_argument("--gate-closed", type=int, default=None)
     args = ap.parse_args()
     target = str(prepare_target())
     prompts = [PROMPTS[0]] * args.repeat if args.repeat else PROMPTS
@@ -71,9 +74,13 @@ if __name__ == "__main__":
     engine = dict(dtype="float32", max_model_len=1024, enforce_eager=True, seed=0, max_num_batched_tokens=256,
                   disable_log_stats=False) | json.loads(args.engine)
     result = {"outputs": [], "metrics": [], "logprobs": [], "ddtree": [], "finish": []}
-    for arg in args.specs:
+    for i, arg in enumerate(args.specs):
         spec = None if arg == "none" else json.loads(arg)
         llm = LLM(model=target, speculative_config=spec, **engine)
+        if i == args.gate_closed:
+            gate = llm.llm_engine.model_executor.driver_worker.worker.model_runner.drafter.auto.gate
+            gate.probe_every = 3
+            gate.ar_seconds = {r: [1e-6] for r in range(1, engine.get("max_num_seqs", 256) + 1)}
         outs = llm.generate(prompts, sampling)
         result["outputs"].append([o.outputs[0].token_ids for o in outs])
         result["metrics"].append(counters(llm))

