@@ -18,6 +18,16 @@ import statistics
 import time
 
 
+def close_gate(llm) -> None:
+    """Force a ddtree engine's speculation gate closed (in-process engine, ``"min_tree_budget": 0``):
+    no budget exploration, no probes, and the target alone's rate looks unbeatable at every batch size,
+    so every decode step after this is undrafted (vLLM's K = 0 path)."""
+    drafter = llm.llm_engine.model_executor.driver_worker.worker.model_runner.drafter
+    drafter.auto.calibration.explored = [(2, 2, 1, 0.05)] * 100  # explored: straight to the gate
+    drafter.auto.gate.probe_every = 10**6
+    drafter.auto.gate.ar_seconds = {r: [1e-6] for r in range(1, 257)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=200)
@@ -52,10 +62,7 @@ def main() -> None:
         llm = LLM(model=str(prepare_target()), dtype="float32", max_model_len=1024, enforce_eager=True, seed=0,
                   speculative_config=spec)
         if spec is not None:
-            drafter = llm.llm_engine.model_executor.driver_worker.worker.model_runner.drafter
-            drafter.auto.calibration.explored = [(2, 2, 1, 0.05)] * 100  # no exploration: straight to the gate
-            drafter.auto.gate.probe_every = 10**6
-            drafter.auto.gate.ar_seconds = {1: [1e-6]}  # the target alone looks unbeatable: never draft
+            close_gate(llm)
         prompt = ["def fibonacci(n):"]
         llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
         for v in times.values():
