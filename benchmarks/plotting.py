@@ -7,12 +7,16 @@ import json
 from typing import Callable
 
 
-def save_results(rows: list[dict], json_path: str | None, plot_path: str | None, plot: Callable[[str], None]) -> None:
-    """Write `rows` to `json_path` (if given) and call `plot(png)`: `plot_path`, else next to the JSON."""
+def save_results(rows: list[dict], json_path: str | None, plot_path: str | None = None,
+                 plot: Callable[[str], None] | None = None) -> None:
+    """Write `rows` to `json_path` (if given) and call `plot(png)`: `plot_path`, else next to the JSON
+    (no PNG without a `plot`)."""
     if json_path:
         with open(json_path, "w") as f:
             json.dump(rows, f, indent=1)
         print(f"wrote {json_path}")
+    if plot is None:
+        return
     png = plot_path or (json_path.rsplit(".", 1)[0] + ".png" if json_path else None)
     if png:
         plot(png)

@@ -22,7 +22,6 @@ Each timer wraps the vLLM or vllm-ddtree method it names; nothing else changes.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -134,10 +133,9 @@ def main() -> None:
             rows.append(row)
             print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()})
         del llm
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-        print(f"wrote {args.json}")
+    from plotting import save_results
+
+    save_results(rows, args.json)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ of {"impl", "budget", "batch", "ms"}.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -95,10 +94,9 @@ def main() -> None:
     for x in results:
         if x["impl"] == "observe":
             print(f"n-gram table update, batch {x['batch']}: {x['ms']:.2f} ms")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-        print(f"wrote {args.json}")
+    from plotting import save_results
+
+    save_results(results, args.json)
 
 
 if __name__ == "__main__":

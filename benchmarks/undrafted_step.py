@@ -12,7 +12,6 @@ context pass, timed alone as `drafter_k0`) and tokens/s of the whole generate().
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -75,10 +74,9 @@ def main() -> None:
         rows.append(row)
         print(row)
         del llm
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-        print(f"wrote {args.json}")
+    from plotting import save_results
+
+    save_results(rows, args.json)
 
 
 if __name__ == "__main__":
