@@ -201,13 +201,19 @@ def test_ddtree_sampling_matches_the_target_distribution(tmp_path, drafter):
     path, _ = drafter
     sampling = {"temperature": 1.0, "top_k": 3, "max_tokens": 3}
     # The second spec verifies prompt-lookup nodes too: one drafter node, so any more are the path's
-    # (order 2: the lookup continues any token seen earlier in the prompt).
+    # (order 2: the lookup continues any token seen earlier in the prompt). The third drafts only
+    # while at most 8 requests run (batches hold 11-16 here): most steps are undrafted (vLLM's plain
+    # sampler under top-k), then trees for the last requests.
     specs = [None, {"method": "ddtree", "model": str(path), "tree_budget": 8},
              {"method": "ddtree", "model": str(path), "tree_budget": 1, "ngram_weight": 0, "prompt_lookup_tokens": 4,
-              "ngram_order": 2}]
+              "ngram_order": 2},
+             {"method": "ddtree", "model": str(path), "tree_budget": 8,
+              "num_speculative_tokens_per_batch_size": [[1, 8, 8], [9, 1024, 0]]}]
     res = run(tmp_path / "out.json", specs, "--sampling", json.dumps(sampling), "--repeat", "300")
     base, *trees = ([tuple(o) for o in outs] for outs in res["outputs"])
     assert res["ddtree"][2]["mean_tree_nodes"] > 1.2, res["ddtree"][2]  # measured 1.41
+    drafted, all_drafted = res["ddtree"][3]["tree_verifications"], res["ddtree"][1]["tree_verifications"]
+    assert 0 < drafted < all_drafted / 4, (drafted, all_drafted)  # measured 305 with trees at every step
     for spec, tree in zip(specs[1:], trees):
         keys = sorted(set(base) | set(tree))
         table = [[base.count(k) for k in keys], [tree.count(k) for k in keys]]

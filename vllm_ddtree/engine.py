@@ -85,6 +85,13 @@ class TreeStep:
     step_size: tuple[float, float, float] | None = None  # (rows, attention pairs, context) if the step verified trees only
 
 
+class UndraftedStep:
+    """A step vLLM schedules with spec-decode metadata but no drafts in it (see prepare_tree_step)."""
+
+
+UNDRAFTED = UndraftedStep()
+
+
 @dataclass
 class DepthCap:
     """How many depths the next step drafts: twice the deepest node of this step's trees (at least
@@ -454,13 +461,14 @@ class DDTreeProposer(DFlashProposer):
         return slots
 
 
-def prepare_tree_step(runner, spec_decode_metadata, total_tokens: int) -> TreeStep | None:
+def prepare_tree_step(runner, spec_decode_metadata, total_tokens: int) -> TreeStep | UndraftedStep | None:
     """Positions = context + depth for the scheduled tree rows; tree masks to the attention backend.
 
     Reads only the runner's host buffers (no device-to-host copy): the step's token ids
     (`input_ids.cpu`), query starts and sequence lengths (`optimistic_seq_lens_cpu`) are exact on
     the host because ddtree never runs with async scheduling (vLLM then writes every sampled token
     to the host before the next step). The compiled tree goes to the device in one copy.
+    Returns None without spec-decode metadata, UNDRAFTED for a step in which no request has drafts.
     """
     from vllm_ddtree.attention.tree_mask import TreeStepMasks, set_step_tree_masks
 
@@ -475,11 +483,15 @@ def prepare_tree_step(runner, spec_decode_metadata, total_tokens: int) -> TreeSt
     r = len(req_ids)
     drafted = spec_decode_metadata.num_draft_tokens
     width = max(drafted)
-    # No request has drafts (Dynamic SD's K = 0, or the budget chose no tree): still our sampler, as
-    # vLLM's rejection sampler fails on a step without drafts under top-k (`k.max()` of an empty
-    # tensor, vllm 0.32); one token each and decode only is the speculation gate's baseline.
-    if width == 0 and proposer.undrafted and total_tokens == r:
-        proposer.pending_ar_step = r
+    # No request has drafts (Dynamic SD's K = 0, or the budget chose no tree): vLLM's plain sampler
+    # takes the step, as without speculation (vLLM's rejection sampler fails on a step without drafts
+    # under top-k, `k.max()` of an empty tensor, vllm 0.32; our tree walk would only copy each root's
+    # K/V onto itself). One token each and decode only is the speculation gate's baseline.
+    if width == 0:
+        if proposer.undrafted and total_tokens == r:
+            proposer.pending_ar_step = r
+        set_step_tree_masks(None)
+        return UNDRAFTED
     calibrating = proposer.auto is not None
     qsl = runner.query_start_loc.cpu[: r + 1].long()
     drafted_t = torch.tensor(drafted, dtype=torch.int64)

@@ -63,7 +63,9 @@ P11 ``GPUModelRunner._prepare_inputs`` (:1920) — wrapped: after it computed se
     CPU tree attention (:func:`vllm_ddtree.engine.prepare_tree_step`).
 P12 ``GPUModelRunner._sample`` (:3437) — for ddtree steps, the tree walk replaces the chain-only
     rejection sampler (:func:`vllm_ddtree.engine.sample_tree_step`; also compacts the target's KV and
-    tells the proposer the order that puts each request's accepted path first).
+    tells the proposer the order that puts each request's accepted path first). A step in which no
+    request has drafts (Dynamic SD's K = 0, the speculation gate closed) goes to vLLM's plain
+    sampler, as without speculation: the rejection sampler fails on it under top-k.
 P13 ``GPUModelRunner._input_fits_in_drafter`` (:4288) — for ddtree, the drafter's query is 1 + W
     block rows, not 1 + ``num_speculative_tokens`` (the verify width): vLLM's count would stop drafting
     for the whole batch once its longest request came within the tree budget of the drafter's
@@ -660,9 +662,11 @@ def _patch_model_runner() -> None:
         step = getattr(self, "_ddtree_step", None)
         if step is None or spec_decode_metadata is None or not _is_ddtree(self.vllm_config):
             return sample(self, logits, spec_decode_metadata)
-        from vllm_ddtree.engine import sample_tree_step
+        from vllm_ddtree.engine import UNDRAFTED, sample_tree_step
 
         self._ddtree_step = None
+        if step is UNDRAFTED:  # no drafts in the step: vLLM's own sampler, as without speculation
+            return sample(self, logits, None)
         return sample_tree_step(self, step, logits, spec_decode_metadata)
 
     GPUModelRunner._sample = _sample
