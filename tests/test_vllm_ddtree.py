@@ -237,7 +237,10 @@ def test_dynamic_sd_schedule_sets_the_tree_budget_per_batch_size(tmp_path, draft
     # vLLM's Dynamic SD schedule, K read as tree nodes per request: no drafts while more than 4
     # requests run, trees of at most 2 nodes once the 5 short requests have finished; and a
     # schedule that turns drafting off at every batch size (the drafter still takes in context).
-    path, _ = drafter
+    # The first schedule runs twice: the drafter takes in the undrafted steps' context (prefills
+    # included) through DDTreeProposer._take_in_context, and through vLLM's own K = 0 pass, which
+    # also runs the drafter's forward; the trees drafted on that context must be the same.
+    path, trained = drafter
     requests = [[i, {"temperature": 0, "max_tokens": 8 if i < 5 else 48}] for i in range(9)]
     specs = [
         None,
@@ -248,8 +251,10 @@ def test_dynamic_sd_schedule_sets_the_tree_budget_per_batch_size(tmp_path, draft
         # the automatic budget with a priced lookup path, through steps without drafts and back
         {"method": "ddtree", "model": str(path), "tree_budget": "auto", "prompt_lookup_tokens": 4,
          "num_speculative_tokens_per_batch_size": [[1, 4, 6], [5, 64, 0]]},
+        {"method": "ddtree", "model": str(path), "tree_budget": 8,
+         "num_speculative_tokens_per_batch_size": [[1, 4, 2], [5, 64, 0]]},
     ]
-    res = run(tmp_path / "out.json", specs, "--requests", json.dumps(requests))
+    res = run(tmp_path / "out.json", specs, "--requests", json.dumps(requests), "--vllm-k0", "4")
     base = res["outputs"][0]
     assert [len(o) for o in base[:5]] == [8] * 5 and all(len(o) > 8 for o in base[5:])
     assert all(outs == base for outs in res["outputs"][1:])
@@ -257,6 +262,9 @@ def test_dynamic_sd_schedule_sets_the_tree_budget_per_batch_size(tmp_path, draft
     assert res["metrics"][1].get("vllm:spec_decode_num_drafts", 0) > 0
     assert 1 <= res["ddtree"][1]["mean_tree_nodes"] <= 2
     assert not res["metrics"][2].get("vllm:spec_decode_num_drafts") and res["ddtree"][2]["tree_verifications"] == 0
+    assert res["metrics"][4] == res["metrics"][1] and res["ddtree"][4] == res["ddtree"][1]
+    if trained:  # an untrained drafter accepts nothing either way
+        assert res["metrics"][1].get("vllm:spec_decode_num_accepted_tokens", 0) > 0
 
 
 def test_the_budget_may_choose_no_tree_and_the_undrafted_steps_stay_exact(tmp_path, drafter):

@@ -174,6 +174,10 @@ def _present_as_dflash(vllm_config, width: int):
 class DDTreeProposer(DFlashProposer):
     """vLLM's DFlash proposer, drafting a tree from the mask rows' per-depth distributions."""
 
+    # True: an undrafted step runs vLLM's own K = 0 pass (its discarded forward included) instead of
+    # `_take_in_context`; kept so tests check that both leave the drafter the same context.
+    vllm_k0_pass = False
+
     def __init__(self, vllm_config, device: torch.device, runner=None) -> None:
         options = vllm_config.speculative_config.ddtree
         self.options = options
@@ -253,10 +257,34 @@ class DDTreeProposer(DFlashProposer):
         self.undrafted = self._cap == 0 or (self.auto is not None and not self.auto.speculate(r))
         if self.undrafted:
             self._proposed = None  # no lookup proposals this step: none to score next step
-            super().propose(0, **kwargs)  # the drafter still takes in the context (vLLM's K = 0 path)
+            if self.vllm_k0_pass:
+                super().propose(0, **kwargs)
+            else:
+                self._take_in_context(**kwargs)  # the drafter still takes in the context
             return [[] for _ in range(r)]
         super().propose(self.width, **kwargs)
         return self._tree_drafts(kwargs["common_attn_metadata"], step_tokens)
+
+    def _take_in_context(self, **kwargs) -> None:
+        """vLLM's K = 0 pass without its forward (replaces ``LLMBaseProposer.propose(0, ...)``).
+
+        With no draft requested vLLM still runs the drafter's forward on each request's next token
+        and discards the result (llm_base_proposer.py:617, "No draft tokens requested"). The next
+        draft needs only what DFlash writes before that forward: the context K/V of this step's
+        target hidden states. Same inputs (``set_inputs_first_pass``: positions and drafter slots),
+        same write (``precompute_and_store_context_kv``), no attention metadata, no forward.
+        """
+        self.num_speculative_tokens = 0
+        self._last_draft_probs = None
+        hidden = self.model.combine_hidden_states(kwargs["target_hidden_states"])
+        self.set_inputs_first_pass(
+            target_token_ids=kwargs["target_token_ids"], next_token_ids=kwargs["next_token_ids"],
+            target_positions=kwargs["target_positions"], target_hidden_states=hidden,
+            token_indices_to_sample=kwargs.get("token_indices_to_sample"), cad=kwargs["common_attn_metadata"],
+            num_rejected_tokens_gpu=kwargs.get("num_rejected_tokens_gpu"))
+        n = hidden.shape[0]
+        self.model.precompute_and_store_context_kv(hidden, self._context_positions_buffer[:n],
+                                                   self._context_slot_mapping_buffer[:n])
 
     @property
     def draft_vocab_size(self) -> int | None:

@@ -7,7 +7,8 @@ SamplingParams keyword arguments (default greedy, 40 tokens), --repeat N sends o
 prompt, N times, --requests JSON sends [[prompt index, SamplingParams keyword arguments], ...] instead
 (one batch, per-request parameters), --gate-closed I makes the automatic budget's speculation gate of
 spec I (min_tree_budget 0) find the target alone far faster than any tree, at every batch size, and
-probe every 3 steps. Writes {"outputs": [[token ids per prompt] per spec], "metrics": [spec-decode
+probe every 3 steps, --vllm-k0 I makes spec I's undrafted steps run vLLM's own K = 0 drafter pass
+(DDTreeProposer.vllm_k0_pass). Writes {"outputs": [[token ids per prompt] per spec], "metrics": [spec-decode
 counters per spec], "ddtree": [the tree proposer's summary per spec, or null], "finish": [per spec: per prompt
 [finish_reason, stop_reason, text]], "logprobs": [per spec: per prompt, per token {token id: logprob}] (null without
 logprobs in --sampling)}.
@@ -63,6 +64,7 @@ if __name__ == "__main__":
     ap.add_argument("--repeat", type=int, default=0)
     ap.add_argument("--requests", default=None)
     ap.add_argument("--gate-closed", type=int, default=None)
+    ap.add_argument("--vllm-k0", type=int, default=None)
     args = ap.parse_args()
     target = str(prepare_target())
     prompts = [PROMPTS[0]] * args.repeat if args.repeat else PROMPTS
@@ -81,6 +83,8 @@ if __name__ == "__main__":
             gate = llm.llm_engine.model_executor.driver_worker.worker.model_runner.drafter.auto.gate
             gate.probe_every = 3
             gate.ar_seconds = {r: [1e-6] for r in range(1, engine.get("max_num_seqs", 256) + 1)}
+        if i == args.vllm_k0:
+            llm.llm_engine.model_executor.driver_worker.worker.model_runner.drafter.vllm_k0_pass = True
         outs = llm.generate(prompts, sampling)
         result["outputs"].append([o.outputs[0].token_ids for o in outs])
         result["metrics"].append(counters(llm))
