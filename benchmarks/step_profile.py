@@ -14,7 +14,8 @@ warm-up is undrafted: vLLM's K = 0 path). Per engine step, medians of:
   backend, or vLLM's CPU_ATTN without speculation);
 - `sample_tokens`: sampling or the tree walk and KV compaction, and the drafter's `propose`;
 - `propose`: the drafter's whole turn; `drafter_forward` its forward and draft logits
-  (DFlashProposer.propose); `tree`: the tree build, budget and host copy (`_tree_drafts`).
+  (DFlashProposer.propose); `drafter_context` an undrafted step's context pass
+  (`DDTreeProposer._take_in_context`); `tree`: the tree build, budget and host copy (`_tree_drafts`).
 
 Each timer wraps the vLLM or vllm-ddtree method it names; nothing else changes.
 """
@@ -99,6 +100,7 @@ def main() -> None:
     timed(GPUModelRunner, "sample_tokens", "sample_tokens")
     timed(DDTreeProposer, "propose", "propose")
     timed(DFlashProposer, "propose", "drafter_forward")
+    timed(DDTreeProposer, "_take_in_context", "drafter_context")
     timed(DDTreeProposer, "_tree_drafts", "tree")
     timed_attention(TreeAttentionImpl)
     timed_attention(CPUAttentionBackendImpl)

