@@ -21,7 +21,6 @@ What it replaces, and why (vLLM 0.32, v1/attention/backends/flashinfer.py):
 
 from __future__ import annotations
 
-import torch
 from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata
 from vllm.v1.attention.backends.flashinfer import (
@@ -32,7 +31,12 @@ from vllm.v1.attention.backends.flashinfer import (
 )
 from vllm.v1.attention.backends.utils import get_flashinfer_layout_string
 
-from vllm_ddtree.attention.tree_mask import flashinfer_paged_plan, step_tree_masks_for
+from vllm_ddtree.attention.tree_mask import (
+    flashinfer_paged_plan,
+    flashinfer_tree_wrapper,
+    plan_flashinfer_tree_step,
+    step_tree_masks_for,
+)
 
 __all__ = ["TreeFlashInferBackend", "TreeFlashInferMetadataBuilder"]
 
@@ -68,14 +72,10 @@ class TreeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
                 seq_lens_cpu = cm.seq_lens[:r].cpu()
         plan = flashinfer_paged_plan(cm.query_start_loc_cpu, seq_lens_cpu, cm.block_table_tensor[:r],
                                      self.page_size, cm.causal, tree)
-        kwargs = plan.plan_kwargs()
-        if cm.block_table_tensor.is_cuda:  # plan() copies its host tensors non-blocking: stage them pinned
-            kwargs = {k: v.pin_memory() if isinstance(v, torch.Tensor) and v.device.type == "cpu" else v
-                      for k, v in kwargs.items()}
         wrapper = self._tree_wrapper()
-        wrapper.plan(  # the layer group's constants as the stock build passes them
-            **kwargs, num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
-            head_dim_qk=self.head_dim, page_size=self.page_size, sm_scale=self.sm_scale,
+        plan_flashinfer_tree_step(  # the layer group's constants as the stock build passes them
+            wrapper, plan, num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, page_size=self.page_size, sm_scale=self.sm_scale,
             window_left=self.window_left, logits_soft_cap=self.logits_soft_cap,
             q_data_type=self.q_data_type_prefill, kv_data_type=self.kv_cache_dtype,
             o_data_type=self.model_config.dtype,
@@ -99,11 +99,8 @@ class TreeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
         """A prefill wrapper of our own: the stock causal and DFlash (non-causal) ones stay planned."""
         wrapper = getattr(self, "_ddtree_wrapper", None)
         if wrapper is None:
-            from flashinfer import BatchPrefillWithPagedKVCacheWrapper
-
-            wrapper = BatchPrefillWithPagedKVCacheWrapper(
-                self._get_workspace_buffer(), get_flashinfer_layout_string(self.kv_cache_layout), backend="auto"
-            )
+            wrapper = flashinfer_tree_wrapper(self._get_workspace_buffer(),
+                                              get_flashinfer_layout_string(self.kv_cache_layout))
             self._ddtree_wrapper = wrapper
         return wrapper
 

@@ -15,10 +15,12 @@ Layouts:
 - :func:`build_attention_mask` — dense [R, max_q, max_kv] (the CPU SDPA backend);
 - :func:`flashinfer_custom_mask` — FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper.plan(...,
   custom_mask=...)``: one flat bool vector, request after request, each request's [q, kv] block
-  row-major, prefix columns included (design notes §5);
+  row-major, prefix columns included (docs/design.md §10.3);
 - :func:`flashinfer_paged_plan` — that mask with the paged KV table (page indices, last-page lengths)
   the same ``plan()`` takes: everything the GPU shim (:mod:`vllm_ddtree.attention.flashinfer_tree`)
   hands FlashInfer for a verify step;
+- :func:`plan_flashinfer_tree_step` — that plan handed to a FlashInfer wrapper
+  (:func:`flashinfer_tree_wrapper`), as vLLM's builder and the GPU check (``benchmarks/gpu_check.py``) do;
 - :func:`pack_tree_spec_mask` — the packed per-row bitmask over a request's new tokens that vLLM's
   XQA speculative-decode path takes (``_pack_draft_block_bool_mask``, flashinfer.py:148 in 0.32):
   bit j of row a set = row a may see new token j; 32-bit words least-significant bit first, stored
@@ -58,7 +60,7 @@ _step_tree_masks: TreeStepMasks | None = None
 def set_step_tree_masks(masks: TreeStepMasks | None) -> None:
     """Hand the next metadata build its tree masks (None: plain attention).
 
-    CommonAttentionMetadata has no field for a per-request mask (design notes §5), so the model
+    CommonAttentionMetadata has no field for a per-request mask (docs/design.md §10.1), so the model
     runner sets them here before it builds attention metadata for a verify step."""
     global _step_tree_masks
     _step_tree_masks = masks
@@ -141,7 +143,7 @@ def flashinfer_custom_mask(query_lens: Tensor, seq_lens: Tensor, causal: Tensor,
     ``chunk`` elements per pass, so its size is the sum over requests of q * kv; pass that sum as
     ``total`` when the caller knows it on the host (on a GPU it is otherwise read back from the device).
     Pass it unpacked: with ``packed_custom_mask`` FlashInfer's plan() keeps an element-count indptr
-    and later requests read garbage (design notes §5).
+    and later requests read garbage (docs/design.md §10.3).
     """
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1 mask elements, got {chunk}")
@@ -220,6 +222,36 @@ def flashinfer_paged_plan(query_start_loc_cpu: Tensor, seq_lens_cpu: Tensor, blo
     return FlashInferPagedPlan(qo_indptr=qsl.to(i32), paged_kv_indptr=paged_kv_indptr.to(i32),
                                paged_kv_indices=indices.to(i32), paged_kv_last_page_len=last_page_len.to(i32),
                                kv_lens=seq.to(i32), custom_mask=mask.custom_mask)
+
+
+def flashinfer_tree_wrapper(workspace: Tensor, kv_layout: str, backend: str = "auto"):
+    """FlashInfer's paged prefill wrapper that verify steps plan with a custom mask.
+
+    workspace [bytes] uint8 on the device; kv_layout "NHD" or "HND" (FlashInfer's names). Imports
+    flashinfer here (an optional dependency); with a custom mask ``backend="auto"`` resolves to FA2.
+    """
+    from flashinfer import BatchPrefillWithPagedKVCacheWrapper
+
+    return BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout, backend=backend)
+
+
+def plan_flashinfer_tree_step(wrapper, plan: FlashInferPagedPlan, *, num_qo_heads: int, num_kv_heads: int,
+                              head_dim: int, page_size: int, sm_scale: float, q_data_type: torch.dtype,
+                              kv_data_type: torch.dtype, o_data_type: torch.dtype, window_left: int = -1,
+                              logits_soft_cap: float | None = None) -> None:
+    """``wrapper.plan(...)`` for a verify step: the page table and custom mask of `plan` plus the layer
+    group's constants. The one way a verify step is planned (vLLM's builder and the GPU check alike).
+
+    plan() copies its host tensors to the device non-blocking; from pageable memory such a copy is
+    synchronous, so on a GPU they are staged in pinned memory first.
+    """
+    kwargs = plan.plan_kwargs()
+    if plan.paged_kv_indices.is_cuda:
+        kwargs = {k: v.pin_memory() if isinstance(v, Tensor) and v.device.type == "cpu" else v
+                  for k, v in kwargs.items()}
+    wrapper.plan(**kwargs, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim,
+                 page_size=page_size, sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap,
+                 q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type)
 
 
 def pack_tree_spec_mask(tree: TreeStepMasks, max_q: int) -> Tensor:
