@@ -18,7 +18,7 @@ accept_hist: steps per emitted length 1..16) for a run too long to decode method
 full HumanEval set at 256 tokens: `--prompts 164 --max-new-tokens 256 --width 128`). Accepted
 lengths are exact (at T > 0: one draw of them per prompt, the same draw for every rule);
 tokens/s are modelled with a step cost c0 + c1 * nodes fitted to the fixed-budget rows of an
-acceptance study run on this machine at the same temperature (`--cost-from`), so rules are compared on identical trees and
+acceptance study run on the same machine at the same temperature (`--cost-from`), so rules are compared on identical trees and
 the same cost. A measurement, not a test. Writes JSON rows and a PNG.
 """
 

@@ -10,7 +10,7 @@ Reference decoder, HumanEval prompts, float32, batch 1, n-gram weight 0.2, with 
 - `--compare reliability` (default): one confidence exponent only ("one-exponent":
   `AcceptanceCalibration(prior=1e12)`, so every bin's factor stays 1, the calibration before `23f7417`);
 - `--compare residual`: the step cost's smooth fit only ("smooth": `CostCalibration(residual=False)`,
-  no per-size residual table, the cost model before session 23);
+  no per-size residual table, the cost model before `5c9a5b7`);
 - `--compare gate`: the controller that may also choose no tree ("gated": min_budget 0, a
   `SpeculationGate`) against the one that always drafts ("always-drafts": min_budget 1).
 One process, every method back to back on each prompt, `--rounds` passes over the prompts; medians

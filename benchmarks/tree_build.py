@@ -1,4 +1,4 @@
-"""Time draft-tree build + compile on this machine (a measurement, not a test).
+"""Time draft-tree build + compile on the machine it runs on (a measurement, not a test).
 
     python benchmarks/tree_build.py [--quick] --json PATH
 

@@ -1,4 +1,4 @@
-"""Time the target's verify forward by row count on this machine (a measurement, not a test).
+"""Time the target's verify forward by row count on the machine it runs on (a measurement, not a test).
 
     python benchmarks/verify_rows.py [--context 200] [--rows 1,2,3,4,5,6,8,12,16,33,65] [--repeats 9] --json PATH
 

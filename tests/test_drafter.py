@@ -464,7 +464,7 @@ def test_add_shard_filters_each_shard_and_sums_the_manifest(tmp_path):
 
 
 def test_committed_drafter_directory_is_within_25_mb():
-    """Issue 3 caps the toy drafter at 25 MB on disk. The whole committed directory counts (weights,
+    """The toy drafter stays within 25 MB on disk (it ships with the repository). The whole committed directory counts (weights,
     vocabulary, mask vector, log, plot, README): a third layer's weights alone come to 24.6 MB, so
     growing the drafter would also mean trimming what ships beside it."""
     from conftest import TRAINED_DRAFTER

@@ -2,7 +2,7 @@
 
 `prepare_tree_step` (before the target's forward) and `sample_tree_step` (in place of the rejection
 sampler) run inside vLLM's `execute_model` / `sample_tokens`, where a GPU-to-host read stalls the
-step (and raises under vLLM's `VLLM_GPU_SYNC_CHECK=error`). A real engine on this CPU cannot show
+step (and raises under vLLM's `VLLM_GPU_SYNC_CHECK=error`). A real engine on a CPU cannot show
 such a read: every tensor is on the host. So the runner's device-side state is put on PyTorch's
 "meta" device, where any read of a value raises (tests/test_tree_on_device.py shows the premise).
 

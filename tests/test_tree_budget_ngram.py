@@ -233,7 +233,7 @@ def test_entropy_adaptive_lambda():
 
 
 def test_fit_with_a_per_token_term_recovers_a_linear_cpu_step():
-    # This CPU's step time grows with every row even where the roofline is flat (below its knee):
+    # A 2-core AVX-512 CPU's step time grows with every row even where the roofline is flat (below its knee):
     # intercept + per-token fits it, the roofline alone cannot.
     cost = cost_model("cpu")
     s = torch.tensor([2.0, 5.0, 9.0, 17.0, 33.0, 65.0])
@@ -248,7 +248,7 @@ def test_fit_with_a_per_token_term_recovers_a_linear_cpu_step():
 
 
 def test_fit_finds_where_a_flat_cpu_step_starts_to_grow():
-    """This CPU's step costs the same from 2 to 9 rows and then ~1.5 ms more per row (the quick study's
+    """A 2-core AVX-512 CPU's step costs the same from 2 to 9 rows and then ~1.5 ms more per row (the quick study's
     explored and fixed-budget steps). A per-token term from row 0 cannot draw that: through the 2-,
     9- and 65-row steps the old fit charged ~0.9 ms per row between 9 and 33 rows. The fitted knee
     puts the per-row price back (what that did to the timed budget: README, acceptance study)."""
@@ -275,7 +275,7 @@ def test_fit_finds_where_a_flat_cpu_step_starts_to_grow():
 
 
 def staircase_seconds(rows):
-    """The toy target's verify on this CPU (`benchmarks/results/verify_rows.json`, 200 tokens of
+    """The toy target's verify on a 2-core AVX-512 CPU (`benchmarks/results/verify_rows.json`, 200 tokens of
     context): 35-39 ms for 1-3 rows, a jump to 52 ms at 4 (the matmul kernels change with the row
     count), then ~1.4 ms a row; 16 rows cost less than 12."""
     rows = torch.as_tensor(rows, dtype=torch.float64)
@@ -319,7 +319,7 @@ def test_the_residual_table_learns_the_steps_a_smooth_fit_cannot_draw():
 
 
 def test_fit_is_non_negative_least_squares_not_a_clamped_fit():
-    # Batch 1 on this CPU: the roofline is flat in rows (below its knee) and moves only with the
+    # Batch 1 on a 2-core AVX-512 CPU: the roofline is flat in rows (below its knee) and moves only with the
     # context, so intercept and slope are nearly collinear. Here the unconstrained fit is
     # -0.28 s + 11.5 x roofline; clamping its intercept to 0 predicted up to 4x the measured time
     # (what made the reference decoder's auto budget overbuild). The constrained fit stays close.

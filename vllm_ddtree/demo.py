@@ -7,7 +7,7 @@ the same settings — no speculation, vLLM's own DFlash chain (`"method": "dflas
 alone, and prints tau (tokens per target forward, bonus included, from vLLM's spec-decode counters),
 tokens/s and the ratios to the target alone and to the chain, measured in this run. Each engine
 generates the prompts `--repeats` times each way and the run with the median tokens/s is reported:
-this machine's speed drifts from one ten-second window to the next.
+a shared 2-core CPU's speed drifts from one ten-second window to the next.
 
 `--reference` runs the same comparison on the plain-transformers reference decoder instead, with
 DFlash's chain and the n-gram / adaptive variants alongside.
@@ -174,7 +174,7 @@ def vllm_demo(args) -> int:
         methods[f"ddtree+lookup {args.prompt_lookup}"] = {"method": "ddtree", "model": str(drafter), "tree_budget": args.budget,
                                                      "prompt_lookup_tokens": args.prompt_lookup}
     # Both ways of serving: one request at a time (latency: what speculation is for) and all prompts
-    # in one batch (throughput: on this CPU verifying more rows costs nearly proportionally more).
+    # in one batch (throughput: on a 2-core CPU verifying more rows costs nearly proportionally more).
     modes = {"one at a time": False, f"batch of {len(prompts)}": True}
     runs: dict[tuple[str, str], DemoRun] = {}
     tree_stats = {}

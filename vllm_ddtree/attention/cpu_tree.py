@@ -1,7 +1,7 @@
 """A PyTorch (SDPA) attention backend for vLLM's CPU platform that also takes per-request tree masks.
 
 Why: vLLM 0.32's CPU_ATTN kernel takes no mask (only causal / per-request causal), returns no
-log-sum-exp and stores K in an ISA-dependent layout with no read-back helper (design notes §5), so
+log-sum-exp and stores K in an ISA-dependent layout with no read-back helper (docs/design.md §10.2), so
 a draft tree cannot be verified with it. This backend replaces it — registered over CPU_ATTN by
 `register()`, since the CPU platform always resolves CPU_ATTN — and serves every attention on the
 CPU: the target's prefill and decode rows (causal), the DFlash drafter's block (non-causal, its

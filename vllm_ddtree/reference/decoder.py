@@ -9,7 +9,7 @@ Methods (one loop, the tree decides which):
              per step by the cost model (BASTION) — the same `AutoBudget` the vLLM proposer uses,
              calibrated online to this decoder's measured step times and acceptances.
 
-One speculative step, as data flows (design notes §2):
+One speculative step, as data flows (docs/design.md §2):
     drafter([root, MASK x L] | context features)  -> logits [L, V_draft]
     topk_per_depth -> build_tree -> compile_tree   (vllm_ddtree.tree)
     target(verify rows, positions = ctx + depth, ancestor mask over the KV cache) -> logits, hidden

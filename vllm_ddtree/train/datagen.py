@@ -2,7 +2,7 @@
 
 Batched transformers generation (float32) captures the target's hidden states of the layers
 the drafter reads *while* generating, so no second feature-extraction pass is needed
-(design notes §7b: generating with vLLM and re-running the target for features costs twice).
+(docs/design.md §15: generating with vLLM and re-running the target for features costs twice).
 Left padding with explicit position ids keeps every row's features independent of padding.
 
 Output: ``shard_XXXXX.pt`` files, each a list of records

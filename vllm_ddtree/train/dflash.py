@@ -328,7 +328,7 @@ def block_loss(logits: torch.Tensor, batch: Batch, weights: torch.Tensor, kd_wei
 
 
 # ---------------------------------------------------------------------------------------------
-# init from the target (design notes §7b)
+# init from the target (docs/design.md §15)
 # ---------------------------------------------------------------------------------------------
 def init_from_target(model: DFlashDrafter, target_sd: dict, draft_vocab: torch.Tensor, copy_layers: bool = True) -> None:
     """Copy the target's top layers into the drafter, make ``fc`` pass the top feature through,

@@ -1,5 +1,5 @@
 """Draft vocabulary from offline, non-HumanEval sources: the target's training responses plus two
-Python corpora on this machine (the standard library and the venv's site-packages ``.py`` files).
+Python corpora of the running environment (the standard library and the venv's site-packages ``.py`` files).
 
 Score of a token = Σ_source weight × (its relative frequency in that source). The responses are the
 target's own outputs (the distribution to cover) but too few for rare identifiers; the corpora fill

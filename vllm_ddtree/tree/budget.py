@@ -191,13 +191,13 @@ class CostModel:
         all coefficients non-negative: the best fit over every subset of the terms whose unconstrained
         fit is non-negative, which for three terms is exactly non-negative least squares.
         Clamping a negative coefficient of the full fit instead is not: below the roofline's knee
-        (batch 1 on this CPU) the roofline barely moves, so intercept and slope are nearly collinear,
+        (batch 1 on a 2-core AVX-512 CPU) the roofline barely moves, so intercept and slope are nearly collinear,
         and a fit of -167 ms + 8.1 x roofline clamped to 0 + 8.1 x roofline predicted 2.5x the
         measured step time (a rate far too low, trees far too big). The per-token term lets a device
-        whose step time grows with rows below the roofline's knee (this CPU) be fitted.
+        whose step time grows with rows below the roofline's knee (such a CPU) be fitted.
 
         Its own knee is searched over the measured step sizes (0 first; a tie keeps the smaller knee):
-        this CPU's step costs the same from 2 to 9 rows and then ~1.5 ms more per row, which a
+        that CPU's step costs the same from 2 to 9 rows and then ~1.5 ms more per row, which a
         per-token term from row 0 cannot draw. Fitted through the 2-, 9- and 65-row steps (with the
         roofline) it charged 0.9 ms per row from 9 to 33 rows, where the fixed budgets cost ~1.5,
         and the budget bought trees of 10-14 nodes where 8 was best. With the knee the per-row price

@@ -136,7 +136,7 @@ class FlashInferTreeMask:
     qo_indptr    [R + 1] int64  query rows per request (cumulative), qo_len = num_rows
     kv_lens      [R]     int64  context_len + qo_len: the full KV length each request attends over
     Prefix (context) columns are True; the tree part is the ancestor mask. Pass the bool mask, not
-    `packed_custom_mask` (design notes §5: its indptr is element-based and misreads later requests).
+    `packed_custom_mask` (docs/design.md §10.3: its indptr is element-based and misreads later requests).
     """
 
     custom_mask: Tensor
