@@ -99,11 +99,10 @@ class DepthCap:
 
     The drafter's LM head (a 49152 x H matmul per depth for SmolLM2) and each build iteration cost
     per depth, and a tree of B nodes may in principle reach depth B — but its realised depth is what
-    the drafter's confidence allows (mean 1.3 / 1.6 / 2.2 for the toy drafter at B = 4 / 8 / 32). A
-    cap never changes the output (verification decides every token); it can only hide a node deeper
-    than the cap for one step: a tree that reaches the cap doubles it for the next step (measured on
-    HumanEval: tau 1.71 -> 1.69 at B = 4, 1.84 -> 1.83 at B = 8, README "After the CPU attention
-    rewrite"; 2.169 -> 2.163 at B = 32 in an A/B).
+    the drafter's confidence allows (mean 1.3 / 1.6 / 2.2 for the toy drafter at B = 4 / 8 / 32,
+    `benchmarks/results/vllm_e2e_depth_cap.json`, which also has tau with the cap). A cap never
+    changes the output (verification decides every token); it can only hide a node deeper than the
+    cap for one step: a tree that reaches the cap doubles it for the next step.
     """
 
     width: int
