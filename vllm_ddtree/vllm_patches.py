@@ -47,8 +47,8 @@ P8  ``SamplingParams._validate_spec_decode`` (sampling_params.py:1182, called fr
     (vLLM itself refuses min_p and logit_bias for every speculative method; P3 refuses the
     processed logprobs modes.)
 P9  ``vllm.v1.attention.selector._cached_get_attn_backend`` (v1/attention/selector.py:201, memoised
-    per process) — wrapped: for a ddtree config, CPU_ATTN (whose kernel takes no mask, design notes
-    §5) becomes :mod:`vllm_ddtree.attention.cpu_tree`'s backend. Decided after the memo, which is
+    per process) — wrapped: for a ddtree config, CPU_ATTN (whose kernel takes no mask, docs/design.md
+    §10.2) becomes :mod:`vllm_ddtree.attention.cpu_tree`'s backend. Decided after the memo, which is
     keyed on the layer's shape only: otherwise an earlier engine in the same process would hand its
     CPU_ATTN to a ddtree engine. Other configs keep CPU_ATTN (the PyTorch backend is slower at decode).
     On a GPU, ddtree asks for FLASHINFER (:func:`gpu_tree_attention_backend`: another requested
@@ -131,7 +131,7 @@ CALL_SITES: tuple[tuple[str, str], ...] = (
     ("config/vllm.py:2260 _set_max_num_scheduled_tokens max_num_new_slots_for_drafting",
      "patched (P5): drafter width W"),
     ("config/vllm.py:2941 V2 runner unsupported: parallel_drafting and method not in (dflash, dspark)",
-     "name: ddtree lands in V2's unsupported list, so the V1 runner is used — wanted (design §5c)"),
+     "name: ddtree lands in V2's unsupported list, so the V1 runner is used — wanted (docs/design.md §13)"),
     ("config/speculative.py:626 compute_hash aux-hidden-states tuple", "patched (P7)"),
     ("config/speculative.py:1327-1468 __post_init__ method branches", "P3 runs them as 'dflash'"),
     ("transformers_utils/configs/eagle.py:65 EAGLEConfig(method='dflash')", "P3 runs it as 'dflash'"),
@@ -147,17 +147,17 @@ CALL_SITES: tuple[tuple[str, str], ...] = (
     ("model_executor/models/utils.py:875-882 method in (eagle, eagle3, dflash, dspark) for PP last rank",
      "name: False — pipeline parallelism is refused for ddtree in P3"),
     ("v1/utils.py:721 usage stats method string", "name: reports 'ddtree' — wanted"),
-    # -- V1 runner (the tree proposer's engineer patches these; see docs/vllm-integration.md) --
+    # -- V1 runner (patched by P10-P13; see docs/design.md §12) --
     ("v1/worker/gpu_model_runner.py:638 drafter selection use_dflash()",
-     "P4 True selects DFlashProposer, whose __init__ asserts method=='dflash' (dflash.py:31): "
-     "an engine start with ddtree fails there until the DDTree proposer replaces this branch"),
+     "P4 True selects DFlashProposer, whose __init__ asserts method=='dflash' (dflash.py:31): P10 presents "
+     "the config as DFlash of the drafter width, then replaces the drafter with DDTreeProposer"),
     ("v1/worker/gpu_model_runner.py:4296 drafter query tokens use_dflash()",
-     "P4 True gives num_spec_tokens+1 = B+1; ddtree's drafter needs W+1 — the proposer patch fixes it"),
+     "P4 True gives num_spec_tokens+1 = B+1; ddtree's drafter needs W+1 — P13"),
     ("v1/worker/gpu_model_runner.py:4388,4892-4893,5857,6816,6868 use_eagle()/use_dflash()",
      "P4 True: propose with hidden states, init drafter attention/cudagraph dispatcher, as DFlash"),
     ("v1/worker/cpu_model_runner.py:106 use_eagle()", "P4 True: log line only"),
     ("v1/spec_decode/llm_base_proposer.py:84,115,118,536,1015 self.method / num_speculative_tokens",
-     "proposer engineer: the DDTree proposer must behave as method 'dflash' with W mask queries"),
+     "DDTreeProposer is built as method 'dflash' with W mask queries (P10)"),
     ("models/deepseek_v4*/model.py use_eagle() or uses_draft_model()", "P4 True (not our targets)"),
 )
 
@@ -602,7 +602,7 @@ def _unsupported_sampling(params) -> list[str]:
 
 def gpu_tree_attention_backend(requested: Any) -> Any:
     """The attention backend a ddtree engine's layers resolve through on a GPU: FlashInfer, the
-    only vLLM backend whose kernels take a per-request custom mask (design notes §5).
+    only vLLM backend whose kernels take a per-request custom mask (docs/design.md §10.3).
 
     ``requested`` is the user's ``attention_config.backend`` (an ``AttentionBackendEnum`` or None).
     Raises ValueError for another backend and ImportError without ``flashinfer-python``."""
