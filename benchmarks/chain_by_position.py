@@ -1,6 +1,6 @@
 """Where in an answer each drafter's chain is accepted: DFlash chain τ by output position (a measurement).
 
-    python benchmarks/chain_by_position.py --drafters checkpoints/smollm2-dflash,OTHER [--prompts 164] [--max-new-tokens 256] --json PATH
+    python benchmarks/chain_by_position.py --drafters vllm_ddtree/checkpoints/smollm2-dflash,OTHER [--prompts 164] [--max-new-tokens 256] --json PATH
 
 The target's greedy output for each HumanEval prompt is decoded once; for every drafter, DFlash's
 chain (top-1 at every depth) is replayed along those outputs (exact at T = 0:

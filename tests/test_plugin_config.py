@@ -251,9 +251,53 @@ def test_ddtree_option_without_ddtree_method(dirs, target_configs):
         _spec(target_configs, method="dflash", model=str(dirs["drafter"]), num_speculative_tokens=4, tree_budget=8)
 
 
-def test_missing_drafter(target_configs):
-    with pytest.raises(ValueError, match=r"method 'ddtree' needs model=<path to a DFlash drafter>"):
-        _spec(target_configs, method="ddtree")
+def test_method_alone_finds_the_toy_drafter_by_the_target_s_config(dirs):
+    # The toy target is a local directory (no hub name): it is recognised by its shape.
+    from vllm_ddtree.drafters import TOY_DRAFTER
+
+    vc = _engine_config(dirs["target"], {"method": "ddtree"})
+    spec = vc.speculative_config
+    assert spec.method == "ddtree" and spec.model == str(TOY_DRAFTER)
+    assert spec.ddtree.drafter_width == 15
+    assert "DFlashDraftModel" in spec.draft_model_config.architectures
+
+
+def test_unknown_target_without_drafter_lists_the_table(target_configs):
+    import copy
+
+    from vllm_ddtree.drafters import DRAFTERS
+
+    target = copy.deepcopy(target_configs["target_model_config"])
+    target.hf_config.num_hidden_layers = 29  # not a shape any known drafter was trained for
+    with pytest.raises(ValueError, match=r"none is known for the target .*29 layers") as err:
+        _spec({**target_configs, "target_model_config": target}, method="ddtree")
+    for known in DRAFTERS:
+        assert known.target in str(err.value)
+
+
+def test_drafter_table_matches_on_shape_not_name():
+    sys.path.insert(0, str(Path(__file__).parent / "engine"))
+    try:
+        from qwen3_shape import TARGET_CONFIG  # Qwen3-8B's config.json with the width shrunk to 64
+    finally:
+        sys.path.pop(0)
+    from vllm_ddtree.drafters import find_drafter
+
+    qwen3_8b = TARGET_CONFIG | {"hidden_size": 4096}
+    assert find_drafter(qwen3_8b).drafter == "z-lab/Qwen3-8B-DFlash-b16"
+    assert find_drafter(qwen3_8b | {"hidden_size": 2560}).drafter == "z-lab/Qwen3-4B-DFlash-b16"
+    assert find_drafter(TARGET_CONFIG) is None  # the narrow fixture is no Qwen3-8B
+    assert find_drafter(qwen3_8b | {"architectures": ["LlamaForCausalLM"]}) is None
+    llama = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "num_hidden_layers": 32, "vocab_size": 128256}
+    assert find_drafter(llama).drafter == "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat"
+    gpt_oss = {"architectures": ["GptOssForCausalLM"], "hidden_size": 2880, "num_hidden_layers": 24, "vocab_size": 201088}
+    assert find_drafter(gpt_oss).drafter == "z-lab/gpt-oss-20b-DFlash"
+
+
+@pytest.mark.parametrize("key", ["prompt_lookup_max", "prompt_lookup_min"])
+def test_ngram_lookup_keys_are_refused_with_ddtree_s_own(dirs, target_configs, key):
+    with pytest.raises(ValueError, match=rf"{key}=4 is not supported with method 'ddtree'.*prompt_lookup_tokens"):
+        _spec(target_configs, method="ddtree", model=str(dirs["drafter"]), **{key: 4})
 
 
 def test_drafter_hidden_size_mismatch(dirs):

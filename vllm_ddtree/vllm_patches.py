@@ -110,6 +110,11 @@ CHAIN_ONLY_OPTIONS: dict[str, tuple[Callable[[Any], bool], str]] = {
         "the tree needs the drafter's top-k log-probabilities, not only its argmax",
     ),
     "use_heterogeneous_vocab": (lambda v: bool(v), "the DFlash drafter shares the target's vocabulary"),
+    # vLLM's DFlash branch would zero these without a word; ddtree's own lookup branch has its own key.
+    "prompt_lookup_max": (lambda v: bool(v), "ddtree's prompt-lookup branch is sized by prompt_lookup_tokens "
+                          "(its length in tokens); prompt_lookup_max/min belong to method 'ngram'"),
+    "prompt_lookup_min": (lambda v: bool(v), "ddtree's prompt-lookup branch is sized by prompt_lookup_tokens "
+                          "(its length in tokens); prompt_lookup_max/min belong to method 'ngram'"),
 }
 
 #: Every place vLLM 0.32 asks a method question that ddtree meets, and what ddtree answers.
@@ -430,10 +435,7 @@ def _reject_chain_only(spec: Any) -> None:
             "is block_size - 1 from the drafter's config.json; remove num_speculative_tokens"
         )
     if spec.model is None:
-        raise ValueError(
-            "speculative_config: method 'ddtree' needs model=<path to a DFlash drafter> "
-            "(a directory with config.json declaring DFlashDraftModel)"
-        )
+        spec.model = _default_drafter(spec)
     _precheck_drafter(spec.model)
     for key, (bad, why) in CHAIN_ONLY_OPTIONS.items():
         value = getattr(spec, key, None)
@@ -446,6 +448,22 @@ def _reject_chain_only(spec: Any) -> None:
             "method 'ddtree' does not support pipeline parallelism yet (the tree proposer reads the "
             "target's hidden states on the last rank only); set pipeline_parallel_size=1"
         )
+
+
+def _default_drafter(spec: Any) -> str:
+    """The published drafter for the target's shape (:mod:`vllm_ddtree.drafters`), when ``model`` is not given."""
+    from vllm_ddtree.drafters import find_drafter, no_drafter_error
+
+    target = spec.target_model_config
+    if target is None:
+        raise ValueError("speculative_config: method 'ddtree' without \"model\" needs the target's model config "
+                         "to choose a drafter; set \"model\" to a DFlash drafter")
+    known = find_drafter(target.hf_config)
+    if known is None:
+        raise no_drafter_error(target.model, target.hf_config)
+    _logger().info("ddtree: no drafter given; %s has the shape of %s, using its DFlash drafter %s",
+                   target.model, known.target, known.drafter)
+    return known.drafter
 
 
 def _not_dflash(model: str, archs: Any) -> ValueError:

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 # The drafter trained by this project is committed in the repository (see its README).
-DEFAULT_DRAFTER = Path(__file__).resolve().parents[2] / "checkpoints" / "smollm2-dflash"
+DEFAULT_DRAFTER = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2-dflash"
 
 
 def drafter_dir() -> Path:
@@ -49,7 +49,7 @@ def load_pair(drafter: str | Path | None = None, draft_vocab: str = "checkpoint"
     ddir = Path(drafter) if drafter else drafter_dir()
     if not (ddir / "config.json").is_file():
         raise FileNotFoundError(
-            f"no DFlash drafter at {ddir}: the trained toy drafter lives in checkpoints/smollm2-dflash "
+            f"no DFlash drafter at {ddir}: the trained toy drafter lives in vllm_ddtree/checkpoints/smollm2-dflash "
             "(or set VLLM_DDTREE_DRAFTER)"
         )
     target = AutoModelForCausalLM.from_pretrained(tdir, dtype=torch.float32, attn_implementation="sdpa").eval()

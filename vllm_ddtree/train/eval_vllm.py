@@ -2,7 +2,7 @@
 
 Mean acceptance length = 1 + accepted / drafts (vLLM's spec-decode counters), float32, greedy.
 
-    python -m vllm_ddtree.train.eval_vllm --drafter checkpoints/smollm2-dflash -n 10
+    python -m vllm_ddtree.train.eval_vllm --drafter vllm_ddtree/checkpoints/smollm2-dflash -n 10
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Plot a drafter's training log: loss and held-out mean accepted run against step, data size marked.
 
-    python -m vllm_ddtree.train.plot_log checkpoints/smollm2-dflash/train_log.jsonl --out training.png
+    python -m vllm_ddtree.train.plot_log vllm_ddtree/checkpoints/smollm2-dflash/train_log.jsonl --out training.png
 
 The log may span several resumed runs (one ``start`` record each): every start and every shard the
 trainer picked up mid-run is a vertical line labelled with the training response tokens it had then.
