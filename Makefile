@@ -12,7 +12,7 @@ IOMP   := $(abspath $(VENV))/lib/libiomp5.so
 export LD_PRELOAD := $(if $(wildcard $(IOMP)),$(IOMP),)
 export VLLM_CPU_KVCACHE_SPACE ?= 2
 
-.PHONY: install test test-fast demo bench clean
+.PHONY: install test test-fast demo bench clean gpu-wheels gpu-check
 
 install: $(STAMP)
 
@@ -44,3 +44,39 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# The GPU check (docs/gpu-check.md). `make gpu-wheels` runs here, with network: FlashInfer at the version
+# vLLM 0.32.0 pins and what it imports that a bare PyTorch + transformers image lacks, as CPython 3.12
+# manylinux wheels in gpu-wheels/; then the same versions for this machine's Python are imported by the
+# check's CPU part in a bare-image environment (benchmarks/gpu_image.py: no vLLM, nothing of this venv
+# beyond PyTorch and transformers). `make gpu-check` runs on the CUDA machine, with its plain python3:
+# no venv, no network.
+GPU_PY        ?= python3
+GPU_WHEELS    := gpu-wheels
+GPU_SITE      := .gpu-site
+GPU_PACKAGES  := flashinfer-python==0.7.0.post1 apache-tvm-ffi==0.1.15.post2 nvidia-ml-py==13.615.71 \
+                 requests==2.34.2 urllib3==2.8.0 certifi==2026.10.19.post1 charset-normalizer==3.5.3
+GPU_PLATFORMS := --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+                 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+                 --platform any
+
+gpu-wheels: $(STAMP)
+	rm -rf $(GPU_WHEELS) build/gpu-wheels-check
+	$(PIP) download --quiet --no-deps --only-binary=:all: $(GPU_PLATFORMS) -d $(GPU_WHEELS) $(GPU_PACKAGES)
+	$(PIP) download --quiet --no-deps --only-binary=:all: -d build/gpu-wheels-check/wheels $(GPU_PACKAGES)
+	$(PIP) install --quiet --no-index --no-deps --no-compile --target build/gpu-wheels-check/site \
+		build/gpu-wheels-check/wheels/*.whl
+	$(PY) benchmarks/gpu_image.py --site build/gpu-wheels-check/site -- \
+		python benchmarks/gpu_check.py --device cpu --quick --json build/gpu-wheels-check/check.json
+	du -sh $(GPU_WHEELS)
+
+gpu-check: SHELL := /bin/bash
+gpu-check:
+	@if ls $(GPU_WHEELS)/*.whl >/dev/null 2>&1; then \
+		rm -rf $(GPU_SITE) && $(GPU_PY) -m pip install --quiet --no-index --no-deps --no-compile \
+			--target $(GPU_SITE) $(GPU_WHEELS)/*.whl; \
+	else echo "no $(GPU_WHEELS)/ (make gpu-wheels where there is network, then copy it here): using installed packages"; fi
+	mkdir -p benchmarks/results/gpu
+	set -o pipefail; PYTHONUNBUFFERED=1 MAX_JOBS=$${MAX_JOBS:-16} $(GPU_PY) benchmarks/gpu_check.py --device cuda \
+		$(if $(wildcard $(GPU_WHEELS)/*.whl),--site $(GPU_SITE)) --json-dir benchmarks/results/gpu \
+		$(if $(OUT),--json-dir $(OUT)) 2>&1 | tee $(if $(OUT),$(OUT)/gpu-check.log,/dev/null)

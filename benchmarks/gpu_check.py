@@ -1,0 +1,1157 @@
+"""The GPU check: our GPU path on one CUDA device, in one process, without vLLM.
+
+Parts (each passed / failed / not run, with its numbers; the JSON is rewritten after every part):
+  a.plan     FlashInfer tree-step inputs: `flashinfer_paged_plan` on mixed batches (trees of 1-128
+             nodes, a causal prefill chunk, single-token decodes, trees across page boundaries, a tree
+             that is the whole KV) against the tree core's own masks, FlashInfer's mask offsets, plan()'s
+             signature, and a paged read of vLLM's FlashInfer cache layout against float32 SDPA. Any device.
+  a.kernel   The same batches through FlashInfer's paged prefill with the custom mask, planned as vLLM's
+             builder plans it (`plan_flashinfer_tree_step`), bf16 and fp16, Qwen3-8B heads, page 16,
+             against float32 SDPA; the tolerance is the same kernel's error on a causal batch of the same
+             data. Timing: custom-mask vs causal plan + run. CUDA only.
+  b.pipeline The tree step's device work: top-k -> build (plain, n-gram scored, with the lookup branch)
+             -> automatic budget -> compile -> walk -> compaction plan, against the heap builder, a host
+             walk and host moves; on CUDA also equal to the same step run on the CPU. Eager step time.
+  b.sync     That step under torch.cuda.set_sync_debug_mode("error") after one warm-up step; on a
+             failure, every host sync site (file:line) from one pass in "warn" mode. CUDA only.
+  c.compaction `move_slots_` over 36 layers of a paged cache in vLLM's FlashInfer layout against a
+             per-slot reference, timed. Any device.
+  d.verify_cost The verify forward of a Qwen3-8B-shaped transformers decoder (random bf16 weights) for
+             batch x (1 + N) rows at context 1K, medians; `CostModel` fitted to it; the knee (first N
+             whose step is 10% above the one-row step). On a CPU a tiny Qwen3 config in float32.
+  b.graphs   The step captured in a CUDA graph per batch size, replayed on new inputs, equal to eager;
+             eager vs replay time. CUDA only; last, so a failed capture cannot disturb the other parts.
+
+    python benchmarks/gpu_check.py --device cuda --json-dir benchmarks/results/gpu   # <device>.json/.png
+    python benchmarks/gpu_check.py --device cpu --quick --json /tmp/check.json       # what runs without CUDA
+    python benchmarks/gpu_check.py --plot benchmarks/results/gpu/h100.json           # redraw a PNG
+
+Imports nothing of vLLM. `--site DIR` appends a folder of carried packages (FlashInfer and what it
+imports; `make gpu-wheels`) to the module path, after the machine's own packages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # the project, uninstalled (the GPU machine has only the working tree)
+sys.path.insert(1, str(REPO / "benchmarks"))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from vllm_ddtree.attention.tree_mask import (  # noqa: E402
+    FlashInferPagedPlan,
+    TreeStepMasks,
+    flashinfer_paged_plan,
+    flashinfer_tree_wrapper,
+    plan_flashinfer_tree_step,
+)
+from vllm_ddtree.compaction import accepted_path_moves, move_slots_  # noqa: E402
+from vllm_ddtree.tree import (  # noqa: E402
+    AutoBudget,
+    CostModel,
+    LookupCalibration,
+    ModelShape,
+    NGramModel,
+    TreeBatch,
+    add_branch,
+    build_tree,
+    build_tree_reference,
+    compile_tree,
+    dense_attention_mask,
+    get_profile,
+    topk_per_depth,
+    walk_tree,
+)
+
+# Qwen3-8B's attention (32 query heads, 8 KV heads, head dim 128) and vLLM's FlashInfer page size.
+HQ, HKV, HD, PAGE = 32, 8, 128, 16
+QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
+QWEN3_TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, tie_word_embeddings=False)
+DEPTHS = 15  # a DFlash drafter of block 16 drafts 15 depths
+BUILD = 64  # tree width built per request (the automatic budget's largest tree)
+LOOKUP = 8  # prompt-lookup branch length
+NGRAM_WEIGHT = 0.2
+REPO_FILES = ("vllm_ddtree", "benchmarks")
+
+
+@dataclass
+class Sizes:
+    """What each part runs over, by device and --quick."""
+
+    context_scale: float  # a.*: attention case contexts are multiplied by this
+    timing_batches: tuple[int, ...]  # a.kernel timing
+    timing_contexts: tuple[int, ...]
+    vocab: int  # b.*: drafter vocabulary
+    batches: tuple[int, ...]  # b.*, c: batch sizes
+    reference_batch: int  # b.pipeline: largest batch checked against the host references
+    layers: int  # c: layers of the paged cache
+    cache_heads: tuple[int, int]  # c: (kv heads, head dim)
+    model: dict  # d: transformers Qwen3 config
+    model_dtype: torch.dtype
+    verify_batches: tuple[int, ...]
+    verify_rows: tuple[int, ...]  # N: draft rows after the root
+    verify_context: int
+    reps: int  # timed repetitions per point (median)
+
+
+def sizes_for(device: str, quick: bool) -> Sizes:
+    """The sizes of a full CUDA run, a quick one, and the CPU's (always small)."""
+    if device == "cpu":
+        return Sizes(0.1, (), (), 2048, (1, 4), 4, 36, (2, 16), QWEN3_TINY, torch.float32, (1, 4), (0, 4, 16, 64),
+                     64, 3)
+    if quick:
+        return Sizes(0.25, (1, 8), (1024,), 151936, (1, 8), 8, 36, (HKV, HD), QWEN3_8B, torch.bfloat16, (1, 8),
+                     (0, 16, 64, 256), 1024, 3)
+    return Sizes(1.0, (1, 8, 32), (1024, 8192), 151936, (1, 8, 64, 256), 8, 36, (HKV, HD), QWEN3_8B, torch.bfloat16,
+                 (1, 8, 32), (0, 4, 8, 16, 32, 64, 128, 256), 1024, 5)
+
+
+class Deadline:
+    """A wall-clock budget for the whole check: timing loops skip their remaining points past it."""
+
+    def __init__(self, seconds: float) -> None:
+        self.end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+    def expired(self) -> bool:
+        return self.left() <= 0
+
+
+def log(msg: str) -> None:
+    """Progress, flushed (a person watches it scroll)."""
+    print(msg, flush=True)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_ms(fn: Callable[[], object], device: torch.device, reps: int) -> float:
+    """Median wall milliseconds of `fn` after one warm-up call, the device drained around each call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def where_in_repo(tb) -> str | None:
+    """'file:line in function: code' of the innermost frame of this project in a traceback or stack."""
+    frames = traceback.extract_tb(tb) if not isinstance(tb, list) else tb
+    ours = [f for f in frames if any(f"{os.sep}{d}{os.sep}" in f.filename for d in REPO_FILES)]
+    if not ours:
+        return None
+    f = ours[-1]
+    rel = os.path.relpath(f.filename, REPO)
+    return f"{rel}:{f.lineno} in {f.name}: {(f.line or '').strip()}"
+
+
+def failure(exc: BaseException) -> dict:
+    """What a failed step says: the exception, where in our code, and the last frames."""
+    return {"error": f"{type(exc).__name__}: {str(exc).strip()[:600]}", "where": where_in_repo(exc.__traceback__),
+            "traceback": traceback.format_exception(type(exc), exc, exc.__traceback__)[-4:]}
+
+
+# ---------------------------------------------------------------------------------------------------
+# a. FlashInfer tree attention
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Request:
+    """One request of an attention case: `q` new tokens after `ctx` cached ones; a tree request's
+    new tokens are its compiled tree's rows (root first)."""
+
+    kind: str  # "tree", "prefill" or "decode"
+    q: int
+    ctx: int
+    tree: TreeBatch | None = None
+
+
+def small_tree(nodes: int, ctx: int, seed: int) -> TreeBatch:
+    """A real draft tree of `nodes` nodes from the tree core (15 depths, 16 candidates each), compiled
+    after `ctx` context tokens."""
+    g = torch.Generator().manual_seed(seed)
+    top_logp, top_ids = topk_per_depth(torch.randn(1, DEPTHS, 64, generator=g) * 3, 16)
+    return compile_tree(build_tree(top_logp, top_ids, nodes), torch.tensor([1]), torch.tensor([ctx]))
+
+
+def tree_request(nodes: int, ctx: int, seed: int) -> Request:
+    tree = small_tree(nodes, ctx, seed)
+    return Request("tree", int(tree.num_rows[0]), ctx, tree)
+
+
+def attention_cases(scale: float) -> dict[str, list[Request]]:
+    """Mixed verify batches; contexts times `scale` (at least the page-boundary cases stay)."""
+    c = lambda n: max(1, int(n * scale))  # noqa: E731
+    return {
+        "mixed": [Request("prefill", 37, c(100)), Request("decode", 1, 15), Request("decode", 1, c(1000)),
+                  tree_request(1, 13, 1), tree_request(7, c(250), 2), tree_request(64, c(1000) + 3, 3),
+                  tree_request(128, c(4000), 4), tree_request(40, 0, 5)],
+        "trees_across_pages": [tree_request(n, ctx, 10 + i) for i, (n, ctx) in
+                               enumerate([(64, 15), (64, 16), (64, 17), (31, 1), (15, c(2000) + 9), (128, 8)])],
+        "decodes_then_tree": [Request("decode", 1, c(300) + i) for i in range(4)] + [tree_request(15, 31, 20)],
+    }
+
+
+def step_masks(reqs: list[Request]) -> TreeStepMasks:
+    """The step's tree masks: [R] has_tree, [R] num_rows, [R, n, n] ancestors (padded)."""
+    n = max([r.q for r in reqs if r.tree is not None], default=1)
+    anc = torch.zeros(len(reqs), n, n, dtype=torch.bool)
+    for i, r in enumerate(reqs):
+        if r.tree is not None:
+            anc[i, : r.q, : r.q] = r.tree.ancestors[0, : r.q, : r.q]
+    return TreeStepMasks(has_tree=torch.tensor([r.tree is not None for r in reqs]),
+                         num_rows=torch.tensor([r.q if r.tree is not None else 0 for r in reqs]), ancestors=anc)
+
+
+def oracle_mask(req: Request, tree_masks: bool = True) -> torch.Tensor:
+    """[q, kv] bool: the tree core's mask for a tree request (`dense_attention_mask`), else causal."""
+    kv = req.ctx + req.q
+    if req.tree is not None and tree_masks:
+        return dense_attention_mask(req.tree, kv)[0, : req.q]
+    return torch.arange(kv)[None, :] <= req.ctx + torch.arange(req.q)[:, None]
+
+
+@dataclass
+class PagedStep:
+    """A case's data: Q, the unpaged K/V, and the same K/V in a paged cache in vLLM's FlashInfer layout.
+
+    q          [T, HQ, HD]            the step's queries (T = sum of q)
+    keys/values [kv_r, HKV, HD] each  per request, float32 copies of what the cache holds
+    cache      [P, HKV, PAGE, 2 * HD] a layer's logical view (K then V in the last dim); physically
+                                      [P, PAGE, HKV, 2 * HD] (vLLM's default LBNHC layout, FlashInfer "NHD")
+    block_table [R, max_pages + 2] int32, on the device; columns past a request's pages hold junk
+    qsl [R + 1], seq_lens [R]  int64 host
+    """
+
+    reqs: list[Request]
+    q: torch.Tensor
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    cache: torch.Tensor
+    block_table: torch.Tensor
+    qsl: torch.Tensor
+    seq_lens: torch.Tensor
+    masks: TreeStepMasks
+
+
+def paged_step(reqs: list[Request], dtype: torch.dtype, device: torch.device, seed: int) -> PagedStep:
+    """Random Q/K/V (scaled like real activations) in `dtype`, K/V written into shuffled pages."""
+    g = torch.Generator().manual_seed(seed)
+    seq = torch.tensor([r.ctx + r.q for r in reqs])
+    pages = [(int(kv) + PAGE - 1) // PAGE for kv in seq]
+    total = sum(pages)
+    pool = torch.randperm(total + 7, generator=g)  # 7 spare pages stay garbage
+    phys = torch.randn(len(pool), PAGE, HKV, 2 * HD, generator=g).to(dtype)
+    block_table = torch.full((len(reqs), max(pages) + 2), len(pool) + 1000, dtype=torch.int32)
+    keys, values, start = [], [], 0
+    for i, (kv, np_) in enumerate(zip(seq.tolist(), pages)):
+        block_table[i, :np_] = pool[start : start + np_].int()
+        start += np_
+        kvals = torch.randn(kv, HKV, 2 * HD, generator=g).to(dtype)
+        pos = torch.arange(kv)
+        slot_page, slot_off = block_table[i, pos // PAGE].long(), pos % PAGE
+        phys[slot_page, slot_off] = kvals
+        keys.append(kvals[..., :HD].float())
+        values.append(kvals[..., HD:].float())
+    qsl = torch.zeros(len(reqs) + 1, dtype=torch.int64)
+    qsl[1:] = torch.cumsum(torch.tensor([r.q for r in reqs]), 0)
+    q = torch.randn(int(qsl[-1]), HQ, HD, generator=g).to(dtype)
+    cache = phys.to(device).permute(0, 2, 1, 3)  # the logical [P, HKV, PAGE, 2 * HD] view vLLM hands a layer
+    return PagedStep(reqs, q.to(device), keys, values, cache, block_table.to(device), qsl, seq, step_masks(reqs))
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Float32 grouped-query attention: q [n, HQ, HD], k/v [kv, HKV, HD], mask [n, kv] -> [n, HQ, HD]."""
+    out = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], k.float().transpose(0, 1)[None],
+                                         v.float().transpose(0, 1)[None], attn_mask=mask.to(q.device), scale=scale,
+                                         enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+def oracle_attention(step: PagedStep, tree_masks: bool = True) -> torch.Tensor:
+    """[T, HQ, HD] float32 over the unpaged K/V with the tree core's masks (causal ones if not `tree_masks`)."""
+    dev = step.q.device
+    outs = [sdpa(step.q[step.qsl[i] : step.qsl[i + 1]], step.keys[i].to(dev), step.values[i].to(dev),
+                 oracle_mask(r, tree_masks), HD ** -0.5) for i, r in enumerate(step.reqs)]
+    return torch.cat(outs)
+
+
+def paged_read_like_flashinfer(step: PagedStep, plan: FlashInferPagedPlan) -> torch.Tensor:
+    """FlashInfer's paged prefill with a custom mask as its plan()/run() document it, in float32 torch:
+    request r's KV is its pages in `paged_kv_indices` order, all full but the last
+    (`paged_kv_last_page_len` tokens), read from the layer cache's logical view; its mask block starts
+    at the cumulative q * kv that FlashInfer derives from those, row-major [q, kv]."""
+    qo, ind, last = plan.qo_indptr.long(), plan.paged_kv_indptr.long(), plan.paged_kv_last_page_len.long()
+    kv_lens = (ind[1:] - ind[:-1] - 1) * PAGE + last
+    offsets = torch.zeros_like(qo)
+    offsets[1:] = torch.cumsum((qo[1:] - qo[:-1]) * kv_lens, 0)
+    out = torch.empty(step.q.shape, dtype=torch.float32, device=step.q.device)
+    for r in range(len(qo) - 1):
+        pages = plan.paged_kv_indices[ind[r] : ind[r + 1]].long()
+        kv, n = int(kv_lens[r]), int(qo[r + 1] - qo[r])
+        tokens = step.cache[pages].transpose(1, 2).reshape(-1, HKV, 2 * HD)[:kv].float()  # [kv, HKV, 2 * HD]
+        mask = plan.custom_mask[offsets[r] : offsets[r + 1]].view(n, kv)
+        out[qo[r] : qo[r + 1]] = sdpa(step.q[qo[r] : qo[r + 1]], tokens[..., :HD], tokens[..., HD:], mask, HD ** -0.5)
+    return out
+
+
+def step_plan(step: PagedStep, tree: bool = True) -> FlashInferPagedPlan:
+    """The plan vLLM's builder makes for this step (causal for requests without a tree)."""
+    dev = step.block_table.device
+    masks = step.masks
+    on_dev = TreeStepMasks(masks.has_tree.to(dev), masks.num_rows.to(dev), masks.ancestors.to(dev))
+    return flashinfer_paged_plan(step.qsl, step.seq_lens, step.block_table, PAGE, True, on_dev if tree else None)
+
+
+def flashinfer_module():
+    """flashinfer, or None where it is not importable (the reason is reported by the caller)."""
+    try:
+        import flashinfer
+
+        return flashinfer
+    except Exception:  # noqa: BLE001 - any import failure means: not available here
+        return None
+
+
+def plan_constants(dtype: torch.dtype) -> dict:
+    return dict(num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HD, page_size=PAGE, sm_scale=HD ** -0.5,
+                q_data_type=dtype, kv_data_type=dtype, o_data_type=dtype)
+
+
+def part_a_plan(ctx: "Check") -> dict:
+    """The plan inputs of every case on the check's device, read back against independent references."""
+    fi = flashinfer_module()
+    cases, bad = {}, []
+    for name, reqs in attention_cases(ctx.sizes.context_scale).items():
+        step = paged_step(reqs, torch.float32, ctx.device, seed=len(name))
+        plan = step_plan(step)
+        want_mask = torch.cat([oracle_mask(r).reshape(-1) for r in reqs])
+        mask_ok = torch.equal(plan.custom_mask.cpu(), want_mask)
+        kv = step.seq_lens
+        want_offsets = [0, *torch.cumsum(torch.tensor([r.q for r in reqs]) * kv, 0).tolist()]
+        rec = {"requests": len(reqs), "tree_nodes": [r.q - 1 for r in reqs if r.tree is not None],
+               "kv_lens": kv.tolist(), "mask_elements": int(plan.custom_mask.numel()), "mask_equals_tree_core": mask_ok}
+        if fi is not None:
+            from flashinfer.prefill import _compute_page_mask_indptr
+
+            got = _compute_page_mask_indptr(plan.qo_indptr, plan.paged_kv_indptr, plan.paged_kv_last_page_len, PAGE)
+            rec["flashinfer_mask_offsets_match"] = got.tolist() == want_offsets
+            recorder = PlanRecorder(inspect.signature(fi.BatchPrefillWithPagedKVCacheWrapper.plan))
+            plan_flashinfer_tree_step(recorder, plan, **plan_constants(torch.bfloat16))
+            rec["plan_signature_binds"] = recorder.bound
+        got = paged_read_like_flashinfer(step, plan)
+        want = oracle_attention(step)
+        rec["paged_read_max_abs_err"] = float((got - want).abs().max())
+        tree_rows = torch.cat([torch.arange(int(step.qsl[i]), int(step.qsl[i + 1])) for i, r in enumerate(reqs)
+                               if r.tree is not None and r.q > 2])
+        causal = oracle_attention(step, tree_masks=False)
+        rec["tree_mask_effect"] = float((want[tree_rows] - causal[tree_rows]).abs().max())  # the masks matter
+        ok = (mask_ok and rec["paged_read_max_abs_err"] < 1e-4 and rec["tree_mask_effect"] > 1e-2
+              and rec.get("flashinfer_mask_offsets_match", True) and rec.get("plan_signature_binds", True))
+        if not ok:
+            bad.append(name)
+        cases[name] = rec
+    out = {"passed": not bad, "cases": cases, "failed_cases": bad,
+           "flashinfer_checked": fi is not None,
+           "summary": f"{len(cases)} cases, {'all match' if not bad else 'FAILED ' + ', '.join(bad)}"
+                      f"{'' if fi is not None else ' (flashinfer not importable: offsets/signature unchecked)'}"}
+    return out
+
+
+class PlanRecorder:
+    """Stands where FlashInfer's wrapper stands: plan() is bound to the real signature and kept."""
+
+    def __init__(self, signature: inspect.Signature) -> None:
+        self.signature = signature
+        self.bound = False
+
+    def plan(self, **kwargs) -> None:
+        self.signature.bind(self, **kwargs)  # TypeError on a keyword FlashInfer does not take
+        self.bound = True
+
+
+def run_flashinfer(step: PagedStep, plan: FlashInferPagedPlan, dtype: torch.dtype, workspace: torch.Tensor,
+                   tree: bool = True) -> torch.Tensor:
+    """One FlashInfer paged prefill as vLLM runs it: custom-mask plan through our helper (``backend="auto"``,
+    which a custom mask resolves to FA2), or for the control a causal FA2 plan of the same page table;
+    run() on vLLM's layer view split into K and V."""
+    wrapper = flashinfer_tree_wrapper(workspace, "NHD", backend="auto" if tree else "fa2")
+    if tree:
+        plan_flashinfer_tree_step(wrapper, plan, **plan_constants(dtype))
+    else:
+        kw = plan.plan_kwargs()
+        kw.update(custom_mask=None, causal=True)
+        c = plan_constants(dtype)
+        wrapper.plan(**kw, num_qo_heads=HQ, num_kv_heads=HKV, head_dim_qk=HD, page_size=PAGE, sm_scale=c["sm_scale"],
+                     q_data_type=dtype, kv_data_type=dtype, o_data_type=dtype)
+    kv = step.cache.permute(0, 2, 1, 3).split(HD, dim=-1)  # as vLLM's FlashInferImpl.forward: physical order, K/V
+    return wrapper.run(step.q, kv, k_scale=1.0, v_scale=1.0)
+
+
+def part_a_kernel(ctx: "Check") -> dict:
+    """FlashInfer's kernels against the float32 oracle, bf16 and fp16; then custom-mask vs causal timing."""
+    fi = flashinfer_module()
+    if fi is None:
+        return {"passed": False, "error": "flashinfer is not importable (make gpu-wheels, then --site)"}
+    missing = [t for t in ("nvcc", "ninja") if shutil.which(t) is None]
+    if missing:
+        return {"passed": False, "error": f"FlashInfer's JIT needs {' and '.join(missing)} on PATH"}
+    os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 8))
+    workspace = torch.empty(256 << 20, dtype=torch.uint8, device=ctx.device)
+    results, bad = {}, []
+    for dtype in (torch.bfloat16, torch.float16):
+        dn = str(dtype).replace("torch.", "")
+        t0 = time.perf_counter()
+        for name, reqs in attention_cases(ctx.sizes.context_scale).items():
+            log(f"  a.kernel {dn} {name}")
+            step = paged_step(reqs, dtype, ctx.device, seed=len(name))
+            got = run_flashinfer(step, step_plan(step), dtype, workspace).float()
+            err = float((got - oracle_attention(step)).abs().max())
+            control_out = run_flashinfer(step, step_plan(step, tree=False), dtype, workspace, tree=False).float()
+            control = float((control_out - oracle_attention(step, tree_masks=False)).abs().max())
+            tol = 2 * control + 1e-4
+            ok = err <= tol and math.isfinite(err)
+            results[f"{dn}/{name}"] = {"max_abs_err": err, "causal_control_err": control, "tolerance": tol, "ok": ok}
+            if not ok:
+                bad.append(f"{dn}/{name}")
+        results[f"{dn}/first_case_seconds_incl_jit"] = round(time.perf_counter() - t0, 1)
+    timing = time_flashinfer(ctx, workspace)
+    return {"passed": not bad, "cases": results, "failed_cases": bad, "timing": timing,
+            "flashinfer": fi.__version__,
+            "summary": f"{len(results) - 2 - len(bad)}/{len(results) - 2} cases within the causal control"
+                       + (f"; FAILED {', '.join(bad)}" if bad else "")}
+
+
+def time_flashinfer(ctx: "Check", workspace: torch.Tensor) -> list[dict]:
+    """Custom-mask vs causal, bf16: mask build (`flashinfer_paged_plan`), plan() and run() at tree shapes
+    (every request a tree of 1 + 64 rows)."""
+    rows = []
+    for b in ctx.sizes.timing_batches:
+        for c in ctx.sizes.timing_contexts:
+            if ctx.deadline.left() < 60:
+                rows.append({"batch": b, "context": c, "skipped": "wall-clock budget"})
+                continue
+            reqs = [tree_request(64, c, 100 + i) for i in range(b)]
+            step = paged_step(reqs, torch.bfloat16, ctx.device, seed=b)
+            dt = torch.bfloat16
+            plan = step_plan(step)
+            tree_w = flashinfer_tree_wrapper(workspace, "NHD")
+            causal_w = flashinfer_tree_wrapper(workspace, "NHD", backend="fa2")
+            kw = plan.plan_kwargs()
+            kw.update(custom_mask=None, causal=True)
+            kv = step.cache.permute(0, 2, 1, 3).split(HD, dim=-1)
+            build_ms = timed_ms(lambda: step_plan(step), ctx.device, ctx.sizes.reps)
+            tree_plan_ms = timed_ms(lambda: plan_flashinfer_tree_step(tree_w, plan, **plan_constants(dt)),
+                                    ctx.device, ctx.sizes.reps)
+            tree_run_ms = timed_ms(lambda: tree_w.run(step.q, kv, k_scale=1.0, v_scale=1.0), ctx.device,
+                                   ctx.sizes.reps)
+            causal_plan_ms = timed_ms(lambda: causal_w.plan(**kw, num_qo_heads=HQ, num_kv_heads=HKV, head_dim_qk=HD,
+                                                            page_size=PAGE, sm_scale=HD ** -0.5, q_data_type=dt,
+                                                            kv_data_type=dt, o_data_type=dt),
+                                      ctx.device, ctx.sizes.reps)
+            causal_run_ms = timed_ms(lambda: causal_w.run(step.q, kv, k_scale=1.0, v_scale=1.0), ctx.device,
+                                     ctx.sizes.reps)
+            rows.append({"batch": b, "context": c, "rows": 65, "mask_build_ms": build_ms, "tree_plan_ms": tree_plan_ms,
+                         "tree_run_ms": tree_run_ms, "causal_plan_ms": causal_plan_ms, "causal_run_ms": causal_run_ms})
+            log(f"  a.kernel timing batch {b} ctx {c}: tree plan+run {tree_plan_ms + tree_run_ms:.3f} ms, "
+                f"causal {causal_plan_ms + causal_run_ms:.3f} ms, mask build {build_ms:.3f} ms")
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------
+# b. The tree pipeline
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StepInputs:
+    """One tree step's inputs (static shapes, so a CUDA graph can be replayed on new values).
+
+    logits [R, DEPTHS, V] drafter logits (bf16 on a GPU, float32 on a CPU); ctx_lens [R] int64 context
+    before each root; roots [R] int64; slots [R] int64 n-gram slots; tail [R, 2] int64 last committed
+    tokens; coin [R, M] bool and noise [R, M] int64 the stand-in target's choices per verify row
+    (M = 1 + BUILD + LOOKUP); slot_mapping [R * M] int64 physical KV slot of each row.
+    """
+
+    logits: torch.Tensor
+    ctx_lens: torch.Tensor
+    roots: torch.Tensor
+    slots: torch.Tensor
+    tail: torch.Tensor
+    coin: torch.Tensor
+    noise: torch.Tensor
+    slot_mapping: torch.Tensor
+
+    def to(self, device: torch.device) -> "StepInputs":
+        return StepInputs(*(t.to(device) for t in vars(self).values()))
+
+    def copy_(self, other: "StepInputs") -> None:
+        for k, t in vars(self).items():
+            t.copy_(getattr(other, k))
+
+
+@dataclass
+class StepState:
+    """What persists between steps: the n-gram tables and the automatic budget."""
+
+    ngram: NGramModel
+    auto: AutoBudget
+
+
+TOP_TOKENS = 80  # tokens per depth with distinct logits (more than BUILD): no ties where top-k looks
+
+
+def step_inputs(r: int, vocab: int, ngram_tail: torch.Tensor, seed: int, dtype: torch.dtype,
+                device: torch.device) -> StepInputs:
+    """Random inputs, drawn on `device`. At every depth 80 random tokens get distinct logits 20 - rank / 8
+    (the first 0-3 higher: drafters of varied confidence) over a N(0, 1) rest; all of them exact in bf16,
+    so top-k ranks them alike on any device."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    m = 1 + BUILD + LOOKUP
+    logits = torch.randn(r, DEPTHS, vocab, generator=g, device=device)
+    top = torch.rand(r, DEPTHS, vocab, generator=g, device=device).topk(TOP_TOKENS, dim=-1).indices
+    rank = torch.arange(TOP_TOKENS, device=device, dtype=torch.float32)
+    lead = torch.randint(0, 4, (r, DEPTHS, 1), generator=g, device=device).float()
+    logits.scatter_(2, top, 20 - rank / 8 + torch.where(rank == 0, lead, 0.0))
+    rand = lambda *shape: torch.randint(vocab, shape, generator=g, device=device)  # noqa: E731
+    return StepInputs(logits.to(dtype), torch.randint(100, 1000, (r,), generator=g, device=device), rand(r),
+                      torch.arange(r, device=device), ngram_tail.to(device),
+                      torch.rand(r, m, generator=g, device=device) < 0.8, rand(r, m),
+                      torch.randperm(r * m + 64, generator=g, device=device)[: r * m] + 7)
+
+
+def step_state(r: int, vocab: int, device: torch.device, seed: int) -> tuple[StepState, torch.Tensor]:
+    """Fresh n-gram tables (each request's own random text, with repeats) and a calibrated automatic
+    budget (its exploration fed the published-figure H100 roofline's step times), on `device`; and the
+    requests' context tails [R, 2] (host)."""
+    g = torch.Generator().manual_seed(seed)
+    ngram = NGramModel(vocab, 3, device=device)
+    texts = []
+    for _ in range(r):
+        phrase = torch.randint(min(vocab, 64), (12,), generator=g)
+        texts.append(torch.cat([phrase, torch.randint(vocab, (20,), generator=g), phrase, phrase[:5]]))
+    ngram.observe_batch(list(range(r)), texts)
+    shape = ModelShape.from_hf_config(QWEN3_8B, "bfloat16")
+    auto = AutoBudget(CostModel(shape, get_profile("h100")), 1, BUILD, lookup=LookupCalibration(LOOKUP)).to(device)
+    ctx = 500.0 * r
+    while auto.exploring:
+        b = auto.calibration.explore_budget(r)
+        tokens = r * (1 + b)
+        auto.observe_step(tokens, tokens * (500 + 1 + b), ctx, float(auto.cost.step_seconds(r * b, ctx, r)))
+    return StepState(ngram, auto), ngram.context_tail(list(range(r))).cpu()
+
+
+def stand_in_target(batch: TreeBatch, coin: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """[R, N] a target's token per verify row: where `coin`, the token of its first or (odd `noise`) last
+    child, else `noise` (the check's stand-in for the target model: paths of varied length are accepted,
+    through rows that are not in depth order, so the compaction moves K/V)."""
+    r, n = batch.tokens.shape
+    rows = torch.arange(n, device=batch.tokens.device).expand(r, n)
+    parent = torch.where(batch.valid & (batch.parents >= 0), batch.parents, n)
+    first = torch.full((r, n + 1), n, dtype=torch.int64, device=rows.device).scatter_reduce_(1, parent, rows, "amin")
+    last = torch.full((r, n + 1), -1, dtype=torch.int64, device=rows.device).scatter_reduce_(1, parent, rows, "amax")
+    child = torch.where(noise[:, :n] % 2 == 1, last[:, :n], first[:, :n])
+    child_tok = batch.tokens.gather(1, child.clamp(0, n - 1))
+    return torch.where(coin[:, :n] & (first[:, :n] < n), child_tok, noise[:, :n])
+
+
+def tree_step(x: StepInputs, st: StepState, variant: str,
+              topk: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The step's device work, called as the vLLM proposer and runner call it: top-k, build (n-gram
+    scored for "ngram"; with the lookup branch for "lookup"), automatic budget, truncate, compile,
+    walk, compaction plan. Returns every result tensor by name. `topk` ([R, DEPTHS, BUILD] log-probs
+    and ids) replaces the top-k's output: the host run of a GPU step starts from the GPU's."""
+    r = x.logits.shape[0]
+    top_logp, top_ids = topk if topk is not None else topk_per_depth(x.logits, BUILD)
+    scorer = st.ngram.scorer(x.slots) if variant == "ngram" else None
+    built = build_tree(top_logp, top_ids, BUILD, max_budget=BUILD, scorer=scorer,
+                       context_tail=x.tail if scorer is not None else None, lam=NGRAM_WEIGHT, validate=False)
+    branch = valid = None
+    if variant == "lookup":
+        branch, valid = st.ngram.continuation(x.slots, x.tail, LOOKUP)
+    plan = st.auto.choose_plan(built.scores, x.ctx_lens, valid)
+    tree = built.truncate(plan.budgets.clamp(max=BUILD))
+    if valid is not None:
+        valid = valid & (torch.arange(LOOKUP, device=valid.device)[None, :] < plan.extra[:, None])
+        tree = add_branch(tree, branch, valid, max_nodes=BUILD + LOOKUP)
+    batch = compile_tree(tree, x.roots, x.ctx_lens)
+    n = batch.max_rows
+    walk = walk_tree(batch, torch.where(batch.valid, stand_in_target(batch, x.coin, x.noise), -1))
+    row_index = torch.where(batch.valid, torch.arange(r, device=x.roots.device)[:, None] * n
+                            + torch.arange(n, device=x.roots.device), 0)
+    moves = accepted_path_moves(batch, walk.path_rows, row_index, x.slot_mapping[: r * n])
+    return {"top_logp": top_logp, "top_ids": top_ids, "built_tokens": built.tokens, "built_parents": built.parents, "budgets": plan.budgets,
+            "extra": plan.extra if plan.extra is not None else plan.budgets * 0, "tokens": batch.tokens,
+            "parents": batch.parents, "valid": batch.valid, "row_tokens": walk.output_tokens,
+            "num_emitted": walk.num_emitted, "path_rows": walk.path_rows, "src_slots": moves.src_slots,
+            "dst_slots": moves.dst_slots, "context_order": moves.context_order, "row_index": row_index}
+
+
+VARIANTS = ("plain", "ngram", "lookup")
+
+
+def host_walk(parents: list[int], tokens: list[int], valid: list[bool], target: list[int]) -> list[int]:
+    """The accepted rows of one request, walked in plain Python: from the root, the child whose token
+    is the target's token at the current row."""
+    path, cur = [0], 0
+    while True:
+        kids = [i for i, p in enumerate(parents) if valid[i] and p == cur and tokens[i] == target[cur]]
+        if not kids:
+            return path
+        cur = kids[0]
+        path.append(cur)
+
+
+def reference_mismatches(x: StepInputs, out: dict[str, torch.Tensor], variant: str, vocab: int) -> list[str]:
+    """Host references for one step (all on the CPU): the heap builder (Algorithm 1), a Python walk,
+    and the moves read off the walk by hand. Returns what differs."""
+    bad = []
+    state, _ = step_state(x.logits.shape[0], vocab, torch.device("cpu"), seed=7)
+    top_logp, top_ids = out["top_logp"], out["top_ids"]
+    scorer = state.ngram.scorer(x.slots) if variant == "ngram" else None
+    ref = build_tree_reference(top_logp, top_ids, BUILD, max_budget=BUILD, scorer=scorer,
+                               context_tail=x.tail if scorer is not None else None, lam=NGRAM_WEIGHT)
+    if not (torch.equal(ref.tokens, out["built_tokens"]) and torch.equal(ref.parents, out["built_parents"])):
+        bad.append("build_tree != build_tree_reference")
+    r, n = out["tokens"].shape
+    target = out["row_tokens"]
+    for i in range(r):
+        par, tok, val = out["parents"][i].tolist(), out["tokens"][i].tolist(), out["valid"][i].tolist()
+        # the target token of each visited row: the walk emits them in path order
+        path = [p for p in out["path_rows"][i].tolist() if p >= 0]
+        emitted = [t for t in target[i].tolist() if t >= 0]
+        row_target = {row: emitted[j] for j, row in enumerate(path)}
+        walked = host_walk(par, tok, val, [row_target.get(row, -2) for row in range(n)])
+        if walked != path:
+            bad.append(f"walk of request {i}: {path} != host {walked}")
+            break
+        ctx_rows = out["row_index"][i]
+        slots = x.slot_mapping
+        for d in range(1, len(path)):
+            src, dst = int(slots[ctx_rows[path[d]]]), int(slots[ctx_rows[d]])
+            if (int(out["src_slots"][i * (out["src_slots"].numel() // r) + d - 1]) != src
+                    or int(out["dst_slots"][i * (out["dst_slots"].numel() // r) + d - 1]) != dst):
+                bad.append(f"moves of request {i} at depth {d}")
+                break
+    return bad
+
+
+def outputs_differ(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    """Names of the outputs that are not exactly equal (compared on the host)."""
+    return [k for k in a if not torch.equal(a[k].cpu(), b[k].cpu())]
+
+
+def part_b_pipeline(ctx: "Check") -> dict:
+    """Every variant at every batch size: the device run against the host references (small batches)
+    and a second run; on CUDA also against the same step on the CPU from the GPU's top-k (whose own
+    result is compared with the CPU's top-k). Eager step time."""
+    rows, bad = [], []
+    vocab, dt = ctx.sizes.vocab, (torch.bfloat16 if ctx.device.type == "cuda" else torch.float32)
+    cpu = torch.device("cpu")
+    for r in ctx.sizes.batches:
+        if ctx.deadline.left() < 45:
+            rows += [{"batch": r, "variant": v, "skipped": "wall-clock budget"} for v in VARIANTS]
+            continue
+        tail = step_state(r, vocab, cpu, seed=7)[1]
+        x = step_inputs(r, vocab, tail, seed=r, dtype=dt, device=ctx.device)
+        x_host = x.to(cpu)
+        host_topk = topk_per_depth(x_host.logits, BUILD) if ctx.device.type == "cuda" else None
+        for variant in VARIANTS:
+            state = step_state(r, vocab, ctx.device, seed=7)[0]
+            out = tree_step(x, state, variant)
+            host_out = {k: v.cpu() for k, v in out.items()}
+            rec = {"batch": r, "variant": variant, "mean_budget": float(out["budgets"].float().mean()),
+                   "mean_emitted": float(out["num_emitted"].float().mean())}
+            problems = []
+            if host_topk is not None:
+                rec["topk_ids_equal"] = torch.equal(host_topk[1], host_out["top_ids"])
+                rec["topk_logp_max_diff"] = float((host_topk[0] - host_out["top_logp"]).abs().max())
+                if not rec["topk_ids_equal"] or rec["topk_logp_max_diff"] > 1e-4:
+                    problems.append(f"top-k differs from the CPU's (max log-prob diff {rec['topk_logp_max_diff']:.2e})")
+                host_state = step_state(r, vocab, cpu, seed=7)[0]
+                ref = tree_step(x_host, host_state, variant, topk=(host_out["top_logp"], host_out["top_ids"]))
+                problems += [f"{k} differs from the CPU run" for k in outputs_differ(out, ref)]
+            if r <= ctx.sizes.reference_batch:
+                problems += reference_mismatches(x_host, host_out, variant, vocab)
+            again = tree_step(x, step_state(r, vocab, ctx.device, seed=7)[0], variant)
+            problems += [f"{k} differs between two runs" for k in outputs_differ(out, again)]
+            rec["eager_ms"] = timed_ms(lambda: tree_step(x, state, variant), ctx.device, ctx.sizes.reps)
+            rec["problems"] = problems
+            if problems:
+                bad.append(f"{variant}@{r}")
+            rows.append(rec)
+            log(f"  b.pipeline batch {r} {variant}: {rec['eager_ms']:.2f} ms eager, budget {rec['mean_budget']:.1f}, "
+                f"emitted {rec['mean_emitted']:.2f}{' PROBLEMS: ' + '; '.join(problems) if problems else ''}")
+    return {"passed": not bad, "steps": rows, "failed": bad,
+            "summary": f"{len(rows)} steps, " + ("all equal to the references" if not bad else "FAILED " + ", ".join(bad))}
+
+
+def sync_sites(fn: Callable[[], object]) -> list[dict]:
+    """Every host sync `fn` makes, from one pass in the sync debug mode "warn": where in our code, how often."""
+    sites: dict[str, dict] = {}
+
+    def record(message, category, filename, lineno, file=None, line=None):  # noqa: ARG001 - warnings' signature
+        where = where_in_repo(traceback.extract_stack()[:-1]) or f"{filename}:{lineno}"
+        site = sites.setdefault(where, {"where": where, "count": 0, "message": str(message)[:200]})
+        site["count"] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+            torch.cuda.synchronize()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return list(sites.values())
+
+
+def part_b_sync(ctx: "Check") -> dict:
+    """Each variant at batch 8 (after one warm-up step) under the sync debug mode "error"."""
+    rows, bad = [], []
+    for variant in VARIANTS:
+        r = min(8, max(ctx.sizes.batches))
+        state, tail = step_state(r, ctx.sizes.vocab, ctx.device, seed=7)
+        x = step_inputs(r, ctx.sizes.vocab, tail, seed=r, dtype=torch.bfloat16, device=ctx.device)
+        tree_step(x, state, variant)  # warm-up: one-time host work (cached index tables) happens here
+        torch.cuda.synchronize()
+        rec = {"batch": r, "variant": variant}
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            tree_step(x, state, variant)
+            torch.cuda.synchronize()
+            rec["syncs"] = 0
+        except Exception as exc:  # noqa: BLE001 - the failure is the result
+            rec.update(failure(exc))
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        if "error" in rec:
+            rec["sync_sites"] = sync_sites(lambda: tree_step(x, state, variant))
+            bad.append(variant)
+            log(f"  b.sync {variant}: FAILED at {rec['where']}; {len(rec['sync_sites'])} sync sites")
+        else:
+            log(f"  b.sync {variant}: no host sync")
+        rows.append(rec)
+    return {"passed": not bad, "variants": rows, "failed": bad,
+            "summary": "no host sync" if not bad else f"syncs in {', '.join(bad)}: first at {rows[VARIANTS.index(bad[0])]['where']}"}
+
+
+def state_tensors(st: StepState) -> list[torch.Tensor]:
+    """The step's mutable device state (the automatic budget's rate), to restore between two runs."""
+    return [t for t in (st.auto.planned_tokens, st.auto.planned_seconds) if t is not None]
+
+
+def part_b_graphs(ctx: "Check") -> dict:
+    """Capture the step per batch size and variant, replay on new inputs, compare with eager, time both."""
+    rows, bad = [], []
+    for r in ctx.sizes.batches:
+        for variant in VARIANTS:
+            if ctx.deadline.left() < 20:
+                rows.append({"batch": r, "variant": variant, "skipped": "wall-clock budget"})
+                continue
+            rec = {"batch": r, "variant": variant}
+            rows.append(rec)
+            try:
+                state, tail = step_state(r, ctx.sizes.vocab, ctx.device, seed=7)
+                x = step_inputs(r, ctx.sizes.vocab, tail, seed=r, dtype=torch.bfloat16, device=ctx.device)
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(3):
+                        tree_step(x, state, variant)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                    static_out = tree_step(x, state, variant)
+                x.copy_(step_inputs(r, ctx.sizes.vocab, tail, seed=1000 + r, dtype=torch.bfloat16, device=ctx.device))
+                saved = [t.clone() for t in state_tensors(state)]
+                graph.replay()
+                torch.cuda.synchronize()
+                replayed = {k: v.clone() for k, v in static_out.items()}
+                for t, s in zip(state_tensors(state), saved):
+                    t.copy_(s)
+                eager = tree_step(x, state, variant)
+                differ = outputs_differ(replayed, eager)
+                rec["replay_equals_eager"] = not differ
+                rec["differs"] = differ
+                rec["eager_ms"] = timed_ms(lambda: tree_step(x, state, variant), ctx.device, ctx.sizes.reps)
+                rec["replay_ms"] = timed_ms(graph.replay, ctx.device, ctx.sizes.reps)
+                if differ:
+                    bad.append(f"{variant}@{r}")
+                log(f"  b.graphs batch {r} {variant}: replay {rec['replay_ms']:.3f} ms vs eager {rec['eager_ms']:.3f} ms"
+                    f"{'' if not differ else ', DIFFERS: ' + ', '.join(differ)}")
+            except Exception as exc:  # noqa: BLE001 - a failed capture is the result; go on
+                rec.update(failure(exc))
+                bad.append(f"{variant}@{r}")
+                log(f"  b.graphs batch {r} {variant}: FAILED {rec['error'][:120]} at {rec['where']}")
+                try:
+                    torch.cuda.synchronize()
+                except Exception:  # noqa: BLE001
+                    pass
+    return {"passed": not bad, "captures": rows, "failed": bad,
+            "summary": "every capture replays equal to eager" if not bad else f"FAILED {', '.join(bad)}"}
+
+
+# ---------------------------------------------------------------------------------------------------
+# c. KV compaction
+# ---------------------------------------------------------------------------------------------------
+
+
+def part_c_compaction(ctx: "Check") -> dict:
+    """The moves of a walked step applied by `move_slots_` to every layer of a FlashInfer-layout cache."""
+    heads, hd = ctx.sizes.cache_heads
+    dtype = torch.bfloat16 if ctx.device.type == "cuda" else torch.float32
+    rows, bad = [], []
+    for r in ctx.sizes.batches[:3]:
+        if ctx.deadline.left() < 30:
+            rows.append({"batch": r, "skipped": "wall-clock budget"})
+            continue
+        state, tail = step_state(r, ctx.sizes.vocab, ctx.device, seed=7)
+        x = step_inputs(r, ctx.sizes.vocab, tail, seed=r, dtype=dtype, device=ctx.device)
+        out = tree_step(x, state, "lookup")  # the longest accepted paths: the most K/V moves
+        src, dst = out["src_slots"], out["dst_slots"]
+        pages = (int(x.slot_mapping.max()) + 1 + PAGE - 1) // PAGE + 4
+        g = torch.Generator(device=ctx.device).manual_seed(r)
+        # Each layer physically [pages, PAGE, heads, 2 * hd] (LBNHC); move_slots_ gets vLLM's logical view.
+        phys = [torch.randn(pages, PAGE, heads, 2 * hd, generator=g, device=ctx.device).to(dtype)
+                for _ in range(ctx.sizes.layers)]
+        before = [p.clone() for p in phys]
+        move_slots_([p.permute(0, 2, 1, 3) for p in phys], src, dst, "flashinfer")
+        s, d = src.cpu().tolist(), dst.cpu().tolist()
+        ok = True
+        for p, old in zip(phys, before):
+            want = old.view(pages * PAGE, heads, 2 * hd).clone()
+            flat_old = old.view(pages * PAGE, heads, 2 * hd)
+            for a, b in zip(s, d):  # the reference: one slot at a time, from the state before any move
+                want[b] = flat_old[a]
+            ok &= torch.equal(p.view(pages * PAGE, heads, 2 * hd), want)
+        moved = sum(a != b for a, b in zip(s, d))
+        ms = timed_ms(lambda: move_slots_([p.permute(0, 2, 1, 3) for p in phys], src, dst, "flashinfer"), ctx.device,
+                      ctx.sizes.reps)
+        rows.append({"batch": r, "layers": ctx.sizes.layers, "moves": len(s), "real_moves": moved, "equal": ok,
+                     "ms": ms, "bytes_moved": moved * ctx.sizes.layers * heads * 2 * hd * phys[0].element_size()})
+        if not ok or not moved:  # a step without a real move would check nothing
+            bad.append(r)
+        log(f"  c.compaction batch {r}: {len(s)} moves ({moved} real) x {ctx.sizes.layers} layers, "
+            f"{'equal' if ok else 'DIFFERENT'}, {ms:.3f} ms")
+    return {"passed": not bad, "batches": rows,
+            "summary": "equal to the per-slot reference" if not bad else f"FAILED at batch {bad}"}
+
+
+# ---------------------------------------------------------------------------------------------------
+# d. The verify-cost curve
+# ---------------------------------------------------------------------------------------------------
+
+
+def device_slug(device: torch.device) -> str:
+    """'h100', 'h200', 'a100', ... from the device name ('cpu' for a CPU)."""
+    if device.type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(device).lower()
+    m = re.search(r"\b([a-z]{1,2}\d{2,4}[a-z]?)\b", name)
+    return m.group(1) if m else re.sub(r"[^a-z0-9]+", "-", name).strip("-")
+
+
+def verify_model(ctx: "Check"):
+    """A transformers Qwen3 decoder of the configured shape with random weights, built on the device."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(**ctx.sizes.model)
+    torch.manual_seed(0)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(ctx.sizes.model_dtype)
+    try:
+        with torch.device(ctx.device):
+            model = Qwen3ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(old)
+    return model.eval(), config
+
+
+def part_d_verify_cost(ctx: "Check") -> dict:
+    """Forward time of batch x (1 + N) new rows after a cached context; CostModel fitted; knees."""
+    t0 = time.perf_counter()
+    model, config = verify_model(ctx)
+    build_s = time.perf_counter() - t0
+    s, v = ctx.sizes, ctx.sizes.model["vocab_size"]
+    points, skipped = [], []
+    with torch.inference_mode():
+        for b in s.verify_batches:
+            if ctx.deadline.left() < 20:
+                skipped += [(b, n) for n in s.verify_rows]
+                continue
+            ids = torch.randint(v, (b, s.verify_context), device=ctx.device)
+            cache = model(ids, use_cache=True, logits_to_keep=1).past_key_values
+            for n in s.verify_rows:
+                if ctx.deadline.left() < 10:
+                    skipped.append((b, n))
+                    continue
+                new = torch.randint(v, (b, 1 + n), device=ctx.device)
+
+                def forward():  # the rows are appended to the cache, then cropped off again
+                    logits = model(new, past_key_values=cache, use_cache=True).logits
+                    cache.crop(-(1 + n))
+                    return logits
+
+                ms = timed_ms(forward, ctx.device, s.reps)
+                points.append({"batch": b, "rows": 1 + n, "n": n, "ms": ms})
+                log(f"  d.verify_cost batch {b} x (1 + {n}) rows: {ms:.2f} ms")
+            del cache
+    del model
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()
+    fit = fit_cost(points, config, ctx) if len(points) >= 2 else None
+    knees = knee_rows(points)
+    ok = len(points) >= 2 and fit is not None and all(math.isfinite(p["ms"]) and p["ms"] > 0 for p in points)
+    return {"passed": ok, "model": {k: ctx.sizes.model[k] for k in ("num_hidden_layers", "hidden_size", "vocab_size")},
+            "dtype": str(s.model_dtype).replace("torch.", ""), "context": s.verify_context, "model_build_s": build_s,
+            "points": points, "skipped": skipped, "fitted": fit, "knee_n": knees,
+            "summary": f"{len(points)} points; knee N (step 10% over one row) by batch: {knees}"
+                       + (f"; fit slope {fit['slope']:.2f} x roofline + {fit['intercept_ms']:.2f} ms" if fit else "")}
+
+
+def cost_inputs(points: list[dict], context: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Step totals of each point: tokens B (1 + N), attention pairs B (1 + N)(ctx + 1 + N), context B ctx."""
+    b = torch.tensor([p["batch"] for p in points], dtype=torch.float64)
+    rows = torch.tensor([p["rows"] for p in points], dtype=torch.float64)
+    return b * rows, b * rows * (context + rows), b * context
+
+
+def fit_cost(points: list[dict], config, ctx: "Check") -> dict:
+    """`CostModel.fit` (intercept + slope x roofline + per-token term past a knee) on the measured curve,
+    for the device's published-figure profile; the fit's and the unfitted roofline's predictions."""
+    slug = device_slug(ctx.device)
+    profile = get_profile(slug if slug in ("h100", "h200", "cpu") else "h100")
+    shape = ModelShape.from_hf_config(config, str(ctx.sizes.model_dtype).replace("torch.", ""))
+    tokens, pairs, context = cost_inputs(points, ctx.sizes.verify_context)
+    seconds = torch.tensor([p["ms"] / 1e3 for p in points], dtype=torch.float64)
+    cost = CostModel(shape, profile)
+    published = [1e3 * float(x) for x in cost.verify_seconds(tokens, pairs, context)]
+    cost.fit(tokens, pairs, context, seconds, per_token=True)
+    fitted = [1e3 * float(x) for x in cost.verify_seconds(tokens, pairs, context)]
+    for p, f, r in zip(points, fitted, published):
+        p["fitted_ms"], p["roofline_ms"] = f, r
+    return {"profile": profile.name, "peak_flops": profile.peak_flops, "bandwidth": profile.bandwidth,
+            "slope": cost.slope, "intercept_ms": 1e3 * cost.intercept, "per_token_ms": 1e3 * cost.per_token,
+            "knee_tokens": cost.knee,
+            "max_rel_err": max(abs(f - p["ms"]) / p["ms"] for p, f in zip(points, fitted))}
+
+
+def knee_rows(points: list[dict]) -> dict[str, int | None]:
+    """Per batch, the first N whose step is 10% above the one-row (N = 0) step (None: never, or no N = 0)."""
+    knees = {}
+    for b in sorted({p["batch"] for p in points}):
+        curve = sorted((p["n"], p["ms"]) for p in points if p["batch"] == b)
+        base = dict(curve).get(0)
+        knees[str(b)] = next((n for n, ms in curve if base and ms > 1.1 * base), None)
+    return knees
+
+
+# ---------------------------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Check:
+    """One check run: device, sizes, deadline, and the report written after every part."""
+
+    device: torch.device
+    sizes: Sizes
+    deadline: Deadline
+    outputs: list[Path]
+    report: dict = field(default_factory=dict)
+
+    def write(self, plot: bool = False) -> None:
+        """The JSON (and with `plot` the PNG) to every output path; an interrupted run keeps what it has."""
+        from plotting import save_results
+
+        for path in self.outputs:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            save_results(self.report, str(path), plot=(lambda png: plot_report(self.report, png)) if plot else None)
+
+
+PARTS: list[tuple[str, Callable[[Check], dict], bool]] = [
+    ("a.plan", part_a_plan, False),
+    ("a.kernel", part_a_kernel, True),
+    ("b.pipeline", part_b_pipeline, False),
+    ("b.sync", part_b_sync, True),
+    ("c.compaction", part_c_compaction, False),
+    ("d.verify_cost", part_d_verify_cost, False),
+    ("b.graphs", part_b_graphs, True),
+]
+
+
+def versions() -> dict:
+    fi = flashinfer_module()
+    try:
+        import transformers
+
+        tv = transformers.__version__
+    except Exception:  # noqa: BLE001
+        tv = None
+    return {"torch": torch.__version__, "cuda": torch.version.cuda, "flashinfer": getattr(fi, "__version__", None),
+            "transformers": tv, "python": platform.python_version()}
+
+
+def run_check(check: Check, only: list[str] | None) -> None:
+    """Run the parts in order, each caught on its own; the report is written after each."""
+    dev = check.device
+    check.report.update({"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor()
+                         or "cpu", "device_slug": device_slug(dev), "device_type": dev.type, **versions(),
+                         "quick": check.sizes.context_scale < 1.0, "parts": []})
+    for name, fn, needs_cuda in PARTS:
+        if only and name not in only:
+            continue
+        rec = {"name": name}
+        if needs_cuda and dev.type != "cuda":
+            rec.update(passed=None, not_run=f"needs CUDA (this run's device is {dev.type})")
+            log(f"[{name}] not run: needs CUDA")
+        else:
+            log(f"[{name}] running ({check.deadline.left():.0f} s of the budget left)")
+            t0 = time.perf_counter()
+            try:
+                rec.update(fn(check))
+            except Exception as exc:  # noqa: BLE001 - one part's crash is its result; the others still run
+                rec.update(passed=False, **failure(exc))
+                log(f"[{name}] CRASHED: {rec['error'][:300]} at {rec['where']}")
+            rec["seconds"] = round(time.perf_counter() - t0, 2)
+            log(f"[{name}] {'passed' if rec['passed'] else 'FAILED'} in {rec['seconds']} s: {rec.get('summary', '')}")
+        check.report["parts"].append(rec)
+        check.write()
+
+
+def print_table(report: dict) -> None:
+    log(f"\nGPU check on {report['device']} (torch {report['torch']}, CUDA {report['cuda']}, "
+        f"FlashInfer {report['flashinfer']})")
+    log(f"{'part':<15} {'result':<8} {'s':>6}  summary")
+    for p in report["parts"]:
+        status = "not run" if p["passed"] is None else "passed" if p["passed"] else "FAILED"
+        text = p.get("not_run") or p.get("summary") or p.get("error", "")
+        log(f"{p['name']:<15} {status:<8} {p.get('seconds', 0):>6}  {text}")
+
+
+def plot_report(report: dict, png: str) -> None:
+    """Four panels: verify-cost curve (d), tree step eager vs replayed (b), compaction time (c),
+    FlashInfer custom-mask vs causal time (a)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    parts = {p["name"]: p for p in report["parts"]}
+    fig, axes = plt.subplots(1, 4, figsize=(22, 4.5))
+    ax = axes[0]
+    d = parts.get("d.verify_cost", {})
+    for b in sorted({p["batch"] for p in d.get("points", [])}):
+        pts = sorted((p["n"], p["ms"], p.get("fitted_ms")) for p in d["points"] if p["batch"] == b)
+        line = ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"batch {b} measured")[0]
+        if pts[0][2] is not None:
+            ax.plot([p[0] for p in pts], [p[2] for p in pts], "--", color=line.get_color(), label=f"batch {b} fitted")
+    ax.set(xscale="symlog", yscale="log", xlabel="draft rows N (step verifies 1 + N per request)",
+           ylabel="verify forward ms", title=f"d. verify cost, context {d.get('context')}")
+    ax.legend(fontsize=7)
+    ax = axes[1]
+    g = parts.get("b.graphs", {}).get("captures", [])
+    e = parts.get("b.pipeline", {}).get("steps", [])
+    for variant, style in zip(VARIANTS, ("o", "s", "^")):
+        pts = sorted((s["batch"], s["eager_ms"]) for s in e if s.get("variant") == variant and "eager_ms" in s)
+        if pts:
+            ax.plot(*zip(*pts), style + "-", label=f"{variant} eager")
+        pts = sorted((s["batch"], s["replay_ms"]) for s in g if s.get("variant") == variant and "replay_ms" in s)
+        if pts:
+            ax.plot(*zip(*pts), style + ":", label=f"{variant} graph replay")
+    ax.set(xscale="log", yscale="log", xlabel="batch", ylabel="tree step ms", title="b. tree pipeline")
+    ax.legend(fontsize=7)
+    ax = axes[2]
+    c = [r for r in parts.get("c.compaction", {}).get("batches", []) if "ms" in r]
+    ax.bar([str(r["batch"]) for r in c], [r["ms"] for r in c])
+    ax.set(xlabel="batch", ylabel="ms", title=f"c. KV compaction, {c[0]['layers'] if c else '-'} layers")
+    ax = axes[3]
+    t = [r for r in parts.get("a.kernel", {}).get("timing", []) if "tree_run_ms" in r]
+    labels = [f"b{r['batch']} ctx{r['context']}" for r in t]
+    x = range(len(t))
+    ax.bar([i - 0.2 for i in x], [r["tree_plan_ms"] + r["tree_run_ms"] for r in t], 0.4, label="custom mask")
+    ax.bar([i + 0.2 for i in x], [r["causal_plan_ms"] + r["causal_run_ms"] for r in t], 0.4, label="causal")
+    ax.set_xticks(list(x), labels, fontsize=7)
+    ax.set(ylabel="plan + run ms", title="a. FlashInfer, 1 + 64 rows per request")
+    if t:
+        ax.legend(fontsize=7)
+    for ax, name in zip(axes, ("d.verify_cost", "b.pipeline", "c.compaction", "a.kernel")):
+        if not parts.get(name, {}).get("passed") and parts.get(name, {}).get("not_run"):
+            ax.text(0.5, 0.5, "not run", ha="center", transform=ax.transAxes)
+    fig.suptitle(f"GPU check: {report['device']}, torch {report['torch']}, CUDA {report['cuda']}, "
+                 f"FlashInfer {report['flashinfer']}")
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--quick", action="store_true", help="fewer cases, batch sizes and timing points")
+    ap.add_argument("--json", action="append", default=[], help="write the report here (repeatable)")
+    ap.add_argument("--json-dir", action="append", default=[], help="write <device>.json and .png into this folder")
+    ap.add_argument("--site", action="append", default=[], help="carried packages' folder, appended to the path")
+    ap.add_argument("--budget-s", type=float, default=330.0, help="wall-clock budget: later timing points are skipped")
+    ap.add_argument("--only", action="append", help="run only these parts (e.g. b.sync)")
+    ap.add_argument("--plot", help="only redraw the PNG of this report JSON")
+    args = ap.parse_args()
+    for site in args.site:
+        sys.path.append(str(Path(site).resolve()))
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(Path(site).resolve())]))
+    if args.plot:
+        plot_report(json.loads(Path(args.plot).read_text()), args.plot.rsplit(".", 1)[0] + ".png")
+        return
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device cuda, but torch sees no CUDA device (use --device cpu for the CPU part)")
+    device = torch.device(args.device)
+    if device.type == "cpu":  # nothing here needs threads; one keeps the timings steady beside other work
+        torch.set_num_threads(1)
+    slug = device_slug(device)
+    outputs = [Path(p) for p in args.json] + [Path(d) / f"{slug}.json" for d in args.json_dir]
+    check = Check(device, sizes_for(args.device, args.quick), Deadline(args.budget_s), outputs)
+    t0 = time.perf_counter()
+    run_check(check, args.only)
+    check.report["total_seconds"] = round(time.perf_counter() - t0, 1)
+    try:
+        check.write(plot=True)
+    except ImportError as exc:  # no matplotlib: the JSON is written; redraw later with --plot
+        check.write()
+        log(f"no PNG ({exc}); redraw with: python benchmarks/gpu_check.py --plot <json>")
+    print_table(check.report)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""The GPU check's CPU part (`benchmarks/gpu_check.py --device cpu --quick`), so it cannot rot between
+GPU runs: it runs where the GPU machine runs it, in a bare PyTorch + transformers environment
+(`benchmarks/gpu_image.py`: no vLLM) with FlashInfer's Python package, and every part that needs no CUDA
+kernel compares our tree attention inputs, tree pipeline and KV compaction against independent references.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+FLASHINFER_DIR = Path(sys.prefix) / "flashinfer"
+CPU_PARTS = {"a.plan", "b.pipeline", "c.compaction", "d.verify_cost"}
+CUDA_PARTS = {"a.kernel", "b.sync", "b.graphs"}
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import gpu_check  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> dict:
+    assert (FLASHINFER_DIR / "flashinfer").is_dir(), f"{FLASHINFER_DIR} is missing: run `make test` (it installs it)"
+    out = tmp_path_factory.mktemp("gpu_check") / "check.json"
+    # The bare image: PyTorch, transformers and their requirements from this venv, plus FlashInfer and what it
+    # imports (the venv's own tvm-ffi and requests stand in for the carried wheels).
+    cmd = [sys.executable, str(REPO / "benchmarks" / "gpu_image.py"), "--site", str(FLASHINFER_DIR),
+           "--keep", "apache-tvm-ffi", "--keep", "requests", "--", "python", str(REPO / "benchmarks" / "gpu_check.py"),
+           "--device", "cpu", "--quick", "--json", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "bare image:" in done.stdout
+    return json.loads(out.read_text()) | {"_stdout": done.stdout}
+
+
+def test_report_schema_names_device_and_versions(report):
+    assert report["device_type"] == "cpu" and report["device_slug"] == "cpu"
+    assert report["torch"] == torch.__version__ and report["cuda"] is None
+    assert report["flashinfer"], "FlashInfer's Python package did not import in the bare environment"
+    assert [p["name"] for p in report["parts"]] == [name for name, _, _ in gpu_check.PARTS]
+    assert all({"name", "passed"} <= set(p) for p in report["parts"])
+
+
+def test_every_cpu_part_passed_and_cuda_parts_are_not_run(report):
+    parts = {p["name"]: p for p in report["parts"]}
+    for name in CPU_PARTS:
+        assert parts[name]["passed"] is True, (name, {k: v for k, v in parts[name].items() if k != "traceback"})
+    for name in CUDA_PARTS:
+        assert parts[name]["passed"] is None and "needs CUDA" in parts[name]["not_run"]
+
+
+def test_cpu_parts_checked_what_they_claim(report):
+    parts = {p["name"]: p for p in report["parts"]}
+    plan = parts["a.plan"]
+    assert plan["flashinfer_checked"]
+    for case in plan["cases"].values():
+        assert case["mask_equals_tree_core"] and case["flashinfer_mask_offsets_match"] and case["plan_signature_binds"]
+        assert case["tree_mask_effect"] > 1e-2  # the oracle's tree masks differ from causal ones
+    steps = parts["b.pipeline"]["steps"]
+    assert {s["variant"] for s in steps} == set(gpu_check.VARIANTS) and all(not s["problems"] for s in steps)
+    assert all(b["equal"] and b["real_moves"] > 0 and b["layers"] == 36 for b in parts["c.compaction"]["batches"])
+    d = parts["d.verify_cost"]
+    assert len(d["points"]) == 8 and d["fitted"]["slope"] > 0 and set(d["knee_n"]) == {"1", "4"}
+
+
+def test_the_report_redraws_as_a_png(report, tmp_path):
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps({k: v for k, v in report.items() if k != "_stdout"}))
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--plot", str(path)], check=True,
+                   capture_output=True, timeout=120)
+    assert (tmp_path / "cpu.png").stat().st_size > 10_000
+
+
+def test_the_checks_catch_a_wrong_mask_and_a_wrong_walk():
+    # The references have teeth: a flipped mask bit changes the paged read, a corrupted path is reported.
+    reqs = gpu_check.attention_cases(0.1)["mixed"]
+    step = gpu_check.paged_step(reqs, torch.float32, torch.device("cpu"), seed=1)
+    plan = gpu_check.step_plan(step)
+    want = gpu_check.oracle_attention(step)
+    assert float((gpu_check.paged_read_like_flashinfer(step, plan) - want).abs().max()) < 1e-4
+    tree = next(i for i, r in enumerate(reqs) if r.tree is not None and r.q > 30)
+    start = int((torch.tensor([r.q for r in reqs]) * step.seq_lens)[:tree].sum())
+    kv = int(step.seq_lens[tree])
+    plan.custom_mask[start + 5 * kv + kv - 2] ^= True  # row 5 of the big tree: one tree column flipped
+    assert float((gpu_check.paged_read_like_flashinfer(step, plan) - want).abs().max()) > 1e-3
+
+    cpu = torch.device("cpu")
+    state, tail = gpu_check.step_state(2, 512, cpu, seed=7)
+    x = gpu_check.step_inputs(2, 512, tail, seed=3, dtype=torch.float32, device=cpu)
+    out = gpu_check.tree_step(x, state, "plain")
+    assert gpu_check.reference_mismatches(x, out, "plain", 512) == []
+    out["built_parents"] = out["built_parents"].clone()
+    out["built_parents"][0, 3] = -1 if int(out["built_parents"][0, 3]) != -1 else 0
+    assert "build_tree != build_tree_reference" in gpu_check.reference_mismatches(x, out, "plain", 512)
