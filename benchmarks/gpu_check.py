@@ -1114,7 +1114,14 @@ def plot_report(report: dict, png: str) -> None:
     fig.suptitle(f"GPU check: {report['device']}, torch {report['torch']}, CUDA {report['cuda']}, "
                  f"FlashInfer {report['flashinfer']}")
     fig.tight_layout()
-    fig.savefig(png, dpi=100)
+    fig.savefig(png, dpi=80)
+    plt.close(fig)
+    try:  # a 64-colour palette keeps the committed image small
+        from PIL import Image
+
+        Image.open(png).convert("RGB").quantize(64).save(png, optimize=True)
+    except ImportError:
+        pass
 
 
 def main() -> None:
