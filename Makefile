@@ -47,7 +47,7 @@ clean:
 
 # The GPU check (docs/gpu-check.md). `make gpu-wheels` runs here, with network: FlashInfer at the version
 # vLLM 0.32.0 pins and what it imports that a bare PyTorch + transformers image lacks, as CPython 3.12
-# manylinux wheels in gpu-wheels/; then the same versions for this machine's Python are imported by the
+# manylinux wheels in gpu-wheels/; then the same versions built for the local Python are imported by the
 # check's CPU part in a bare-image environment (benchmarks/gpu_image.py: no vLLM, nothing of this venv
 # beyond PyTorch and transformers). `make gpu-check` runs on the CUDA machine, with its plain python3:
 # no venv, no network.
