@@ -54,7 +54,7 @@ clean:
 GPU_PY        ?= python3
 GPU_WHEELS    := gpu-wheels
 GPU_SITE      := .gpu-site
-GPU_PACKAGES  := flashinfer-python==0.7.0.post1 apache-tvm-ffi==0.1.15.post2 nvidia-ml-py==13.615.71 \
+GPU_PACKAGES  := flashinfer-python==$(FLASHINFER_VERSION) apache-tvm-ffi==0.1.15.post2 nvidia-ml-py==13.615.71 \
                  requests==2.34.2 urllib3==2.8.0 certifi==2026.10.19.post1 charset-normalizer==3.5.3
 GPU_PLATFORMS := --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
                  --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
