@@ -251,11 +251,37 @@ def render_flat(study: dict, data) -> list[str]:
     return ["(empty)"]
 
 
+def render_gpu_projection(study: dict, data: dict) -> list[str]:
+    """The projection's non-fixed rows and a few fixed budgets per batch size, with its sources."""
+    shown = {4, 8, 16, 32, 64, 128}
+    rows = [r for r in data["rows"] if r["method"] != "fixed" or r["budget"] in shown]
+    body = [[fmt(r["batch"]), r["method"] + (" (picked)" if r["method"] == "auto" else ""), fmt(r["budget"]),
+             fmt(r["tau"]), fmt(r["step_ms"]), fmt(r["tokens_per_s"]), f"{r['speedup_vs_none']:.2f}×",
+             f"{r['vs_chain']:.2f}×"] for r in rows]
+    out = ["**A projection, not a measurement.** " + data["kind"], ""]
+    out += [f"- {k.replace('_', ' ')}: {fmt(data[k])}" for k in ("cost_source", "tree_step_source", "drafter",
+                                                                     "published_tau") if k in data]
+    out += [f"- acceptance ({k}): {v}" for k, v in data.get("acceptance", {}).items()]
+    return out + [""] + table(["batch", "method", "B", "τ", "step ms", "tokens/s", "vs none", "vs chain"], body)
+
+
+def render_gpu_check(study: dict, data: dict) -> list[str]:
+    """One line per part of a GPU check report: passed, failed or not run, with its own summary."""
+    head = [f"- {k}: {fmt(data.get(k))}" for k in ("device", "torch", "cuda", "flashinfer", "total_seconds")
+            if k in data]
+    body = []
+    for part in data.get("parts", []):
+        state = f"not run: {part['not_run']}" if part.get("not_run") else "passed" if part.get("passed") else "FAILED"
+        body.append([part.get("name", "?"), state, fmt(part.get("seconds")), str(part.get("summary", ""))])
+    return head + [""] + table(["part", "result", "s", "summary"], body)
+
+
 RENDER = {
     "vllm_e2e": render_vllm_e2e, "acceptance": render_acceptance, "ab": render_ab,
     "budget_replay": render_budget_replay, "step_profile": render_step_profile, "undrafted": render_undrafted,
     "verify_rows": render_verify_rows, "tree_build": render_tree_build, "draft_vocab": render_draft_vocab,
     "chain_by_position": render_chain_by_position, "loop_share": render_loop_share, "flat": render_flat,
+    "gpu_projection": render_gpu_projection, "gpu_check": render_gpu_check,
 }
 
 
@@ -326,7 +352,8 @@ def study_section(study: dict, results: dict, registry: dict, level: str = "###"
     render = RENDER.get(study.get("kind", "flat"), render_flat)
     for name in study["files"]:
         data = results[name]
-        rows = data["rows"] if isinstance(data, dict) and "rows" in data and study.get("kind") != "flat" else data
+        whole = study.get("kind") in ("flat", "gpu_projection", "gpu_check")  # these read the file's other keys too
+        rows = data["rows"] if isinstance(data, dict) and "rows" in data and not whole else data
         if len(study["files"]) > 1:
             settings = row_settings(data)
             out += ["", f"`{name}`" + (" (" + "; ".join(settings) + ")" if settings else "") + ":"]
@@ -339,7 +366,17 @@ def generate() -> str:
     results = load_results()
     studies = [dict(s) for s in registry["studies"] if all(f in results for f in s["files"])]
     covered = {f for s in studies for f in s["files"]}
-    # Files that describe themselves: {"meta": {...}, "rows": [...]} (e.g. the GPU check's results).
+    # GPU check reports (benchmarks/gpu_check.py: device, versions and "parts") describe themselves.
+    for name, data in results.items():
+        if name not in covered and isinstance(data, dict) and isinstance(data.get("parts"), list):
+            studies.append({"id": name, "group": "gpu", "files": [name], "kind": "gpu_check",
+                            "title": f"GPU check on {data.get('device_name') or data.get('device', name)}",
+                            "measures": "benchmarks/gpu_check.py: FlashInfer tree attention, the tree pipeline "
+                                        "(host syncs, CUDA graphs), KV compaction and a Qwen3-8B-shaped verify-cost "
+                                        "curve, without vLLM (docs/gpu-check.md).",
+                            "model": "Qwen3-8B's shapes, random weights", "commands": ["make gpu-check"]})
+            covered.add(name)
+    # Files that describe themselves: {"meta": {...}, "rows": [...]}.
     for name, data in results.items():
         if name in covered or not (isinstance(data, dict) and isinstance(data.get("meta"), dict)):
             continue
