@@ -107,9 +107,11 @@ def main() -> None:
 
     engines = {
         "none": None,
-        "ddtree auto": {"method": "ddtree", "model": str(drafter_dir()), "tree_budget": "auto"},
+        # Every option these rows vary is named, so changing a default does not change what they measure.
+        "ddtree auto": {"method": "ddtree", "model": str(drafter_dir()), "tree_budget": "auto", "min_tree_budget": 1,
+                        "prompt_lookup_tokens": 0},
         "ddtree, gate closed": {"method": "ddtree", "model": str(drafter_dir()), "tree_budget": "auto",
-                                "min_tree_budget": 0},
+                                "min_tree_budget": 0, "prompt_lookup_tokens": 0},
     }
     batches = [int(b) for b in args.batches.split(",")]
     rows = []

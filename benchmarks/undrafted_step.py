@@ -60,7 +60,8 @@ def main() -> None:
     GPUModelRunner.execute_model = timed(GPUModelRunner.execute_model, "execute_model")
     GPUModelRunner.sample_tokens = timed(GPUModelRunner.sample_tokens, "sample_tokens")
     rows = []
-    gated = {"method": "ddtree", "model": str(drafter_dir()), "tree_budget": "auto", "min_tree_budget": 0}
+    gated = {"method": "ddtree", "model": str(drafter_dir()), "tree_budget": "auto", "min_tree_budget": 0,
+             "prompt_lookup_tokens": 0}
     for name, spec in [("none", None), ("ddtree, gate closed", gated),
                        ("ddtree, gate closed, vLLM's K = 0 pass", gated)]:
         llm = LLM(model=str(prepare_target()), dtype="float32", max_model_len=1024, enforce_eager=True, seed=0,

@@ -1,5 +1,5 @@
 # Sourced by the example scripts: the Python, the `vllm` command, the target and the drafter.
-# Each can be set from outside: PYTHON, VLLM, TARGET, DRAFTER (or VLLM_DDTREE_DRAFTER), TREE_BUDGET.
+# Each can be set from outside: PYTHON, VLLM, TARGET, DRAFTER (or VLLM_DDTREE_DRAFTER), TREE_BUDGET, SPEC_CONFIG.
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if [[ -z "${PYTHON:-}" ]]; then
   if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi
@@ -13,6 +13,8 @@ PY_PREFIX="$("$PYTHON" -c 'import sys; print(sys.prefix)')"
 if [[ -z "${LD_PRELOAD:-}" && -f "$PY_PREFIX/lib/libiomp5.so" ]]; then export LD_PRELOAD="$PY_PREFIX/lib/libiomp5.so"; fi
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
 TARGET="${TARGET:-$("$PYTHON" -m vllm_ddtree.cli prepare-target)}"
+# Neither a drafter nor a budget given: `{"method": "ddtree"}` alone (the drafter from the table, the defaults).
+if [[ -z "${SPEC_CONFIG:-}${DRAFTER:-}${VLLM_DDTREE_DRAFTER:-}${TREE_BUDGET:-}" ]]; then SPEC_CONFIG='{"method": "ddtree"}'; fi
 DRAFTER="${DRAFTER:-$("$PYTHON" -c 'from vllm_ddtree.reference.pair import drafter_dir; print(drafter_dir())')}"
 if [[ ! -f "$DRAFTER/config.json" ]]; then
   echo "no DFlash drafter at $DRAFTER: set DRAFTER=DIR (or VLLM_DDTREE_DRAFTER=DIR)" >&2

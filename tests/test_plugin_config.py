@@ -108,11 +108,11 @@ def test_engine_config_ddtree_widths(dirs):
     vc = _engine_config(dirs["target"], {"method": "ddtree", "model": str(dirs["drafter"]), "tree_budget": 32})
     spec = vc.speculative_config
     assert spec.method == "ddtree"
-    assert spec.num_speculative_tokens == 32  # verify width = tree budget
+    assert spec.num_speculative_tokens == 40  # verify width = tree budget + the default lookup branch (8)
     assert spec.ddtree.drafter_width == 15  # block_size 16 - 1
     assert spec.ddtree.tree_budget == 32 and spec.ddtree.device_profile == "cpu"
     assert spec.max_num_new_slots_for_drafting == 15  # drafter's mask queries, not the tree
-    assert vc.num_lookahead_tokens == 33  # max(32, 15) + 1 KV slots ahead of the context
+    assert vc.num_lookahead_tokens == 41  # max(40, 15) + 1 KV slots ahead of the context
     # The DFlash branch of __post_init__ ran: DFlash draft model config and parallel drafting.
     assert spec.parallel_drafting
     assert "DFlashDraftModel" in spec.draft_model_config.architectures
@@ -157,7 +157,7 @@ def test_cli_flags_reach_ddtree(dirs):
     args = parser.parse_args(["--model", str(dirs["target"]), "--dtype", "float32", "--max-model-len", "1024",
                               "--speculative-config", json.dumps(spec)])
     vc = EngineArgs.from_cli_args(args).create_engine_config()
-    assert vc.speculative_config.method == "ddtree" and vc.speculative_config.num_speculative_tokens == 24
+    assert vc.speculative_config.method == "ddtree" and vc.speculative_config.num_speculative_tokens == 24 + 8
     args = parser.parse_args(["--model", str(dirs["target"]), "--spec-method", "ddtree",
                               "--spec-model", str(dirs["drafter"])])
     assert args.spec_method == "ddtree"
@@ -165,11 +165,12 @@ def test_cli_flags_reach_ddtree(dirs):
 
 def test_auto_budget_and_small_fixed_budget(dirs, target_configs):
     spec = _spec(target_configs, method="ddtree", model=str(dirs["drafter"]), tree_budget="auto",
-                 min_tree_budget=4, max_tree_budget=48, ngram_weight=0.0, device_profile="h200")
+                 min_tree_budget=4, max_tree_budget=48, ngram_weight=0.0, device_profile="h200",
+                 prompt_lookup_tokens=0)
     assert spec.num_speculative_tokens == 48 and spec.ddtree.adaptive
     assert (spec.ddtree.min_budget, spec.ddtree.max_budget) == (4, 48)
     assert spec.ddtree.device_profile == "h200" and not spec.ddtree.ngram_enabled
-    small = _spec(target_configs, method="ddtree", model=str(dirs["drafter"]), tree_budget=4)
+    small = _spec(target_configs, method="ddtree", model=str(dirs["drafter"]), tree_budget=4, prompt_lookup_tokens=0)
     assert small.num_speculative_tokens == 4 and small.max_num_new_slots_for_drafting == 15
     assert small.compute_hash() != spec.compute_hash()
     # The prompt-lookup branch widens what vLLM verifies (num_speculative_tokens), not the tree.
@@ -187,13 +188,13 @@ def test_shallow_copy_presents_as_dflash(dirs, target_configs):
     view = copy.copy(spec)
     view.method, view.num_speculative_tokens = "dflash", spec.ddtree.drafter_width
     assert (view.method, view.num_speculative_tokens, view.max_num_new_slots_for_drafting) == ("dflash", 15, 15)
-    assert (spec.method, spec.num_speculative_tokens) == ("ddtree", 12)
+    assert (spec.method, spec.num_speculative_tokens) == ("ddtree", 12 + 8)  # + the default lookup branch
 
 
 def test_dflash_in_drafter_path_stays_ddtree(dirs, target_configs, tmp_path):
     named = shutil.copytree(dirs["drafter"], tmp_path / "smollm2-dflash-b16")
     spec = _spec(target_configs, method="ddtree", model=str(named))
-    assert spec.method == "ddtree" and spec.num_speculative_tokens == 32
+    assert spec.method == "ddtree" and spec.num_speculative_tokens == 64 + 8  # the default max tree + lookup
 
 
 def test_other_methods_unchanged(dirs, target_configs):
@@ -206,7 +207,7 @@ def test_other_methods_unchanged(dirs, target_configs):
 
 def test_ddtree_options_as_nested_dict(dirs, target_configs):
     spec = _spec(target_configs, method="ddtree", model=str(dirs["drafter"]), ddtree={"tree_budget": 8})
-    assert spec.num_speculative_tokens == 8
+    assert spec.num_speculative_tokens == 8 + 8  # + the default lookup branch
 
 
 # ---- bad inputs: one clear error each -------------------------------------------------------------
@@ -230,14 +231,14 @@ def test_ddtree_options_as_nested_dict(dirs, target_configs):
         ({"ngram_corpus": "/nonexistent/code.ngram.pt"}, r"ngram_corpus file '/nonexistent/code.ngram.pt' does not exist"),
         ({"device_profile": "tpu"}, r"device_profile='tpu' is unknown; choose one of cpu, h100, h200"),
         ({"draft_vocab": "small"}, r"draft_vocab='small' is not valid; use \"checkpoint\""),
-        ({"num_speculative_tokens": 15}, r"num_speculative_tokens=15 is not used by method 'ddtree'.*here 32"),
+        ({"num_speculative_tokens": 15}, r"num_speculative_tokens=15 is not used by method 'ddtree'.*here 72"),
         ({"rejection_sample_method": "synthetic", "synthetic_acceptance_length": 2.0},
          r"rejection_sample_method='synthetic' is not supported with method 'ddtree'"),
         ({"draft_sample_method": "probabilistic"}, r"draft_sample_method='probabilistic' is not supported"),
-        ({"num_speculative_tokens_per_batch_size": [(1, 8, 64)]},
+        ({"tree_budget": 32, "prompt_lookup_tokens": 0, "num_speculative_tokens_per_batch_size": [(1, 8, 64)]},
          r"entry \(1, 8, 64\) asks for trees of 64 nodes.*between 1 and 32"),
         ({"tree_budget": "auto", "min_tree_budget": 4, "num_speculative_tokens_per_batch_size": [(1, 8, 2)]},
-         r"entry \(1, 8, 2\) asks for trees of 2 nodes.*between 4 and 64"),
+         r"entry \(1, 8, 2\) asks for trees of 2 nodes.*between 4 and 72"),
         ({"num_speculative_tokens_per_batch_size": [(2, 8, 4)]}, r"first batch-size range must start at 1"),
     ],
 )
@@ -356,8 +357,10 @@ def test_structured_outputs_refused_per_request(dirs, target_configs):
 
 def test_ddtree_config_defaults_and_corpus(tmp_path):
     cfg = DDTreeConfig()
-    assert (cfg.min_budget, cfg.max_budget, cfg.ngram_weight, cfg.ngram_order) == (32, 32, 0.2, 3)
-    assert DDTreeConfig(tree_budget="auto").max_budget == 64
+    # The measured best on the toy pair: the automatic budget, free to choose no tree, with a lookup branch.
+    assert (cfg.tree_budget, cfg.min_budget, cfg.max_budget, cfg.prompt_lookup_tokens) == ("auto", 0, 64, 8)
+    assert (cfg.ngram_weight, cfg.ngram_order, cfg.verify_width) == (0.2, 3, 72)
+    assert DDTreeConfig(tree_budget=16).min_budget == 16
     corpus = tmp_path / "c.pt"
     corpus.write_bytes(b"x")
     assert DDTreeConfig.from_mapping({"ngram_corpus": str(corpus)}).ngram_corpus == str(corpus)

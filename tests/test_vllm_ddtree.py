@@ -31,11 +31,12 @@ def test_ddtree_greedy_is_token_identical_to_no_speculation(tmp_path, drafter):
     path, trained = drafter
     specs = [
         None,
-        {"method": "ddtree", "model": str(path), "tree_budget": 1, "ngram_weight": 0},
+        {"method": "ddtree", "model": str(path), "tree_budget": 1, "ngram_weight": 0, "prompt_lookup_tokens": 0},
         {"method": "ddtree", "model": str(path), "tree_budget": 8},
         {"method": "ddtree", "model": str(path), "tree_budget": 64, "ngram_weight": 0},
-        {"method": "ddtree", "model": str(path), "tree_budget": "auto"},
+        {"method": "ddtree", "model": str(path), "tree_budget": "auto", "min_tree_budget": 1, "prompt_lookup_tokens": 0},
         {"method": "ddtree", "model": str(path), "tree_budget": 8, "draft_vocab": "full"},
+        {"method": "ddtree"},  # as a user starts it: the drafter from the table, every option at its default
     ]
     res = run(tmp_path / "out.json", specs)
     base = res["outputs"][0]
@@ -56,6 +57,11 @@ def test_ddtree_greedy_is_token_identical_to_no_speculation(tmp_path, drafter):
     ids = load_draft_vocab(path)
     assert res["ddtree"][2]["draft_vocab_size"] == (None if ids is None else len(ids))
     assert res["ddtree"][5]["draft_vocab_size"] is None
+    # The defaults: the automatic budget with the speculation gate and the lookup branch.
+    defaults = res["ddtree"][6]
+    assert defaults["cost_calibrated"] and defaults["tree_verifications"] > 0
+    assert "gate_drafted_steps" in defaults and defaults["gate_drafted_steps"] > 0
+    assert defaults["lookup_acceptance"] is not None
 
 
 def test_ddtree_keeps_outputs_under_preemption_and_chunked_prefill(tmp_path, drafter):
@@ -79,7 +85,7 @@ def test_prompt_lookup_branch_keeps_outputs_and_finds_the_request_s_repetitions(
     path, _ = drafter
     engine = {"max_num_batched_tokens": 48, "max_num_seqs": 9}
     sampling = {"temperature": 0, "max_tokens": 96, "ignore_eos": True}  # past EOS this small model repeats
-    plain = {"method": "ddtree", "model": str(path), "tree_budget": 1, "ngram_weight": 0}
+    plain = {"method": "ddtree", "model": str(path), "tree_budget": 1, "ngram_weight": 0, "prompt_lookup_tokens": 0}
     auto = {"method": "ddtree", "model": str(path), "tree_budget": "auto", "prompt_lookup_tokens": 8}
     specs = [None, plain, {**plain, "prompt_lookup_tokens": 8}, auto]
     res = run(tmp_path / "out.json", specs, "--engine", json.dumps(engine), "--sampling", json.dumps(sampling))
@@ -244,14 +250,14 @@ def test_dynamic_sd_schedule_sets_the_tree_budget_per_batch_size(tmp_path, draft
     requests = [[i, {"temperature": 0, "max_tokens": 8 if i < 5 else 48}] for i in range(9)]
     specs = [
         None,
-        {"method": "ddtree", "model": str(path), "tree_budget": 8,
+        {"method": "ddtree", "model": str(path), "tree_budget": 8, "prompt_lookup_tokens": 0,
          "num_speculative_tokens_per_batch_size": [[1, 4, 2], [5, 64, 0]]},
-        {"method": "ddtree", "model": str(path), "tree_budget": "auto",
+        {"method": "ddtree", "model": str(path), "tree_budget": "auto", "prompt_lookup_tokens": 0,
          "num_speculative_tokens_per_batch_size": [[1, 64, 0]]},
         # the automatic budget with a priced lookup path, through steps without drafts and back
         {"method": "ddtree", "model": str(path), "tree_budget": "auto", "prompt_lookup_tokens": 4,
          "num_speculative_tokens_per_batch_size": [[1, 4, 6], [5, 64, 0]]},
-        {"method": "ddtree", "model": str(path), "tree_budget": 8,
+        {"method": "ddtree", "model": str(path), "tree_budget": 8, "prompt_lookup_tokens": 0,
          "num_speculative_tokens_per_batch_size": [[1, 4, 2], [5, 64, 0]]},
     ]
     res = run(tmp_path / "out.json", specs, "--requests", json.dumps(requests), "--vllm-k0", "4")
@@ -272,7 +278,7 @@ def test_the_budget_may_choose_no_tree_and_the_undrafted_steps_stay_exact(tmp_pa
     # each batch size (vLLM's K = 0 path); forced closed, most steps decode alone and every third
     # drafts a probe tree, through prefills, finishing requests and changing batch sizes.
     path, _ = drafter
-    gated = {"method": "ddtree", "model": str(path), "tree_budget": "auto", "min_tree_budget": 0}
+    gated = {"method": "ddtree", "model": str(path), "tree_budget": "auto", "min_tree_budget": 0, "prompt_lookup_tokens": 0}
     specs = [None, gated, gated]
     res = run(tmp_path / "out.json", specs, "--gate-closed", "2", "--engine", json.dumps({"max_num_seqs": 9}),
               "--sampling", json.dumps({"temperature": 0, "max_tokens": 64}))

@@ -10,7 +10,7 @@ tests/engine/qwen3_shape.py (~100 MB, never committed).
 
 Checks: LLM.generate greedy on 6 prompts (one through the chat template) is token-identical without
 speculation and with ddtree (tree_budget 16, and "auto"), and speculation really ran; then `vllm serve`
-with the plain `{"method": "ddtree", "model": <drafter>}` (default budget) starts, answers a greedy
+with the plain `{"method": "ddtree", "model": <drafter>}` (every option at its default) starts, answers a greedy
 completions request with the same tokens as the engine without speculation, and a chat completions
 request under the generation_config's sampling defaults (temperature 0.6, top_k 20, top_p 0.95). The
 drafter is random, so nothing is accepted: this checks shapes, loading and plumbing, not speed.
@@ -101,7 +101,7 @@ def test_qwen3_shape_vllm_serve_with_ddtree(models, generated, tmp_path):
     cmd = [sys.executable, *VLLM_CLI, "serve", str(target),
            "--served-model-name", "qwen3-shape", "--host", "127.0.0.1", "--port", str(port),
            "--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--max-num-batched-tokens", "256",
-           "--seed", "0", "--speculative-config", json.dumps(_spec(drafter))]  # the defaults (tree_budget 32)
+           "--seed", "0", "--speculative-config", json.dumps(_spec(drafter))]  # every option at its default
     with open(log, "w") as f:
         server = subprocess.Popen(cmd, env=vllm_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"), stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     try:

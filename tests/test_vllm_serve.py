@@ -37,8 +37,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def example_env(drafter: Path, **extra: str) -> dict:
-    return vllm_env(PYTHON=sys.executable, DRAFTER=str(drafter), VLLM_DDTREE_DRAFTER=str(drafter), **extra)
+def example_env(drafter: Path | None, **extra: str) -> dict:
+    """The examples' environment; without a drafter they serve `{"method": "ddtree"}` alone."""
+    env = vllm_env(PYTHON=sys.executable, **extra)
+    for key in ("DRAFTER", "VLLM_DDTREE_DRAFTER", "TREE_BUDGET", "SPEC_CONFIG"):
+        env.pop(key, None)
+    return env if drafter is None else env | {"DRAFTER": str(drafter), "VLLM_DDTREE_DRAFTER": str(drafter)}
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -60,9 +64,16 @@ def stop(proc: subprocess.Popen) -> None:
 def test_serve_chat_completion_stream_and_metrics(tmp_path, drafter):
     path, trained = drafter
     client_json, offline_json, log = tmp_path / "client.json", tmp_path / "offline.json", tmp_path / "serve.log"
+    # The committed drafter is the drafter table's: the server then runs `{"method": "ddtree"}` and
+    # nothing else, as a user starts it (a random drafter must be named, with a fixed budget).
+    served = dict(PORT=str(free_port()), LOG=str(log), HEALTH_TIMEOUT=str(TIMEOUT))
+    from vllm_ddtree.drafters import TOY_DRAFTER
+
+    table = trained and path.resolve() == TOY_DRAFTER
+    serve_env = example_env(None, **served) if table else example_env(path, TREE_BUDGET="8", **served)
     serve = subprocess.Popen(
         ["bash", str(EXAMPLES / "serve_and_query.sh"), "--max-tokens", str(MAX_TOKENS), "--json", str(client_json)],
-        env=example_env(path, PORT=str(free_port()), TREE_BUDGET="8", LOG=str(log), HEALTH_TIMEOUT=str(TIMEOUT)),
+        env=serve_env,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     offline = None
     try:

@@ -3,9 +3,14 @@
 A ddtree speculative config is vLLM's usual dict plus the keys below, all top-level::
 
     {"method": "ddtree", "model": "<dflash drafter dir>",
-     "tree_budget": "auto", "min_tree_budget": 4, "max_tree_budget": 64,
+     "tree_budget": "auto", "min_tree_budget": 0, "max_tree_budget": 64, "prompt_lookup_tokens": 8,
      "ngram_weight": 0.2, "ngram_order": 3, "ngram_corpus": "code.ngram.pt",
      "device_profile": "cpu"}
+
+``{"method": "ddtree"}`` alone is the same as the first three lines with the model from
+:mod:`vllm_ddtree.drafters`: the defaults are the configuration that measured fastest on the toy pair
+(``benchmarks/results/vllm_e2e_defaults.json``), chosen among fixed and automatic budgets with and
+without the prompt-lookup branch and the speculation gate.
 
 Two widths are kept apart on purpose (vLLM's ``num_speculative_tokens`` means both for a chain):
 
@@ -47,13 +52,13 @@ class DDTreeConfig:
     All errors are ``ValueError``s that name the key and say what to change.
     """
 
-    tree_budget: int | Literal["auto"] = 32
+    tree_budget: int | Literal["auto"] = "auto"
     """Draft-tree nodes verified per request and step (the root is not counted), or ``"auto"``
     to let the budget controller (BASTION cost model) pick it per step between
     ``min_tree_budget`` and ``max_tree_budget``."""
 
     min_tree_budget: int | None = None
-    """Smallest tree the budget controller may choose (``tree_budget="auto"`` only; default 1).
+    """Smallest tree the budget controller may choose (``tree_budget="auto"`` only; default 0).
     ``0`` lets it choose no tree at all: while the trees' predicted tokens per second stay below
     the target alone's, measured on undrafted steps, steps decode without drafting (vLLM's K = 0
     path: the drafter only reads the new context), with a drafted probe every few steps
@@ -74,14 +79,14 @@ class DDTreeConfig:
     """Optional path to a corpus n-gram table (``vllm-ddtree build-ngram``); without it the
     n-gram model is built online from each request's prompt and output only."""
 
-    prompt_lookup_tokens: int = 0
+    prompt_lookup_tokens: int = 8
     """Length of a prompt-lookup branch added to every tree: the tokens most often seen after the
     request's last ``ngram_order - 1`` tokens in its own prompt and output, continued greedily (the
     online n-gram counts; code and quotes repeat). Shared with the tree where the drafter proposed
     the same path; verified like every other node, so output stays exact. Adds up to this many
     nodes to the verify width. With a fixed ``tree_budget`` every proposed node is verified; with
     ``"auto"`` the budget buys the path's nodes only where their measured acceptance pays for their
-    rows. ``0`` (default) disables it."""
+    rows. Default 8; ``0`` disables it."""
 
     device_profile: str | None = None
     """Hardware profile of the budget cost model: one of ``cpu``, ``h100``, ``h200``.
@@ -202,7 +207,7 @@ class DDTreeConfig:
         """Smallest tree size used (equals the fixed budget when not adaptive; 0: no tree allowed)."""
         if not self.adaptive:
             return int(self.tree_budget)
-        return 1 if self.min_tree_budget is None else self.min_tree_budget
+        return 0 if self.min_tree_budget is None else self.min_tree_budget
 
     @property
     def max_budget(self) -> int:

