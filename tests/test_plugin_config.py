@@ -263,6 +263,29 @@ def test_method_alone_finds_the_toy_drafter_by_the_target_s_config(dirs):
     assert "DFlashDraftModel" in spec.draft_model_config.architectures
 
 
+@pytest.mark.parametrize("v2", ["1", "0", None])
+def test_ddtree_always_gets_the_v1_runner(dirs, monkeypatch, v2):
+    # P6b: vLLM honours VLLM_USE_V2_MODEL_RUNNER=1, whose runner has none of ddtree's tree patches.
+    import vllm.envs as envs
+
+    if v2 is None:
+        monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", v2)
+    if hasattr(envs, "disable_envs_cache"):
+        envs.disable_envs_cache()
+    spec = {"method": "ddtree", "model": str(dirs["drafter"])}
+    if v2 == "1":
+        with pytest.raises(ValueError, match=r"'ddtree' runs on vLLM's V1 model runner.*VLLM_USE_V2_MODEL_RUNNER"):
+            _engine_config(dirs["target"], spec)
+        # Other methods keep vLLM's own answer (which, on a CPU without Triton, is its own error).
+        with pytest.raises(Exception, match=r"Model Runner V2 requires Triton"):
+            _engine_config(dirs["target"], {"method": "dflash", "model": str(dirs["drafter"]),
+                                            "num_speculative_tokens": 4})
+    else:
+        assert not _engine_config(dirs["target"], spec).use_v2_model_runner
+
+
 def test_unknown_target_without_drafter_lists_the_table(target_configs):
     import copy
 

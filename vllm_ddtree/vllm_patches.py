@@ -35,6 +35,11 @@ P5  ``SpeculativeConfig.max_num_new_slots_for_drafting`` (:1888, property) — f
 P6  ``VllmConfig.num_lookahead_tokens`` (config/vllm.py:615, property) — for ddtree, KV slots past
     the context for ``max(verify width, drafter width) + 1``: the target writes 1 + B tree rows, the
     drafter 1 + W block rows, into the same positions ahead of the context.
+P6b ``VllmConfig.use_v2_model_runner`` (config/vllm.py:703, property) — for ddtree, always the V1
+    runner, which P10-P13 patch: ``VLLM_USE_V2_MODEL_RUNNER=1``, or a feature that forces the V2
+    runner (watermarking, HiSparse), is a start-up error naming it. vLLM alone would pick V1 for
+    ddtree by default (parallel drafting of a method other than dflash/dspark is in V2's unsupported
+    list), but honours the variable, and ddtree would then run without its tree proposer.
 P7  ``SpeculativeConfig.compute_hash`` (:612) — adds ddtree's options and the aux-hidden-states
     flag that vLLM derives from the method name (``"ddtree"`` is not in its tuple).
 P8  ``SamplingParams._validate_spec_decode`` (sampling_params.py:1182, called from
@@ -567,6 +572,28 @@ def _patch_vllm_config() -> None:
         return lookahead(self)
 
     _set(VllmConfig, "num_lookahead_tokens", property(num_lookahead_tokens, doc=lookahead.__doc__))
+
+    # P6b
+    use_v2 = VllmConfig.use_v2_model_runner.fget
+
+    def use_v2_model_runner(self) -> bool:
+        if not _is_ddtree(self):
+            return use_v2(self)
+        import vllm.envs as envs
+
+        if envs.VLLM_USE_V2_MODEL_RUNNER:
+            raise ValueError(
+                "speculative method 'ddtree' runs on vLLM's V1 model runner (its tree proposer and verifier patch "
+                "V1's GPUModelRunner); unset VLLM_USE_V2_MODEL_RUNNER or set it to 0"
+            )
+        if use_v2(self):  # a feature that needs the V2 runner (watermarking, HiSparse sparse attention)
+            raise ValueError(
+                "speculative method 'ddtree' runs on vLLM's V1 model runner, but this configuration needs the V2 "
+                "runner (watermarking or HiSparse attention); turn that off or use another speculative method"
+            )
+        return False
+
+    _set(VllmConfig, "use_v2_model_runner", property(use_v2_model_runner, doc=use_v2.__doc__))
 
 
 # ---- P8: SamplingParams --------------------------------------------------------------------------
