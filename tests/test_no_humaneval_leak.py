@@ -38,12 +38,20 @@ def test_committed_training_manifest_is_clean():
     manifest = ROOT / "vllm_ddtree" / "checkpoints" / "smollm2-dflash" / "data_manifest.json"
     if not manifest.exists():
         pytest.skip("no trained checkpoint committed yet")
-    m, stages = json.loads(manifest.read_text()), 0
+    m, stages = json.loads(manifest.read_text()), []
     while m is not None:
         assert m["leak_check"]["leaks_in_training_data"] == 0
         assert m["leak_check"]["texts_checked"] == m["train_sequences"] > 0
-        m, stages = m.get("init_from"), stages + 1
-    assert stages == 5  # stdlib/site-package training, then four HumanEval-shaped fine-tunes
+        stages.append(m)
+        m = m.get("init_from")
+    # The manifest is the one the training log ran on: every fine-tune stage (each one that started
+    # from earlier weights) starts a logged run on exactly its data, and the last logged run is the
+    # committed weights' own.
+    log = manifest.with_name("train_log.jsonl").read_text().splitlines()
+    runs = [(e["train_seqs"], e["heldout_seqs"]) for e in map(json.loads, log) if e.get("event") == "start"]
+    for stage in stages[:-1]:
+        assert (stage["train_sequences"], stage["heldout_sequences"]) in runs, stage["train_sequences"]
+    assert runs[-1] == (stages[0]["train_sequences"], stages[0]["heldout_sequences"])
 
 
 def test_site_prompts_skip_tests_humaneval_and_prompts_already_used(tmp_path):
