@@ -35,3 +35,14 @@ def drafter(tmp_path_factory) -> tuple[Path, bool]:
     cfg = DrafterConfig(target_layer_ids=[1, 15, 27])
     save_drafter(DFlashDrafter(cfg, target_embeddings(prepare_target())), out, dtype=torch.float32)
     return out, False
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under CI (``CI`` set, as ``.ci/run`` has it) a skipped test fails: what a skip hides (a missing
+    package, a file that is not there) is exactly what CI must catch. Expected failures stay as they are."""
+    outcome = yield
+    report = outcome.get_result()
+    if os.environ.get("CI") and report.skipped and not hasattr(report, "wasxfail"):
+        report.outcome = "failed"
+        report.longrepr = f"skipped under CI, which runs every test: {report.longrepr}"
