@@ -44,7 +44,7 @@ def main() -> None:
 
     from vllm_ddtree.attention.cpu_tree import TreeAttentionImpl
     from vllm_ddtree.data.humaneval import humaneval_chat_prompts
-    from vllm_ddtree.engine import DDTreeProposer
+    from vllm_ddtree.proposer import DDTreeProposer
     from vllm_ddtree.models.target import prepare_target
     from vllm_ddtree.reference.pair import drafter_dir
 

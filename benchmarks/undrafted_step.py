@@ -40,7 +40,7 @@ def main() -> None:
     from vllm.v1.spec_decode.dflash import DFlashProposer
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from vllm_ddtree.engine import DDTreeProposer
+    from vllm_ddtree.proposer import DDTreeProposer
     from vllm_ddtree.models.target import prepare_target
     from vllm_ddtree.reference.pair import drafter_dir
 

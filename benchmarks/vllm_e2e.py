@@ -51,7 +51,7 @@ def ddtree_stats(llm) -> dict | None:
 def reset_ddtree_stats(llm) -> None:
     drafter = _proposer(llm)
     if drafter is not None and hasattr(drafter, "stats"):
-        from vllm_ddtree.engine import DDTreeStats
+        from vllm_ddtree.proposer import DDTreeStats
 
         drafter.stats = DDTreeStats()
         gate = drafter.auto.gate if drafter.auto is not None else None

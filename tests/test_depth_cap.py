@@ -4,7 +4,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_ddtree.engine import DepthCap  # noqa: E402
+from vllm_ddtree.proposer import DepthCap  # noqa: E402
 
 
 def test_depth_cap_follows_the_realised_depth_and_doubles_when_reached():

@@ -21,7 +21,8 @@ import torch
 
 pytest.importorskip("vllm")
 
-from vllm_ddtree.engine import DDTreeStats, RequestTree, prepare_tree_step, sample_tree_step  # noqa: E402
+from vllm_ddtree.proposer import DDTreeStats, RequestTree  # noqa: E402
+from vllm_ddtree.verify import prepare_tree_step, sample_tree_step  # noqa: E402
 
 VOCAB, WIDTH = 400, 8
 # Three requests in one step: "a" verifies its proposed tree (4 nodes), "b" decodes without drafts,

@@ -64,12 +64,12 @@ P10 ``DFlashProposer.__init__`` (v1/spec_decode/dflash.py:24) — for ddtree, ca
     presented as DFlash of the drafter's width W (it asserts the method and sizes its buffers from
     ``num_speculative_tokens``, which for ddtree is the verify width). ``GPUModelRunner.__init__``
     (v1/worker/gpu_model_runner.py:638, the ``use_dflash()`` branch) — wrapped: for ddtree the
-    drafter becomes :class:`vllm_ddtree.engine.DDTreeProposer` (a DFlashProposer subclass).
+    drafter becomes :class:`vllm_ddtree.proposer.DDTreeProposer` (a DFlashProposer subclass).
 P11 ``GPUModelRunner._prepare_inputs`` (:1920) — wrapped: after it computed sequential positions and
     slots, ddtree's verify rows get positions context + depth and the step's tree masks go to the
-    CPU tree attention (:func:`vllm_ddtree.engine.prepare_tree_step`).
+    CPU tree attention (:func:`vllm_ddtree.verify.prepare_tree_step`).
 P12 ``GPUModelRunner._sample`` (:3437) — for ddtree steps, the tree walk replaces the chain-only
-    rejection sampler (:func:`vllm_ddtree.engine.sample_tree_step`; also compacts the target's KV and
+    rejection sampler (:func:`vllm_ddtree.verify.sample_tree_step`; also compacts the target's KV and
     tells the proposer the order that puts each request's accepted path first). A step in which no
     request has drafts (Dynamic SD's K = 0, the speculation gate closed) goes to vLLM's plain
     sampler, as without speculation: the rejection sampler fails on it under top-k.
@@ -631,7 +631,7 @@ def _patch_sampling_params() -> None:
 
 
 def _unsupported_sampling(params) -> list[str]:
-    """Sampling parameters the tree sampler (vllm_ddtree.engine.sample_tree_step) does not apply."""
+    """Sampling parameters the tree sampler (vllm_ddtree.verify.sample_tree_step) does not apply."""
     checks = {
         "logit_bias": bool(params.logit_bias),
         "logprobs=-1 (whole vocabulary)": params.logprobs == -1,
@@ -726,7 +726,7 @@ def _patch_model_runner() -> None:
     @functools.wraps(dflash_init)
     def proposer_init(self, vllm_config, device, runner=None):
         if _is_ddtree(vllm_config):
-            from vllm_ddtree.engine import _present_as_dflash
+            from vllm_ddtree.proposer import _present_as_dflash
 
             vllm_config = _present_as_dflash(vllm_config, vllm_config.speculative_config.ddtree.drafter_width)
         dflash_init(self, vllm_config, device, runner)
@@ -740,7 +740,7 @@ def _patch_model_runner() -> None:
         runner_init(self, vllm_config, device, *args, **kwargs)
         self._ddtree_step = None
         if _is_ddtree(vllm_config):
-            from vllm_ddtree.engine import DDTreeProposer
+            from vllm_ddtree.proposer import DDTreeProposer
 
             self.drafter = DDTreeProposer(vllm_config, self.device, self)
             self.use_aux_hidden_state_outputs = True
@@ -753,7 +753,7 @@ def _patch_model_runner() -> None:
     def _prepare_inputs(self, scheduler_output, *args, **kwargs):
         out = prepare(self, scheduler_output, *args, **kwargs)
         if _is_ddtree(self.vllm_config):
-            from vllm_ddtree.engine import prepare_tree_step
+            from vllm_ddtree.verify import prepare_tree_step
 
             self._ddtree_step = prepare_tree_step(self, out[1], scheduler_output.total_num_scheduled_tokens)
         return out
@@ -767,7 +767,7 @@ def _patch_model_runner() -> None:
         step = getattr(self, "_ddtree_step", None)
         if step is None or spec_decode_metadata is None or not _is_ddtree(self.vllm_config):
             return sample(self, logits, spec_decode_metadata)
-        from vllm_ddtree.engine import UNDRAFTED, sample_tree_step
+        from vllm_ddtree.verify import UNDRAFTED, sample_tree_step
 
         self._ddtree_step = None
         if step is UNDRAFTED:  # no drafts in the step: vLLM's own sampler, as without speculation

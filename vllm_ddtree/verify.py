@@ -1,0 +1,219 @@
+"""ddtree's verify side inside vLLM's V1 model runner (vllm_patches P11–P12).
+
+1. `prepare_tree_step` (after `_prepare_inputs`, before attention metadata is built): the scheduled
+   drafts of each request (a prefix of its tree if the scheduler truncated it) are compiled into a
+   `TreeBatch`; the rows' RoPE positions become context + depth (their KV slots stay sequential);
+   the ancestor masks go to the tree attention through its channel.
+2. `sample_tree_step` (in place of the rejection sampler): one target token per verify row —
+   argmax, or one draw from the request's processed distribution — then `walk_tree`. The accepted
+   rows' K/V are moved to consecutive slots (compaction), and the proposer is told an order of the
+   step's tokens with each request's accepted path first: it applies it to the context (positions,
+   hidden states) it is handed, so that vLLM's DFlash input preparation — which trims rejected rows
+   as a suffix — feeds the drafter exactly the accepted path at consecutive positions. Output:
+   [R, depth + 1] padded with -1, the rejection sampler's layout, so vLLM's bookkeeping and the
+   scheduler's rollback hold unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from vllm_ddtree.tree import NO_PARENT, DraftTree, TreeBatch, compile_tree, to_device, walk_tree
+
+from vllm_ddtree.compaction import accepted_path_moves, move_slots_
+from vllm_ddtree.proposer import DDTreeProposer
+from vllm_ddtree.sampling import path_logprobs, sample_rows
+
+
+@dataclass
+class TreeStep:
+    """What the verify step of one batch needs after its forward."""
+
+    batch: TreeBatch
+    row_index: Tensor  # [R, N] flat token index of each verify row (0 where padding)
+    slot_mapping: Tensor  # [T] KV slot of every scheduled token (sequential positions)
+    sequential_positions: Tensor | None = None  # [T] positions before the tree's context + depth rewrite
+    node_scores: Tensor | None = None  # [R, N - 1] prefix score of each node (automatic budget only)
+    from_tree: Tensor | None = None  # [R] bool: the request's drafts are its proposed tree (not a fallback chain)
+    step_size: tuple[float, float, float] | None = None  # (rows, attention pairs, context) if the step verified trees only
+
+
+class UndraftedStep:
+    """A step vLLM schedules with spec-decode metadata but no drafts in it (see prepare_tree_step)."""
+
+
+UNDRAFTED = UndraftedStep()
+
+
+def prepare_tree_step(runner, spec_decode_metadata, total_tokens: int) -> TreeStep | UndraftedStep | None:
+    """Positions = context + depth for the scheduled tree rows; tree masks to the attention backend.
+
+    Reads only the runner's host buffers (no device-to-host copy): the step's token ids
+    (`input_ids.cpu`), query starts and sequence lengths (`optimistic_seq_lens_cpu`) are exact on
+    the host because ddtree never runs with async scheduling (vLLM then writes every sampled token
+    to the host before the next step). The compiled tree goes to the device in one copy.
+    Returns None without spec-decode metadata, UNDRAFTED for a step in which no request has drafts.
+    """
+    from vllm_ddtree.attention.tree_mask import TreeStepMasks, set_step_tree_masks
+
+    if spec_decode_metadata is None:
+        set_step_tree_masks(None)
+        return None
+    if runner.input_batch.prev_sampled_token_ids is not None:
+        # Only async scheduling leaves sampled tokens on the device; config refuses it for ddtree.
+        raise RuntimeError("speculative method 'ddtree' needs async scheduling off (--no-async-scheduling)")
+    proposer: DDTreeProposer = runner.drafter
+    req_ids = list(runner.input_batch.req_ids)
+    r = len(req_ids)
+    drafted = spec_decode_metadata.num_draft_tokens
+    width = max(drafted)
+    # No request has drafts (Dynamic SD's K = 0, or the budget chose no tree): vLLM's plain sampler
+    # takes the step, as without speculation (vLLM's rejection sampler fails on a step without drafts
+    # under top-k, `k.max()` of an empty tensor, vllm 0.32; our tree walk would only copy each root's
+    # K/V onto itself). One token each and decode only is the speculation gate's baseline.
+    if width == 0:
+        if proposer.undrafted and total_tokens == r:
+            proposer.pending_ar_step = r
+        set_step_tree_masks(None)
+        return UNDRAFTED
+    calibrating = proposer.auto is not None
+    qsl = runner.query_start_loc.cpu[: r + 1].long()
+    drafted_t = torch.tensor(drafted, dtype=torch.int64)
+    root_index = qsl[1:] - 1 - drafted_t  # the root is the first of the request's last 1 + n tokens
+    step_ids = runner.input_ids.cpu  # host: each request's drafts follow its root
+    # Rows as padded Python lists, one tensor each at the end (no per-request tensor creation).
+    tok_rows, par_rows, dep_rows, score_rows, from_tree_rows = [], [], [], [], []
+    for i, (rid, first) in enumerate(zip(req_ids, (root_index + 1).tolist())):
+        n = drafted[i]
+        drafts = step_ids[first : first + n].tolist()
+        pad = width - n
+        t = proposer.trees.get(rid)
+        from_tree = n > 0 and t is not None and t.tokens[:n] == drafts  # the scheduler keeps a prefix: still a tree
+        if from_tree:
+            par_rows.append(t.parents[:n] + [NO_PARENT] * pad)
+            dep_rows.append(t.depths[:n] + [0] * pad)
+        else:
+            # Drafts we did not propose (vLLM fills placeholders when the drafter was skipped):
+            # verify them as a chain, which is just as lossless.
+            par_rows.append(list(range(-1, n - 1)) + [NO_PARENT] * pad)
+            dep_rows.append(list(range(1, n + 1)) + [0] * pad)
+        tok_rows.append(drafts + [0] * pad)
+        from_tree_rows.append(from_tree)
+        if calibrating:
+            score_rows.append((t.scores[:n] if from_tree else [-math.inf] * n) + [-math.inf] * pad)
+    tok, par, dep = (torch.tensor(x, dtype=torch.int64) for x in (tok_rows, par_rows, dep_rows))
+    from_tree = torch.tensor(from_tree_rows, dtype=torch.bool)
+    node_scores = torch.tensor(score_rows, dtype=torch.float32) if calibrating else None
+    valid = dep > 0
+    zeros = torch.zeros(r, width)
+    tree = DraftTree(tok, par, dep, zeros, zeros, valid, valid.sum(1), max(proposer.width, width))
+    ctx = runner.optimistic_seq_lens_cpu[:r].long() - 1 - drafted_t
+    roots = step_ids[root_index].long()
+    batch = compile_tree(tree, roots, ctx)  # on the host: the scheduled drafts are host lists
+    row_index = torch.where(batch.valid, root_index[:, None] + torch.arange(width + 1), 0)
+    flat = row_index[batch.valid]
+    dev = runner.positions.device
+    sequential = runner.positions[:total_tokens].clone()  # the drafter's context positions (sample_tree_step)
+    runner.positions[to_device(flat, dev)] = to_device(batch.positions[batch.valid], dev)
+    # The step's size for the cost calibration, from host numbers (no device read later).
+    rows = batch.num_rows.double()
+    step_size = None
+    if calibrating and width > 0 and int(rows.sum()) == total_tokens:  # trees, and nothing else
+        c = ctx.double()
+        step_size = (float(rows.sum()), float((rows * (c + rows)).sum()), float(c.sum()))
+    # One copy to the device (queued, not waited for); everything after the forward (walk,
+    # compaction, masks) runs there.
+    batch = batch.to(dev)
+    set_step_tree_masks(TreeStepMasks(has_tree=to_device(drafted_t > 0, dev), num_rows=batch.num_rows,
+                                      ancestors=batch.ancestors))
+    slot_mapping = runner.input_batch.block_table[0].slot_mapping.gpu[:total_tokens].clone()
+    return TreeStep(batch=batch, row_index=to_device(row_index, dev), slot_mapping=slot_mapping,
+                    node_scores=None if node_scores is None else to_device(node_scores, dev),
+                    from_tree=to_device(from_tree, dev), sequential_positions=sequential, step_size=step_size)
+
+
+def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadata):
+    """The tree walk in place of the rejection sampler, then KV compaction and drafter-input order."""
+    from vllm.v1.outputs import SamplerOutput
+
+    from vllm_ddtree.attention.tree_mask import set_step_tree_masks
+
+    set_step_tree_masks(None)  # the drafter's attention is built next: plain masks for it
+    batch = step.batch
+    r, n = batch.tokens.shape
+    # logits rows are request-major, 1 + drafts per request (spec_decode_metadata.logits_indices)
+    counts = torch.tensor(spec_decode_metadata.num_draft_tokens) + 1
+    starts = to_device(torch.cumsum(counts, 0) - counts, batch.valid.device)
+    rows = torch.where(batch.valid, starts[:, None] + torch.arange(n, device=starts.device), 0)
+    rows = rows.to(logits.device)
+    md = runner.input_batch.sampling_metadata
+    row_tokens = sample_rows(logits, rows, md, batch)
+    walk = walk_tree(batch, torch.where(batch.valid, row_tokens, -1))
+    depth = max(spec_decode_metadata.num_draft_tokens)
+    out = walk.output_tokens[:, : depth + 1].to(torch.int32)
+
+    # KV compaction in the target's caches (slot of row path[j] -> slot of row j), and the order
+    # of the step's tokens with each request's accepted path first: vLLM's DFlash input prep trims
+    # a rejected suffix. The proposer applies that order to the context it is handed (the runner's
+    # own buffers stay as they are: they are the target's step state).
+    moves = accepted_path_moves(batch, walk.path_rows, step.row_index, step.slot_mapping)
+    _compact_target_caches(runner, moves.src_slots, moves.dst_slots)
+    runner.drafter.context_order = moves.context_order
+    # The drafter's context positions stay sequential: after the reorder the accepted path sits at
+    # ctx, ctx + 1, ... (its depths), and the rejected rows after it, at positions no accepted row
+    # has. With the tree's positions (ctx + depth) a rejected row would share an accepted row's
+    # position, and vLLM's DFlash context store would overwrite that row's K/V with it.
+    runner.drafter.context_positions = step.sequential_positions
+    runner.drafter.step_tokens = out  # the n-gram model's new tokens (DDTreeProposer._observe)
+    proposer = runner.drafter
+    proposer.stats.record(batch.num_rows - 1, batch.depths.max(dim=1).values, walk.num_accepted)
+    if proposer.auto is not None:
+        _calibrate(proposer, step, walk.path_rows)
+    logprobs = None
+    if md.max_num_logprobs is not None:
+        path_rows = rows.gather(1, walk.path_rows[:, : depth + 1].clamp(min=0).to(rows.device))
+        logprobs = path_logprobs(runner.sampler, logits, path_rows, out, md.max_num_logprobs)
+    return SamplerOutput(sampled_token_ids=out, logprobs_tensors=logprobs)
+
+
+def _calibrate(proposer: DDTreeProposer, step: TreeStep, path_rows: Tensor) -> None:
+    """Feed the automatic budget's calibrations: the step's measured acceptance and its size.
+
+    Only nodes the drafter ranked count (finite score): a prompt-lookup branch's nodes are neither
+    predicted nor counted as accepted, so the drafter's confidence is fitted to its own nodes.
+    """
+    batch = step.batch
+    verified = batch.valid[:, 1:] & step.from_tree.view(-1, 1)
+    scores = step.node_scores.to(path_rows.device)  # [R, N - 1]: node j is verify row j + 1
+    pad = torch.full((scores.shape[0], 1), -math.inf, dtype=scores.dtype, device=scores.device)
+    scores = torch.cat([scores, pad], dim=1)  # + a column the padding of path_rows reads
+    nodes = path_rows[:, 1:]  # accepted rows after the root, -1 padded
+    node_index = torch.where(nodes > 0, nodes - 1, scores.shape[1] - 1).clamp(max=scores.shape[1] - 1)
+    # [R, N - 1]: the accepted nodes (padding lands in the extra column, dropped); infinite scores
+    # (lookup nodes) are left out by the calibration itself.
+    on_path = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(1, node_index, nodes > 0)
+    accepted = on_path[:, :-1] & step.from_tree.to(path_rows.device).view(-1, 1)
+    proposer.auto.observe_acceptance(step.node_scores, verified, accepted)
+    if step.step_size is not None:  # the step verified trees only: its cost is known
+        proposer.pending_step = step.step_size
+
+def _compact_target_caches(runner, src_slots: Tensor, dst_slots: Tensor) -> None:
+    """Apply the slot moves to every target attention layer (the drafter rewrites its own context)."""
+    found = getattr(runner, "_ddtree_target_caches", None)
+    if found is None:  # the layer caches are allocated once; look them up on the first step
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention import Attention
+        from vllm.platforms import current_platform
+
+        drafter_layers = getattr(runner.drafter, "_draft_attn_layer_names", set())
+        layers = get_layers_from_vllm_config(runner.vllm_config, Attention)
+        caches = [layer.kv_cache[0] if isinstance(layer.kv_cache, list) else layer.kv_cache
+                  for name, layer in layers.items() if name not in drafter_layers]
+        # P9 decides the backend the same way: ours on the CPU, vLLM's FlashInfer on a GPU.
+        found = runner._ddtree_target_caches = (caches, "cpu" if current_platform.is_cpu() else "flashinfer")
+    caches, layout = found
+    move_slots_(caches, src_slots, dst_slots, layout)
