@@ -21,7 +21,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from vllm_ddtree.proposer import DDTreeStats, RequestTree  # noqa: E402
+from vllm_ddtree.proposer import DDTreeStats, ProposedTrees, RequestTree  # noqa: E402
 from vllm_ddtree.verify import prepare_tree_step, sample_tree_step  # noqa: E402
 
 VOCAB, WIDTH = 400, 8
@@ -42,7 +42,7 @@ def stand_in_runner(device: torch.device):
     positions = torch.cat([torch.arange(c, c + 1 + k) for c, k in zip(CTX, n)])
     host_ids = torch.zeros(64, dtype=torch.int32)
     host_ids[:total] = torch.tensor(ids, dtype=torch.int32)
-    proposer = SimpleNamespace(trees={"a": TREE_A}, width=WIDTH, auto=None, stats=DDTreeStats(interval=1e9),
+    proposer = SimpleNamespace(proposed=ProposedTrees.from_requests({"a": TREE_A}), width=WIDTH, auto=None, stats=DDTreeStats(interval=1e9),
                                context_order=None, context_positions=None)
     sampling = SimpleNamespace(all_greedy=True, no_penalties=True, allowed_token_ids_mask=None, bad_words_token_ids={},
                                logitsprocs=SimpleNamespace(non_argmax_invariant=[]), max_num_logprobs=None)
@@ -108,7 +108,8 @@ def test_the_automatic_budget_is_told_which_tree_nodes_were_accepted():
     shape = ModelShape(layers=30, hidden=576, q_heads=9, kv_heads=3, head_dim=64, ffn=1536, vocab=49152,
                        bytes_per_param=4)
     runner.drafter.auto = Recording(CostModel(shape, get_profile("cpu")), 1, WIDTH)
-    runner.drafter.trees = {"a": RequestTree(TREE_A.tokens, TREE_A.parents, TREE_A.depths, [-0.1, -1.2, -0.3, -0.6])}
+    runner.drafter.proposed = ProposedTrees.from_requests(
+        {"a": RequestTree(TREE_A.tokens, TREE_A.parents, TREE_A.depths, [-0.1, -1.2, -0.3, -0.6])})
     step = prepare_tree_step(runner, spec, total)
     sample_tree_step(runner, step, target_logits(torch.device("cpu")), spec)
     (verified, accepted), = seen

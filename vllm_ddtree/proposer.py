@@ -53,6 +53,44 @@ class RequestTree:
 
 
 @dataclass
+class ProposedTrees:
+    """The last propose's trees, as host tensors padded to B nodes, for the verify step.
+
+    `prepare_tree_step` looks a scheduled request up by id (`row_of`) and applies the scheduler's
+    count to its row with tensor ops: no per-request Python, no rebuild from lists. These are the
+    tensors of the one host copy the step makes (`tree_to_host`), so reading them costs nothing.
+    """
+
+    row_of: dict[str, int]  # request id -> row
+    tokens: Tensor  # [R, B] int64, 0 past a request's nodes
+    parents: Tensor  # [R, B] int64, -1 for children of the root and past the nodes
+    depths: Tensor  # [R, B] int64, 0 past the nodes
+    scores: Tensor | None  # [R, B] float32 prefix scores (automatic budget only), -inf past the nodes
+
+    @classmethod
+    def from_requests(cls, trees: dict[str, RequestTree]) -> "ProposedTrees":
+        """The padded form of per-request trees (tests, and any caller holding lists)."""
+        width = max((len(t.tokens) for t in trees.values()), default=0)
+        with_scores = all(t.scores is not None for t in trees.values()) and bool(trees)
+
+        def pad(rows: list[list], fill) -> list[list]:
+            return [row + [fill] * (width - len(row)) for row in rows]
+
+        ts = list(trees.values())
+        return cls(
+            row_of={rid: i for i, rid in enumerate(trees)},
+            tokens=torch.tensor(pad([t.tokens for t in ts], 0), dtype=torch.int64).view(len(ts), width),
+            parents=torch.tensor(pad([t.parents for t in ts], -1), dtype=torch.int64).view(len(ts), width),
+            depths=torch.tensor(pad([t.depths for t in ts], 0), dtype=torch.int64).view(len(ts), width),
+            scores=(torch.tensor(pad([t.scores for t in ts], -float("inf")), dtype=torch.float32).view(len(ts), width)
+                    if with_scores else None),
+        )
+
+
+NO_TREES = ProposedTrees({}, *(torch.zeros(0, 0, dtype=torch.int64) for _ in range(3)), None)
+
+
+@dataclass
 class DepthCap:
     """How many depths the next step drafts: twice the deepest node of this step's trees (at least
     `floor`, at most the drafter's width `width`).
@@ -150,7 +188,7 @@ class DDTreeProposer(DFlashProposer):
         # Depths the drafter's LM head and the tree build cover next step (DepthCap): the trees'
         # realised depth, doubled, instead of every depth a tree of `build` nodes could reach.
         self.depth_cap = DepthCap(self.width)
-        self.trees: dict[str, RequestTree] = {}
+        self.proposed: ProposedTrees = NO_TREES  # the last propose's trees (prepare_tree_step reads them)
         self.stats = DDTreeStats()
         self._logits: Tensor | None = None
         self._draft_to_target: Tensor | None = None
@@ -387,16 +425,11 @@ class DDTreeProposer(DFlashProposer):
         return [list(t) for t in host.tokens]  # the scheduler's own lists: our copy stays as proposed
 
     def _store(self, req_ids: list[str], tree: DraftTree) -> HostTrees:
-        # The one host copy per step (two with the automatic budget's scores): the scheduler takes
-        # draft tokens as Python lists.
+        # The one host copy per step: vLLM's scheduler takes draft tokens as Python lists.
         with gpu_sync_allowed():  # deliberate: vLLM's scheduler reads the drafts on the host next
             host = tree_to_host(tree, with_scores=self.auto is not None)
         self.depth_cap.observe(host.deepest)
-        live = set(req_ids)
-        self.trees = {rid: t for rid, t in self.trees.items() if rid in live}  # finished requests leave
-        for i, rid in enumerate(req_ids):
-            self.trees[rid] = RequestTree(host.tokens[i], host.parents[i], host.depths[i],
-                                          host.scores[i] if host.scores is not None else None)
+        self.proposed = ProposedTrees({rid: i for i, rid in enumerate(req_ids)}, *host.padded)
         return host
 
     def _observe_lookup(self, req_ids: list[str], step_tokens: Tensor) -> None:

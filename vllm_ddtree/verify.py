@@ -85,32 +85,40 @@ def prepare_tree_step(runner, spec_decode_metadata, total_tokens: int) -> TreeSt
     drafted_t = torch.tensor(drafted, dtype=torch.int64)
     root_index = qsl[1:] - 1 - drafted_t  # the root is the first of the request's last 1 + n tokens
     step_ids = runner.input_ids.cpu  # host: each request's drafts follow its root
-    # Rows as padded Python lists, one tensor each at the end (no per-request tensor creation).
-    tok_rows, par_rows, dep_rows, score_rows, from_tree_rows = [], [], [], [], []
-    for i, (rid, first) in enumerate(zip(req_ids, (root_index + 1).tolist())):
-        n = drafted[i]
-        drafts = step_ids[first : first + n].tolist()
-        pad = width - n
-        t = proposer.trees.get(rid)
-        from_tree = n > 0 and t is not None and t.tokens[:n] == drafts  # the scheduler keeps a prefix: still a tree
-        if from_tree:
-            par_rows.append(t.parents[:n] + [NO_PARENT] * pad)
-            dep_rows.append(t.depths[:n] + [0] * pad)
-        else:
-            # Drafts we did not propose (vLLM fills placeholders when the drafter was skipped):
-            # verify them as a chain, which is just as lossless.
-            par_rows.append(list(range(-1, n - 1)) + [NO_PARENT] * pad)
-            dep_rows.append(list(range(1, n + 1)) + [0] * pad)
-        tok_rows.append(drafts + [0] * pad)
-        from_tree_rows.append(from_tree)
-        if calibrating:
-            score_rows.append((t.scores[:n] if from_tree else [-math.inf] * n) + [-math.inf] * pad)
-    tok, par, dep = (torch.tensor(x, dtype=torch.int64) for x in (tok_rows, par_rows, dep_rows))
-    from_tree = torch.tensor(from_tree_rows, dtype=torch.bool)
-    node_scores = torch.tensor(score_rows, dtype=torch.float32) if calibrating else None
-    valid = dep > 0
+    # Every request's row at once, as host tensor ops on [R, width] (no per-request Python): the
+    # scheduled drafts, and the proposed tree they are a prefix of, when they are.
+    cols = torch.arange(width)
+    in_draft = cols[None, :] < drafted_t[:, None]  # [R, width]
+    at = ((root_index + 1)[:, None] + cols).clamp(max=step_ids.shape[0] - 1)
+    drafts = torch.where(in_draft, step_ids[at].long(), 0)
+    proposed = proposer.proposed
+    prow = torch.tensor([proposed.row_of.get(rid, -1) for rid in req_ids], dtype=torch.int64)
+    b = min(proposed.tokens.shape[1], width)
+
+    def proposed_rows(x: Tensor, fill) -> Tensor:  # [R, width]: each request's proposed row, padded
+        out = torch.full((r, width), fill, dtype=x.dtype)
+        if b:
+            out[:, :b] = x[prow.clamp(min=0), :b] if x.shape[0] else fill
+        return out
+
+    tree_tok, tree_dep = proposed_rows(proposed.tokens, -1), proposed_rows(proposed.depths, 0)
+    # The scheduler keeps a prefix of the tree (or all of it): still a tree. Anything else — drafts
+    # vLLM filled in when the drafter was skipped — is verified as a chain, which is just as lossless.
+    is_prefix = ((tree_tok == drafts) & (tree_dep > 0)) | ~in_draft
+    from_tree = (prow >= 0) & (drafted_t > 0) & is_prefix.all(dim=1)
+    chain = from_tree.logical_not()[:, None]
+    par = torch.where(in_draft, torch.where(chain, cols[None, :] - 1, proposed_rows(proposed.parents, NO_PARENT)), NO_PARENT)
+    dep = torch.where(in_draft, torch.where(chain, cols[None, :] + 1, tree_dep), 0)
+    node_scores = None
+    if calibrating:
+        scores = proposed_rows(proposed.scores, -math.inf) if proposed.scores is not None else torch.full((r, width), -math.inf)
+        node_scores = torch.where(in_draft & ~chain, scores, -math.inf)
+    valid = in_draft
     zeros = torch.zeros(r, width)
-    tree = DraftTree(tok, par, dep, zeros, zeros, valid, valid.sum(1), max(proposer.width, width))
+    # The walk and the ancestor masks follow the deepest scheduled node (at most the drafter's width
+    # W plus a lookup path, or a chain's length), not the step's row count.
+    deepest = int(dep.max()) if width else 0
+    tree = DraftTree(drafts, par, dep, zeros, zeros, valid, drafted_t, deepest)
     ctx = runner.optimistic_seq_lens_cpu[:r].long() - 1 - drafted_t
     roots = step_ids[root_index].long()
     batch = compile_tree(tree, roots, ctx)  # on the host: the scheduled drafts are host lists
@@ -151,10 +159,14 @@ def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadat
     rows = torch.where(batch.valid, starts[:, None] + torch.arange(n, device=starts.device), 0)
     rows = rows.to(logits.device)
     md = runner.input_batch.sampling_metadata
-    row_tokens = sample_rows(logits, rows, md, batch)
+    row_tokens = sample_rows(logits, rows, md, batch, counts.tolist())  # host counts: ragged chunks, no device read
     walk = walk_tree(batch, torch.where(batch.valid, row_tokens, -1))
+    # [R, depth + 1], the rejection sampler's layout: the walk covers the deepest node, the step's
+    # widest request may have more rows than that (a bushy tree); -1 pads the rest.
     depth = max(spec_decode_metadata.num_draft_tokens)
-    out = walk.output_tokens[:, : depth + 1].to(torch.int32)
+    pad = depth + 1 - walk.output_tokens.shape[1]
+    out = torch.nn.functional.pad(walk.output_tokens, (0, pad), value=-1).to(torch.int32)
+    path_rows = torch.nn.functional.pad(walk.path_rows, (0, pad), value=-1)
 
     # KV compaction in the target's caches (slot of row path[j] -> slot of row j), and the order
     # of the step's tokens with each request's accepted path first: vLLM's DFlash input prep trims
@@ -175,7 +187,7 @@ def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadat
         _calibrate(proposer, step, walk.path_rows)
     logprobs = None
     if md.max_num_logprobs is not None:
-        path_rows = rows.gather(1, walk.path_rows[:, : depth + 1].clamp(min=0).to(rows.device))
+        path_rows = rows.gather(1, path_rows.clamp(min=0).to(rows.device))
         logprobs = path_logprobs(runner.sampler, logits, path_rows, out, md.max_num_logprobs)
     return SamplerOutput(sampled_token_ids=out, logprobs_tensors=logprobs)
 

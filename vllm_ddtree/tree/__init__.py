@@ -44,8 +44,8 @@ from .compile import (
     compile_tree,
     dense_attention_mask,
     flashinfer_tree_mask,
-    to_device,
 )
+from .transfer import HostReads, to_device, to_host
 from .ngram import NGramCounts, NGramModel, NGramScorer, build_corpus_ngram, entropy_adaptive_lambda, windows_of
 from .verify import WalkResult, greedy_tokens, sample_tokens, walk_position, walk_tree
 

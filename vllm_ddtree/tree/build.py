@@ -42,6 +42,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .transfer import to_host
+
 NO_PARENT = -1
 
 
@@ -169,26 +171,37 @@ class HostTrees:
     scores: list[list[float]] | None  # with_scores only
     deepest: int  # the largest depth of any kept node the drafter ranked (finite score; 0 if none)
     ranked: int  # the most nodes the drafter ranked in one request's tree (an `add_branch` path not counted)
+    padded: tuple[Tensor, Tensor, Tensor, Tensor | None]  # host [R, B] tokens, parents, depths, scores (padding: 0, -1, 0, -inf)
 
 
 def tree_to_host(tree: DraftTree, with_scores: bool = False) -> HostTrees:
-    """One device-to-host copy of the kept nodes (two with scores), not one `.tolist()` per field."""
+    """One device-to-host copy of the kept nodes (scores included), not one `.tolist()` per field.
+
+    The fields are packed into one float64 block (token ids, rows and depths are exact in float64,
+    and so are float32 scores), copied with `to_host`, and split into lists on the host.
+    """
     w = tree.max_nodes
     # On the device: the drafter-ranked nodes' depths (an `add_branch` path scores -inf), one host max below.
     is_ranked = tree.valid & torch.isfinite(tree.scores)
     ranked = torch.where(is_ranked, tree.depths, 0)
-    packed = torch.cat([tree.tokens, tree.parents, tree.depths, tree.num_nodes[:, None], ranked,
-                        is_ranked.sum(dim=1, keepdim=True)], dim=1).cpu()
-    counts = packed[:, 3 * w].tolist()
+    fields = [tree.tokens, tree.parents, tree.depths, tree.num_nodes[:, None], ranked,
+              is_ranked.sum(dim=1, keepdim=True)] + ([tree.scores] if with_scores else [])
+    packed = to_host(torch.cat([f.double() for f in fields], dim=1))
+    counts = packed[:, 3 * w].long().tolist()
 
-    def kept(block: Tensor) -> list[list]:
-        return [row[:n] for row, n in zip(block.tolist(), counts)]
+    def kept(block: Tensor, as_int: bool = True) -> list[list]:
+        rows = (block.long() if as_int else block.float()).tolist()
+        return [row[:n] for row, n in zip(rows, counts)]
 
-    scores = kept(tree.scores.cpu()) if with_scores else None
+    scores = kept(packed[:, 4 * w + 2 :], as_int=False) if with_scores else None
     deepest = int(packed[:, 3 * w + 1 : 4 * w + 1].max()) if w and packed.shape[0] else 0
     most = int(packed[:, 4 * w + 1].max()) if packed.shape[0] else 0
+    valid = torch.arange(w)[None, :] < packed[:, 3 * w : 3 * w + 1].long()
+    padded = (torch.where(valid, packed[:, :w].long(), 0), torch.where(valid, packed[:, w : 2 * w].long(), NO_PARENT),
+              torch.where(valid, packed[:, 2 * w : 3 * w].long(), 0),
+              torch.where(valid, packed[:, 4 * w + 2 :].float(), -math.inf) if with_scores else None)
     return HostTrees(kept(packed[:, :w]), kept(packed[:, w : 2 * w]), kept(packed[:, 2 * w : 3 * w]), scores, deepest,
-                     most)
+                     most, padded)
 
 
 def topk_per_depth(logits: Tensor, k: int, temperature: float = 1.0) -> tuple[Tensor, Tensor]:

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from .build import NO_PARENT, DraftTree
+from .transfer import to_device
 
 
 @dataclass
@@ -58,19 +59,6 @@ class TreeBatch:
         return TreeBatch(move(self.tokens), move(self.parents), move(self.depths), move(self.positions),
                          move(self.valid), move(self.num_rows), move(self.context_lens), move(self.ancestors),
                          self.max_depth)
-
-
-def to_device(t: Tensor, device: torch.device | str) -> Tensor:
-    """`t` on `device`; a host tensor bound for a GPU goes through pinned memory, non-blocking.
-
-    A plain copy from pageable host memory blocks the host until the GPU has drained its queue,
-    and a `non_blocking` one from pageable memory is silently synchronous too (vLLM's
-    VLLM_GPU_SYNC_CHECK reports both); from pinned memory the copy is queued and the host goes on.
-    """
-    device = torch.device(device)
-    if t.device.type == "cpu" and device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 def compile_tree(tree: DraftTree, root_tokens: Tensor, context_lens: Tensor) -> TreeBatch:

@@ -1,0 +1,47 @@
+"""Copies between the host and the device, the two ways ddtree makes them.
+
+Host to device: `to_device`, queued (pinned memory), never waited for. Device to host: `to_host`,
+which waits for the device and is therefore counted (`HostReads`): the step makes one such copy,
+the draft lists vLLM's scheduler takes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def to_device(t: Tensor, device: torch.device | str) -> Tensor:
+    """`t` on `device`; a host tensor bound for a GPU goes through pinned memory, non-blocking.
+
+    A plain copy from pageable host memory blocks the host until the GPU has drained its queue,
+    and a `non_blocking` one from pageable memory is silently synchronous too (vLLM's
+    VLLM_GPU_SYNC_CHECK reports both); from pinned memory the copy is queued and the host goes on.
+    """
+    device = torch.device(device)
+    if t.device.type == "cpu" and device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+class HostReads:
+    """Device-to-host reads ddtree makes on purpose (`to_host`), counted so a benchmark or a test can
+    check the step makes the one copy the scheduler needs and no other."""
+
+    count: int = 0
+
+    @classmethod
+    def reset(cls) -> int:
+        """The count so far; starts a new one."""
+        n, cls.count = cls.count, 0
+        return n
+
+
+def to_host(t: Tensor) -> Tensor:
+    """`t` on the host: the one way ddtree reads device data (counted in `HostReads`).
+
+    On a GPU this waits for the queue up to `t`, so the step path calls it once, for what vLLM's
+    scheduler takes as Python lists; everything else stays on the device.
+    """
+    HostReads.count += 1
+    return t.cpu()
