@@ -384,8 +384,10 @@ def test_ddtree_config_defaults_and_corpus(tmp_path):
     assert (cfg.tree_budget, cfg.min_budget, cfg.max_budget, cfg.prompt_lookup_tokens) == ("auto", 0, 64, 8)
     assert (cfg.ngram_weight, cfg.ngram_order, cfg.verify_width) == (0.2, 3, 72)
     assert DDTreeConfig(tree_budget=16).min_budget == 16
+    from vllm_ddtree.tree.ngram import NGramCounts
+
     corpus = tmp_path / "c.pt"
-    corpus.write_bytes(b"x")
+    NGramCounts(3, 49152).save(corpus)  # read at configuration: order and vocabulary are checked
     assert DDTreeConfig.from_mapping({"ngram_corpus": str(corpus)}).ngram_corpus == str(corpus)
     assert cfg.with_drafter(16).drafter_width == 15
     with pytest.raises(ValueError, match=r"unknown ddtree option 'drafter_width'"):

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +39,16 @@ DEVICE_PROFILES: tuple[str, ...] = ("cpu", "h100", "h200")
 
 #: Default cap on the tree size when ``tree_budget="auto"`` and no ``max_tree_budget`` is given.
 DEFAULT_MAX_TREE_BUDGET = 64
+
+#: Largest ``ngram_order``: each order is one count lookup per draft step, and keys of long contexts
+#: already wrap past 63 bits (they act as hashes), so longer contexts only add lookups.
+MAX_NGRAM_ORDER = 16
+
+#: What a speculative config must change when the checkpoint's draft vocabulary meets a sharded head.
+VOCAB_SUBSET_NEEDS_TP1 = (
+    "speculative_config: draft_vocab=\"checkpoint\" needs the drafter's shared LM head "
+    "unsharded and unquantized (tensor parallel size 1); set \"draft_vocab\": \"full\""
+)
 
 
 def _closest(key: str, choices: list[str]) -> str:
@@ -112,6 +124,11 @@ class DDTreeConfig:
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any]) -> DDTreeConfig:
         """Validate user options (ddtree keys only) and build the config."""
+        if not isinstance(options, Mapping):
+            raise ValueError(
+                f"speculative_config: 'ddtree' must be an object of ddtree options (or leave it out and put them "
+                f"top-level), got {options!r}"
+            )
         known = cls.user_keys()
         for key in options:
             if key not in known:
@@ -144,7 +161,8 @@ class DDTreeConfig:
                     )
         for key in ("min_tree_budget", "max_tree_budget", "ngram_order", "prompt_lookup_tokens", "drafter_width"):
             v = getattr(self, key)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            optional = key in ("min_tree_budget", "max_tree_budget", "drafter_width")
+            if (v is None and not optional) or (v is not None and (isinstance(v, bool) or not isinstance(v, int))):
                 raise ValueError(f"speculative_config: {key} must be an integer, got {v!r}")
         lo, hi = self.min_budget, self.max_budget
         if lo < (0 if self.adaptive else 1):
@@ -158,13 +176,15 @@ class DDTreeConfig:
                 "lower min_tree_budget or raise max_tree_budget"
             )
         w = self.ngram_weight
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or w != w or w < 0:
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
             raise ValueError(
-                f"speculative_config: ngram_weight must be a number >= 0 (0 disables n-gram rescoring), got {w!r}"
+                f"speculative_config: ngram_weight must be a number >= 0 and finite (0 disables n-gram rescoring), "
+                f"got {w!r}"
             )
-        if self.ngram_order < 2:
+        if not 2 <= self.ngram_order <= MAX_NGRAM_ORDER:
             raise ValueError(
-                f"speculative_config: ngram_order must be >= 2 (at least one token of context), got {self.ngram_order}"
+                f"speculative_config: ngram_order must be >= 2 (one token of context) and <= {MAX_NGRAM_ORDER}, "
+                f"got {self.ngram_order}"
             )
         if self.prompt_lookup_tokens < 0:
             raise ValueError(
@@ -172,11 +192,28 @@ class DDTreeConfig:
                 f"got {self.prompt_lookup_tokens}"
             )
         if self.ngram_corpus is not None:
+            if not isinstance(self.ngram_corpus, str) or not self.ngram_corpus:
+                raise ValueError(
+                    f"speculative_config: ngram_corpus must be the path of an n-gram table (a non-empty string), "
+                    f"got {self.ngram_corpus!r}"
+                )
             path = Path(self.ngram_corpus).expanduser().resolve()  # workers may not share the cwd
             if not path.is_file():
                 raise ValueError(
                     f"speculative_config: ngram_corpus file {str(path)!r} does not exist; build one with "
                     "`vllm-ddtree build-ngram` or remove ngram_corpus to use the online n-gram model only"
+                )
+            if not self.ngram_enabled:  # the corpus only feeds the rescoring; the lookup branch reads online counts
+                raise ValueError(
+                    "speculative_config: ngram_corpus is only read by n-gram rescoring, which ngram_weight=0 turns "
+                    "off; remove ngram_corpus or set ngram_weight > 0"
+                )
+            order = int(corpus_metadata(path)["order"])
+            if order < self.ngram_order:
+                raise ValueError(
+                    f"speculative_config: ngram_corpus {str(path)!r} holds n-grams up to order {order}, fewer than "
+                    f"ngram_order={self.ngram_order}; set ngram_order <= {order} or rebuild the table with "
+                    f"`vllm-ddtree build-ngram --order {self.ngram_order}`"
                 )
             object.__setattr__(self, "ngram_corpus", str(path))
         if self.draft_vocab not in ("checkpoint", "full"):
@@ -193,6 +230,64 @@ class DDTreeConfig:
             raise ValueError(
                 f"ddtree drafter width (block_size - 1) must be >= 1, got {self.drafter_width}; "
                 "the drafter's config.json needs block_size >= 2"
+            )
+
+    # ---- checks against the engine ----------------------------------------------------------
+
+    def check_target(self, *, max_model_len: int, vocab_size: int, drafter: str = "") -> None:
+        """Refuse what cannot fit the target: a verify width or a drafter block the context window
+        cannot hold, an n-gram corpus built for another vocabulary. ``ValueError`` naming the key
+        (and ``drafter``, the drafter's name or path, where the drafter is at fault)."""
+        width = self.verify_width
+        if width + 2 > max_model_len:  # one context token, the root, then the tree's nodes
+            budget = "tree_budget" if not self.adaptive else "max_tree_budget"
+            raise ValueError(
+                f"speculative_config: the verify width {budget} + prompt_lookup_tokens = {width} does not fit the "
+                f"target's max_model_len {max_model_len} (each step writes the root and every tree node after the "
+                f"context); lower {budget} or prompt_lookup_tokens to at most {max_model_len - 2} in total"
+            )
+        if self.drafter_width is not None and self.drafter_width + 2 > max_model_len:
+            name = f" {drafter!r}" if drafter else ""
+            raise ValueError(
+                f"speculative_config: the drafter{name} has block_size {self.drafter_width + 1}, which does not fit "
+                f"the target's max_model_len {max_model_len} (the drafter writes its whole block after the context, "
+                "so it would never draft); raise max_model_len or use a drafter with a smaller block_size"
+            )
+        if self.ngram_corpus is not None:
+            vocab = int(corpus_metadata(Path(self.ngram_corpus))["vocab_size"])
+            if vocab != vocab_size:
+                raise ValueError(
+                    f"speculative_config: ngram_corpus {self.ngram_corpus!r} was built for a vocabulary of {vocab} "
+                    f"tokens, the target has {vocab_size}; rebuild it with `vllm-ddtree build-ngram --tokenizer "
+                    "TARGET` or remove ngram_corpus"
+                )
+
+    def check_parallelism(self, *, tensor_parallel_size: int, pipeline_parallel_size: int = 1,
+                          draft_tensor_parallel_size: int | None = None, vocab_subset: bool = False) -> None:
+        """Refuse, at configuration time, the parallel layouts ddtree cannot run (``ValueError`` naming
+        the key). ``vocab_subset``: the drafter ships a ``draft_vocab.json`` that ``draft_vocab`` would use.
+
+        The DFlash drafter runs inside the target's workers, in the target's tensor-parallel group (it
+        reads the target's hidden states and shares its embeddings and LM head), so a drafter
+        tensor-parallel size other than the target's cannot be honoured. The draft-vocabulary subset
+        gathers rows of that LM head, which tensor parallelism shards across ranks.
+        """
+        if pipeline_parallel_size > 1:
+            raise ValueError(
+                "method 'ddtree' does not support pipeline parallelism yet (the tree proposer reads the "
+                "target's hidden states on the last rank only); set pipeline_parallel_size=1"
+            )
+        if draft_tensor_parallel_size is not None and draft_tensor_parallel_size != tensor_parallel_size:
+            raise ValueError(
+                f"speculative_config: draft_tensor_parallel_size={draft_tensor_parallel_size} is not supported with "
+                f"method 'ddtree' on a target with tensor_parallel_size={tensor_parallel_size}: the DFlash drafter "
+                "runs in the target's tensor-parallel group (it reads the target's hidden states and shares its "
+                f"embeddings and LM head); remove draft_tensor_parallel_size or set it to {tensor_parallel_size}"
+            )
+        if tensor_parallel_size > 1 and vocab_subset and self.draft_vocab == "checkpoint":
+            raise ValueError(
+                f"{VOCAB_SUBSET_NEEDS_TP1}: the drafter ships a draft_vocab.json, and tensor_parallel_size="
+                f"{tensor_parallel_size} shards the head it would gather rows of"
             )
 
     # ---- derived ----------------------------------------------------------------------------
@@ -237,3 +332,21 @@ class DDTreeConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of every field (for logs and the config hash)."""
         return dataclasses.asdict(self)
+
+
+def corpus_metadata(path: Path) -> dict[str, str]:
+    """The ``order`` and ``vocab_size`` an n-gram table (``vllm-ddtree build-ngram``) was written with,
+    read from its safetensors header alone, so a wrong file fails at configuration time."""
+    not_table = (f"speculative_config: ngram_corpus {str(path)!r} is not an n-gram table written by "
+                 "`vllm-ddtree build-ngram`")
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 2 <= size <= 100_000_000:  # safetensors caps its JSON header at 100 MB
+                raise ValueError(f"header size {size}")
+            header = json.loads(f.read(size))
+        meta = header.get("__metadata__") or {}
+        int(meta["order"]), int(meta["vocab_size"])
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+        raise ValueError(f"{not_table} ({type(e).__name__}: {e})") from None
+    return meta

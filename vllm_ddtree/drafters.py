@@ -10,6 +10,7 @@ No vLLM import here: the plugin's config patch (P3) and the tests use it directl
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,3 +81,69 @@ def no_drafter_error(target: str, hf_config: Any) -> ValueError:
         f"this target (a hub id or a directory whose config.json declares DFlashDraftModel). Known targets, matched "
         f"on these four values:\n{drafter_table()}"
     )
+
+
+def not_dflash_error(model: str, archs: Any) -> ValueError:
+    """The error for a ``model`` that is no DFlash drafter (an EAGLE head, the target itself, ...)."""
+    return ValueError(
+        f"drafter {model!r} is not a DFlash drafter (need architectures DFlashDraftModel, block_size and "
+        f"dflash_config in config.json; got architectures {archs}); method 'ddtree' builds on DFlash: set "
+        "speculative_config \"model\" to a DFlash drafter trained for the target, or leave it out to use the "
+        "drafter table"
+    )
+
+
+#: Integer fields of a drafter's config.json that ddtree checks against the target (vLLM reads the rest).
+_INT_FIELDS = ("block_size", "hidden_size", "num_hidden_layers", "vocab_size", "draft_vocab_size")
+
+
+def check_local_drafter(model: str) -> None:
+    """Refuse a local ``model`` that cannot be a DFlash drafter before vLLM builds its config.
+
+    A path that does not exist, a directory without a readable ``config.json``, and a config that is
+    not DFlash's (an EAGLE head, a plain causal LM such as the target itself, ``block_size`` that is no
+    integer >= 2) each get a ``ValueError`` naming ``model`` and what to change; without this, vLLM's
+    DFlash branch would rename e.g. ``LlamaForCausalLM`` to ``DFlashLlamaForCausalLM`` and fail with a
+    list of every architecture it supports. Hub ids are left to vLLM (and checked after loading).
+    """
+    path = Path(model).expanduser()
+    looks_local = model.startswith(("/", "./", "../", "~")) or path.exists()
+    if not looks_local:
+        return
+    if not path.exists():
+        raise ValueError(f"speculative_config: model {model!r} does not exist; give a DFlash drafter directory "
+                         "or hub id, or leave \"model\" out to use the drafter table")
+    cfg_file = path / "config.json"
+    if not path.is_dir() or not cfg_file.is_file():
+        raise ValueError(f"speculative_config: model {model!r} is not a directory with a config.json; give the "
+                         "DFlash drafter's directory (config.json declaring DFlashDraftModel) or its hub id")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"speculative_config: model {model!r}: {cfg_file} is not readable JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"speculative_config: model {model!r}: {cfg_file} must hold a JSON object, "
+                         f"got {type(cfg).__name__}")
+    archs = cfg.get("architectures")
+    if (not isinstance(archs, list) or not any(isinstance(a, str) and "DFlash" in a for a in archs)
+            or not isinstance(cfg.get("dflash_config"), dict) or "block_size" not in cfg):
+        raise not_dflash_error(model, archs)
+    for key in _INT_FIELDS:
+        v = cfg.get(key)
+        if key in cfg and (v is not None or key == "block_size") and (isinstance(v, bool) or not isinstance(v, int)):
+            raise ValueError(f"drafter {model!r}: {key} in config.json must be an integer, got {v!r}")
+    if cfg["block_size"] < 2:
+        raise ValueError(f"drafter {model!r}: block_size must be >= 2 (one root + at least one mask slot), "
+                         f"got {cfg['block_size']}")
+    vocab, draft_vocab = cfg.get("vocab_size"), cfg.get("draft_vocab_size")
+    if draft_vocab is not None and not 1 <= draft_vocab <= (vocab if isinstance(vocab, int) else draft_vocab):
+        raise ValueError(f"drafter {model!r}: draft_vocab_size {draft_vocab} in config.json must be in [1, {vocab}] "
+                         "(vocab_size)")
+    layers, mask = cfg["dflash_config"].get("target_layer_ids"), cfg["dflash_config"].get("mask_token_id")
+    if not isinstance(layers, list) or not layers or not all(isinstance(i, int) and not isinstance(i, bool)
+                                                             for i in layers):
+        raise ValueError(f"drafter {model!r}: dflash_config.target_layer_ids in config.json must be a non-empty "
+                         f"list of target layer indices, got {layers!r}")
+    if "mask_token_id" in cfg["dflash_config"] and (isinstance(mask, bool) or not isinstance(mask, int)):
+        raise ValueError(f"drafter {model!r}: dflash_config.mask_token_id in config.json must be a token id, "
+                         f"got {mask!r}")

@@ -27,6 +27,10 @@ P3  ``SpeculativeConfig.__post_init__`` (config/speculative.py:1121) — wrapped
     vLLM's own DFlash branch with ``method="dflash"`` (draft ModelConfig, ``EAGLEConfig`` wrapping with
     the DFlash architecture, aux layers, ``parallel_drafting=True``), check the rename guard, restore
     ``method="ddtree"``, then check that the drafter fits the target and resolve the drafter width.
+    ddtree's options are checked against the target's parallel layout before vLLM's branch and
+    against its context length after it (:meth:`~vllm_ddtree.config.DDTreeConfig.check_parallelism`,
+    ``check_target``); anything but a ``ValueError`` from building the drafter's config becomes one
+    naming ``model``.
 P4  ``SpeculativeConfig.use_eagle`` (:1944) and ``use_dflash`` (:1954) — True for ddtree: it is a
     DFlash drafter fed by target hidden states. The call sites and the decision for each are
     listed at :data:`CALL_SITES`.
@@ -340,7 +344,7 @@ def _wrap_init(init: Callable, cls: type) -> Callable:
                 raise ValueError(
                     "speculative_config: give ddtree options either top-level or as 'ddtree', not both"
                 )
-            if isinstance(given, dict):
+            if not isinstance(given, (DDTreeConfig, type(None))):  # a dict, or a mistake from_mapping names
                 options, given = given, None
             unknown = [k for k in kwargs if k not in spec_fields]
             if unknown:
@@ -379,7 +383,13 @@ def _wrap_post_init(post_init: Callable) -> Callable:
         self.num_speculative_tokens = ddtree.verify_width
         self.method = "dflash"
         try:
-            out = post_init(self)
+            try:
+                out = post_init(self)
+            except ValueError:
+                raise
+            except Exception as e:  # e.g. transformers' strict type check of a field in the drafter's config.json
+                raise ValueError(f"speculative_config: vLLM could not build the config of the drafter "
+                                 f"model={self.model!r}: {type(e).__name__}: {e}") from e
             # vLLM renames methods by the drafter's path (e.g. "dflash" in it -> dflash) when it does
             # not recognise them; we pass "dflash" so that never fires, and check it did not.
             if self.method != "dflash":
@@ -390,6 +400,9 @@ def _wrap_post_init(post_init: Callable) -> Callable:
         finally:
             self.method = METHOD
         self.ddtree = _resolve_drafter(self, ddtree)
+        if self.target_model_config is not None:  # the verify width and the drafter's block in the context
+            self.ddtree.check_target(max_model_len=self.target_model_config.max_model_len,
+                                     vocab_size=self.target_model_config.get_vocab_size(), drafter=self.model)
         _check_logprobs_mode(self)
         return out
 
@@ -447,12 +460,14 @@ def _reject_chain_only(spec: Any) -> None:
         if bad(value):
             raise ValueError(f"speculative_config: {key}={value!r} is not supported with method 'ddtree': {why}")
     _check_batch_size_schedule(spec)
-    par = spec.target_parallel_config
-    if par is not None and getattr(par, "pipeline_parallel_size", 1) > 1:
-        raise ValueError(
-            "method 'ddtree' does not support pipeline parallelism yet (the tree proposer reads the "
-            "target's hidden states on the last rank only); set pipeline_parallel_size=1"
-        )
+    par = spec.target_parallel_config  # the layouts ddtree cannot run (vllm_ddtree.config), before vLLM's branch
+    if par is not None:
+        from vllm_ddtree.drafter.io import load_draft_vocab
+
+        spec.ddtree.check_parallelism(
+            tensor_parallel_size=par.tensor_parallel_size, pipeline_parallel_size=par.pipeline_parallel_size,
+            draft_tensor_parallel_size=spec.draft_tensor_parallel_size,
+            vocab_subset=spec.ddtree.draft_vocab == "checkpoint" and load_draft_vocab(spec.model) is not None)
 
 
 def _default_drafter(spec: Any) -> str:
@@ -472,28 +487,17 @@ def _default_drafter(spec: Any) -> str:
 
 
 def _not_dflash(model: str, archs: Any) -> ValueError:
-    return ValueError(
-        f"drafter {model!r} is not a DFlash drafter (need architectures DFlashDraftModel, block_size and "
-        f"dflash_config in config.json; got architectures {archs}); method 'ddtree' builds on DFlash"
-    )
+    from vllm_ddtree.drafters import not_dflash_error
+
+    return not_dflash_error(model, archs)
 
 
 def _precheck_drafter(model: str) -> None:
-    """For a local drafter directory, refuse a non-DFlash checkpoint before vLLM wraps it.
+    """For a local drafter, refuse what cannot be a DFlash checkpoint before vLLM wraps it
+    (:func:`vllm_ddtree.drafters.check_local_drafter`). Hub ids are checked after loading."""
+    from vllm_ddtree.drafters import check_local_drafter
 
-    Without this, vLLM's DFlash branch renames e.g. ``LlamaForCausalLM`` to ``DFlashLlamaForCausalLM``
-    and fails with a list of every supported architecture. Hub ids are checked after loading.
-    """
-    import json
-    from pathlib import Path
-
-    cfg_file = Path(model).expanduser() / "config.json"
-    if not cfg_file.is_file():
-        return
-    cfg = json.loads(cfg_file.read_text())
-    archs = cfg.get("architectures") or []
-    if not any("DFlash" in a for a in archs) or "dflash_config" not in cfg or "block_size" not in cfg:
-        raise _not_dflash(model, archs)
+    check_local_drafter(model)
 
 
 def _resolve_drafter(spec: Any, ddtree: DDTreeConfig) -> DDTreeConfig:
@@ -613,7 +617,8 @@ def _patch_sampling_params() -> None:
             raise VLLMValidationError(
                 "structured outputs (guided decoding: json, regex, choice, grammar) are not supported with "
                 "speculative method 'ddtree': vLLM's grammar checks drafts as one chain, a draft tree is "
-                "not one. Send the request to an engine without ddtree, or drop structured_outputs."
+                "not one. Send the request to an engine without ddtree, or drop structured_outputs.",
+                parameter="structured_outputs",  # the HTTP error's "param"
             )
         if speculative_config is not None and speculative_config.method == METHOD:
             unsupported = _unsupported_sampling(self)
@@ -624,7 +629,8 @@ def _patch_sampling_params() -> None:
                     f"{', '.join(unsupported)} not supported yet with speculative method 'ddtree': its tree "
                     "sampler applies temperature, top_k, top_p, seed, presence/frequency/repetition penalties, "
                     "min_tokens, allowed_token_ids, bad_words and logprobs (top-n). Drop those parameters or send the "
-                    "request to an engine without ddtree."
+                    "request to an engine without ddtree.",
+                    parameter=unsupported[0].split("=", 1)[0],  # the HTTP error's "param": the first one named
                 )
 
     _set(SamplingParams, "_validate_spec_decode", _validate_spec_decode)
