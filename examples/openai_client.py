@@ -5,8 +5,11 @@
 
 ``--model`` defaults to the first model the server lists. Prints each answer, then the server's
 speculative-decoding counters from ``/metrics`` (drafts, draft tokens, accepted tokens) and the
-mean acceptance length. ``--json`` also writes the answers, the number of streamed chunks and the
-counters to a file.
+mean acceptance length. The completion also asks for its token ids (vLLM's ``return_token_ids``), the
+exact output to compare with another engine. One request carries a sampling parameter ddtree does
+not apply (``logprob_token_ids``): the server answers HTTP 400 with the reason, and the completion is
+sent again after it, to show the server keeps serving. ``--json`` also writes the answers, the token
+ids, the refusal, the number of streamed chunks and the counters to a file.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import os
 import sys
 import urllib.request
 
-from openai import OpenAI
+from openai import BadRequestError, OpenAI
 
 
 def spec_decode_counters(base_url: str) -> dict[str, float]:
@@ -50,10 +53,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("== chat ==\n" + chat.choices[0].message.content)
 
-    completion = client.completions.create(
-        model=model, temperature=0, max_tokens=args.max_tokens, prompt="def fibonacci(n):",
-    )
-    print("== completion ==\ndef fibonacci(n):" + completion.choices[0].text)
+    def complete(**extra):  # greedy, with the output's token ids (vLLM's extension of the API)
+        return client.completions.create(model=model, temperature=0, max_tokens=args.max_tokens,
+                                         prompt="def fibonacci(n):", extra_body={"return_token_ids": True, **extra})
+
+    completion = complete()
+    token_ids = completion.choices[0].model_extra["token_ids"]
+    print("== completion ==\ndef fibonacci(n):" + completion.choices[0].text + f"\n(token ids {token_ids})")
+
+    # A parameter the tree sampler does not apply is refused per request (HTTP 400), not ignored.
+    try:
+        complete(logprobs=1, logprob_token_ids=[0])
+        refused = None
+    except BadRequestError as e:  # e.message: "Error code: 400 - <the server's reason>"
+        refused = {"status": e.status_code, "message": e.message, "param": e.param}
+    print(f"== logprob_token_ids refused ==\n{refused}")
+    again = complete().choices[0].model_extra["token_ids"]  # the server goes on serving
+    print(f"== completion again ==\n{'same token ids' if again == token_ids else f'token ids {again}'}")
 
     print("== streamed chat ==")
     chunks, streamed = 0, ""
@@ -79,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"mean acceptance length {mean_len:.2f}" if mean_len else "mean acceptance length n/a (no drafts)")
     if args.json:
         result = {"model": model, "chat": chat.choices[0].message.content, "completion": completion.choices[0].text,
+                  "completion_token_ids": token_ids, "refused": refused, "completion_again_token_ids": again,
                   "stream": streamed, "stream_chunks": chunks, "metrics": counters,
                   "mean_acceptance_length": mean_len}
         with open(args.json, "w") as f:

@@ -2,11 +2,13 @@
 
 Runs ``examples/serve_and_query.sh`` (which starts ``vllm serve <target> --speculative-config
 '{"method": "ddtree", ...}'`` on 127.0.0.1 and a free port, waits for /health, and runs
-``examples/openai_client.py``: a chat completion, a text completion and a streamed chat, then reads
-the server's /metrics). Meanwhile ``examples/offline_generate.py --baseline`` — the offline use —
-generates the same completion with and without ddtree in another process. Checks: non-empty
+``examples/openai_client.py``: a chat completion, a text completion with its token ids, the same
+completion with a sampling parameter ddtree refuses, the completion again, and a streamed chat, then
+reads the server's /metrics). Meanwhile ``examples/offline_generate.py --baseline`` — the offline
+use — generates the same completion with and without ddtree in another process. Checks: non-empty
 answers, a stream of several chunks, speculation really ran on the server (spec-decode drafts in
-/metrics), and the greedy completion equals offline generation without speculation.
+/metrics), the refused request got HTTP 400 naming the parameter and the server served the next
+request alike, and the greedy completion's token ids equal offline generation's without speculation.
 
 The drafter is the committed one when present, else a random one in the released format (then
 nothing is accepted and only the plumbing is exercised).
@@ -96,6 +98,12 @@ def test_serve_chat_completion_stream_and_metrics(tmp_path, drafter):
 
     res = json.loads(client_json.read_text())
     assert res["chat"].strip() and res["completion"].strip() and res["stream"].strip()
+    # A parameter the tree sampler does not apply: HTTP 400 with the reason, and the engine serves on.
+    refused = res["refused"]
+    assert refused is not None and refused["status"] == 400, res
+    assert "logprob_token_ids not supported yet with speculative method 'ddtree'" in refused["message"], refused
+    assert refused["param"] == "logprob_token_ids", refused
+    assert res["completion_again_token_ids"] == res["completion_token_ids"], res
     assert res["stream_chunks"] >= 3, res
     metrics = res["metrics"]
     assert metrics.get("vllm:spec_decode_num_drafts", 0) > 0, metrics  # speculation really ran
@@ -103,6 +111,8 @@ def test_serve_chat_completion_stream_and_metrics(tmp_path, drafter):
         assert metrics.get("vllm:spec_decode_num_accepted_tokens", 0) > 0, metrics
 
     ref = json.loads(offline_json.read_text())
-    assert ref["identical"], ref  # offline: ddtree greedy == no speculation
+    assert ref["identical"], ref  # offline: ddtree greedy == no speculation, token ids
+    assert ref["output_token_ids"] == ref["baseline_token_ids"] and ref["baseline_token_ids"][0]
     assert ref["metrics"].get("vllm:spec_decode_num_drafts", 0) > 0, ref
-    assert res["completion"] == ref["baseline_outputs"][0]  # served greedy == offline, no speculation
+    # Served greedy == offline without speculation, token for token (text can coincide where ids do not).
+    assert res["completion_token_ids"] == ref["baseline_token_ids"][0], (res["completion_token_ids"], ref)
