@@ -30,6 +30,7 @@ from test_plugin_config import _vllm_env  # noqa: F401  (module fixture: vLLM-cp
 
 MAX_MODEL_LEN = 1024
 LOOKUP = DDTreeConfig().prompt_lookup_tokens  # the default lookup branch, part of the verify width
+ROOM = MAX_MODEL_LEN - 2 - LOOKUP  # the largest tree the default lookup branch leaves room for in the context
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 HANG_S = 60  # a config build takes milliseconds; far past that it is a hang, not slowness
 
@@ -88,8 +89,8 @@ JSON = st.recursive(
     max_leaves=6,
 )
 #: Integers near every bound ddtree checks (0, 1, 2, the order cap, the context window), and far past them.
-EDGE_INTS = st.sampled_from([-1, 0, 1, 2, MAX_NGRAM_ORDER, MAX_NGRAM_ORDER + 1, MAX_MODEL_LEN - 2 - LOOKUP,
-                             MAX_MODEL_LEN - 1 - LOOKUP, MAX_MODEL_LEN, 2**31, 2**63]) | st.integers()
+EDGE_INTS = st.sampled_from([-1, 0, 1, 2, MAX_NGRAM_ORDER, MAX_NGRAM_ORDER + 1, ROOM, ROOM + 1, MAX_MODEL_LEN,
+                             2**31, 2**63]) | st.integers()
 VALUES = JSON | EDGE_INTS | st.sampled_from(["auto", "cpu", "h100", "h200", "checkpoint", "full", "", "8", 8.0])
 
 
@@ -100,13 +101,12 @@ def _int(v) -> bool:
 def valid(key: str, value, fixed: bool) -> bool:
     """Whether ``{key: value}`` (next to ``tree_budget=8`` when ``fixed``, else ``"auto"``) is a good
     config for the toy target: the documented ranges, and a verify width that fits its context."""
-    room = MAX_MODEL_LEN - 2 - LOOKUP  # the largest tree the default lookup branch leaves room for
     if key == "tree_budget":
-        return value == "auto" or (_int(value) and 1 <= value <= room)
+        return value == "auto" or (_int(value) and 1 <= value <= ROOM)
     if key in ("min_tree_budget", "max_tree_budget"):
         if fixed:
             return value is None
-        lo, hi = (0, 64) if key == "min_tree_budget" else (1, room)
+        lo, hi = (0, 64) if key == "min_tree_budget" else (1, ROOM)
         return value is None or (_int(value) and lo <= value <= hi)
     if key == "ngram_weight":
         return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
@@ -137,7 +137,6 @@ def test_bad_ddtree_option_is_one_value_error_naming_it(target, key, value, fixe
     refused(target, key, **spec)
 
 
-ROOM = MAX_MODEL_LEN - 2 - LOOKUP
 GOOD = {  # good values for each option next to tree_budget="auto" (ngram_corpus: see test_corpus_...)
     "tree_budget": st.just("auto") | st.integers(1, ROOM),
     "min_tree_budget": st.none() | st.integers(0, 64),
