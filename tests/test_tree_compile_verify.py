@@ -105,6 +105,40 @@ def test_greedy_walk_is_the_target_argmax_chain(seed):
         assert [int(batch.tokens[r, i]) for i in rows[1:]] == chain[: k - 1]  # accepted nodes = chain
 
 
+def walk_naive(tokens, parents, num_rows, row_tokens):
+    """Step down from the root while a child carries the target's token at its parent (lists)."""
+    path, cur = [0], 0
+    while True:
+        nxt = [i for i in range(1, num_rows) if parents[i] == cur and tokens[i] == row_tokens[cur]]
+        if not nxt:
+            return path
+        cur = nxt[0]
+        path.append(cur)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_walk_follows_the_matching_path_row_by_row(seed):
+    """The walk finds the accepted path for all rows at once; a depth-by-depth walk of lists agrees,
+    on trees of every shape the build makes (budget 1 to 40 nodes, requests of different sizes), with target
+    tokens that mostly follow the tree (deep paths) or not at all."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = 3 + seed % 4
+    tree, batch = make_batch(seed, vocab=vocab, depth=2 + seed % 6, budget=2 + 2 * seed)
+    follow = torch.randint(0, vocab, batch.tokens.shape, generator=g)
+    for r in range(batch.batch_size):  # row tokens = a random child's token, where the row has children
+        for i in range(int(batch.num_rows[r])):
+            kids = [j for j in range(int(batch.num_rows[r])) if int(batch.parents[r, j]) == i]
+            if kids and seed % 3:
+                follow[r, i] = batch.tokens[r, kids[int(torch.randint(0, len(kids), (1,), generator=g))]]
+    walk = walk_tree(batch, follow)
+    for r in range(batch.batch_size):
+        path = walk_naive(batch.tokens[r].tolist(), batch.parents[r].tolist(), int(batch.num_rows[r]), follow[r].tolist())
+        k = len(path)
+        assert walk.path_rows[r, :k].tolist() == path and (walk.path_rows[r, k:] == -1).all()
+        assert walk.output_tokens[r, :k].tolist() == [int(follow[r, i]) for i in path]
+        assert (walk.output_tokens[r, k:] == -1).all() and int(walk.num_emitted[r]) == k
+
+
 def test_greedy_walk_accepts_a_long_path_when_the_draft_is_right():
     vocab = 4
     target = ToyTarget(vocab, 7, sharp=5.0)

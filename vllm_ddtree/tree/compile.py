@@ -8,6 +8,7 @@ depth, and after the walk the accepted rows' K/V are moved to consecutive slots 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -96,22 +97,20 @@ def compile_tree(tree: DraftTree, root_tokens: Tensor, context_lens: Tensor) -> 
 def ancestor_mask(parents: Tensor, max_depth: int) -> Tensor:
     """[R, N] parent rows (-1 = none) -> [R, N, N] bool: row i sees itself, its ancestors and row 0.
 
-    Chases parent pointers max_depth times (one gather each) and scatters once: O(R * N * depth)
-    work instead of a closure over N x N.
+    The reachability of "self or parent", squared ceil(log2(max_depth)) times (a batched matmul
+    each): a fixed handful of ops for any tree, where chasing parents one depth at a time costs a
+    few ops per depth.
     """
     r, n = parents.shape
     device = parents.device
-    rows = torch.arange(n, device=device).expand(r, n)
-    chain = [rows]
-    cur = rows
-    for _ in range(max_depth):
-        nxt = parents.gather(1, cur.clamp(min=0))
-        cur = torch.where((cur >= 0) & (nxt >= 0), nxt, -1)
-        chain.append(torch.where(cur >= 0, cur, rows))  # past the root: repeat self (already set)
-    chain.append(torch.zeros_like(rows))  # the root is everyone's ancestor (keeps padding rows non-empty)
-    idx = torch.stack(chain, dim=2)  # [R, N, depth + 2]
-    mask = torch.zeros(r, n, n, dtype=torch.bool, device=device)
-    mask.scatter_(2, idx, True)
+    # [R, N, N + 1]: each row's parent column (a spare last column for "no parent"), plus itself.
+    step = torch.zeros(r, n, n + 1, dtype=torch.float32, device=device)
+    step.scatter_(2, torch.where(parents >= 0, parents, n).unsqueeze(2), 1.0)
+    reach = step[:, :, :n] + torch.eye(n, dtype=torch.float32, device=device)
+    for _ in range(math.ceil(math.log2(max(max_depth, 1)))):  # paths of length <= 2, 4, 8, ...
+        reach = torch.bmm(reach, reach).clamp_(max=1.0)  # 0/1 entries: sums are exact in float32
+    mask = reach > 0
+    mask[:, :, 0] = True  # the root is everyone's ancestor (keeps padding rows non-empty)
     return mask
 
 

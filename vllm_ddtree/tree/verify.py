@@ -70,28 +70,23 @@ def walk_tree(batch: TreeBatch, row_tokens: Tensor) -> WalkResult:
         raise ValueError(f"row_tokens must be [{r}, {n}] (one token per verify row), got {tuple(row_tokens.shape)}")
     device = batch.tokens.device
     row_tokens = row_tokens.long()
-    # next_row[r, p] = the child of row p whose token is the target's token at p, or -1.
-    # Siblings carry distinct tokens, so at most one child matches.
+    # A node matches when its token is the target's token at its parent. Siblings carry distinct
+    # tokens, so the rows whose whole path matches form one path from the root: the accepted one.
+    # Found for every row at once through the ancestor mask (a fixed number of ops, whatever the
+    # depth), instead of stepping down the tree one depth at a time.
     parent_target = row_tokens.gather(1, batch.parents.clamp(min=0))
     matches = batch.valid & (batch.parents >= 0) & (batch.tokens == parent_target)
-    row_ids = torch.arange(n, device=device).expand(r, n)
-    next_row = torch.full((r, n), -1, dtype=torch.int64, device=device)
-    next_row.scatter_reduce_(1, batch.parents.clamp(min=0), torch.where(matches, row_ids, -1), reduce="amax")
+    ok = matches | (torch.arange(n, device=device) == 0)  # the root is on every path
+    accepted = batch.valid & ~(batch.ancestors & ~ok[:, None, :]).any(dim=2)  # [R, N], the root included
 
     steps = batch.max_depth + 1
-    path = torch.full((r, steps), -1, dtype=torch.int64, device=device)
-    out = torch.full((r, steps), PAD_TOKEN, dtype=torch.int64, device=device)
-    cur = torch.zeros(r, dtype=torch.int64, device=device)
-    alive = torch.ones(r, dtype=torch.bool, device=device)
-    path[:, 0] = 0
-    out[:, 0] = row_tokens[:, 0]
-    for step in range(1, steps):
-        nxt = next_row.gather(1, cur[:, None]).squeeze(1)
-        alive = alive & (nxt >= 0)
-        cur = torch.where(alive, nxt, cur)
-        path[:, step] = torch.where(alive, cur, -1)
-        out[:, step] = torch.where(alive, row_tokens.gather(1, cur[:, None]).squeeze(1), PAD_TOKEN)
-    return WalkResult(output_tokens=out, num_emitted=(path >= 0).sum(dim=1), path_rows=path)
+    # path[r, d] = the accepted row at depth d: one scatter (the others land in a spare column).
+    path = torch.full((r, steps + 1), -1, dtype=torch.int64, device=device)
+    row_ids = torch.arange(n, device=device).expand(r, n)
+    path.scatter_(1, torch.where(accepted, batch.depths.clamp(max=steps - 1), steps), row_ids)
+    path = path[:, :steps]
+    out = torch.where(path >= 0, row_tokens.gather(1, path.clamp(min=0)), PAD_TOKEN)
+    return WalkResult(output_tokens=out, num_emitted=accepted.sum(dim=1), path_rows=path)
 
 
 def walk_position(path_rows: Tensor, n: int) -> Tensor:
