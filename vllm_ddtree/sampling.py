@@ -4,84 +4,175 @@ Each verify row is sampled as the next position after its root-to-node path: pen
 constraints (allowed tokens, bad words, min_tokens) see the request's output plus the row's path,
 exactly as vLLM's rejection sampler applies them to a chain; temperature, top-k and top-p are vLLM's
 ops; the draw is an exponential race, seeded per request where the request has a seed.
+
+The logits stay ragged ([Σ rows, V], request-major, 1 + drafts rows per request) and are processed
+in chunks of whole requests, so the transient memory is bounded by the chunk (:data:`CHUNK_ELEMENTS`),
+not by the batch: a padded [R, N, V] copy of the rows would be a multiple of the logits themselves
+at large batches. Every shape comes from the host's row counts, so nothing is read from the device.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
-from vllm_ddtree.tree import TreeBatch, sample_tokens
+from vllm_ddtree.tree import TreeBatch, sample_tokens, to_device
+
+# Rows × vocab of one chunk of verify rows. Every [rows, V] temporary is a chunk's: the float32
+# copy, penalty bin counts (int64), vLLM's PyTorch top-k/top-p (sorted values, int64 sort indices,
+# cumulative softmax, mask), softmax, noise. Measured with vLLM's CPU ops: about 19 bytes per chunk
+# element at the peak with top-p, 38 with penalties and constraints too; so 2**25 elements keep the
+# step's temporaries near 0.6-1.2 GiB at any vocabulary and any batch (benchmarks/sampling_peak.py).
+CHUNK_ELEMENTS = 1 << 25
 
 
-def sample_rows(logits: Tensor, rows: Tensor, md, batch: TreeBatch) -> Tensor:
+def chunk_rows_for(vocab: int, chunk_elements: int = CHUNK_ELEMENTS) -> int:
+    """Rows per sampling chunk for a vocabulary of `vocab` tokens (at least one row)."""
+    return max(1, chunk_elements // vocab)
+
+
+def request_chunks(num_rows: Sequence[int], chunk_rows: int) -> list[tuple[int, int, int, int]]:
+    """Whole requests packed, in order, into chunks of at most `chunk_rows` rows.
+
+    A request with more rows than `chunk_rows` is a chunk of its own. Returns (first request,
+    end request, first row, end row) per chunk. A request is never split, so a seeded request's
+    noise is one draw over its own rows whatever else is in the batch.
+    """
+    chunks, req_lo, row_lo, row = [], 0, 0, 0
+    for i, c in enumerate(num_rows):
+        if row > row_lo and row + c - row_lo > chunk_rows:
+            chunks.append((req_lo, i, row_lo, row))
+            req_lo, row_lo = i, row
+        row += c
+    if row > row_lo:
+        chunks.append((req_lo, len(num_rows), row_lo, row))
+    return chunks
+
+
+@dataclass
+class RaggedRows:
+    """The step's verify rows, flat and request-major: what each chunk needs to find its rows.
+
+    counts/starts: host ints per request (rows, first flat row); request/node [T] (device): each
+    flat row's request and verify row; outputs [R, O] (device, only with penalties): each request's
+    output so far, padded with the vocabulary size (vLLM's penalty padding).
+    """
+
+    counts: list[int]
+    starts: list[int]
+    request: Tensor
+    node: Tensor
+    outputs: Tensor | None = None
+
+    @classmethod
+    def build(cls, num_rows: Sequence[int], device: torch.device) -> "RaggedRows":
+        """From the host's row counts; one host-to-device copy."""
+        counts = [int(c) for c in num_rows]
+        starts, total = [], 0
+        for c in counts:
+            starts.append(total)
+            total += c
+        req = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts, dtype=torch.int64),
+                                      output_size=total)
+        node = torch.arange(total) - torch.tensor(starts, dtype=torch.int64)[req]
+        request, node = to_device(torch.stack([req, node]), device)
+        return cls(counts, starts, request, node)
+
+    @property
+    def total(self) -> int:
+        """Σ rows: the logits rows the step sampled."""
+        return sum(self.counts)
+
+
+def sample_rows(logits: Tensor, rows: Tensor, md, batch: TreeBatch, num_rows: Sequence[int],
+                chunk_elements: int = CHUNK_ELEMENTS) -> Tensor:
     """One target token per verify row: argmax, or one draw from the request's processed distribution.
 
-    logits [T, V]: the step's logits rows, request-major; rows [R, N]: the logits row of each verify
-    row (0 where padding); md: vLLM's SamplingMetadata. Returns [R, N] tokens (garbage where padding).
+    logits [T, V]: the step's logits rows, ragged and request-major, ``num_rows[i]`` (host ints,
+    1 + drafts) rows for request i; rows [R, N]: the logits row of each verify row (0 where
+    padding); md: vLLM's SamplingMetadata. Returns [R, N] tokens (garbage where padding).
+
+    Rows are processed in chunks of whole requests of about ``chunk_elements // V`` rows
+    (:func:`request_chunks`): penalties, constraints, temperature, vLLM's top-k/top-p, softmax and
+    the exponential race all run on a chunk's [rows, V] float32 copy, so the transient memory is
+    bounded by the chunk, not by the batch; the caller's logits are never written.
     """
     r, n = rows.shape
+    if len(num_rows) != r:
+        raise ValueError(f"num_rows has {len(num_rows)} entries; rows has {r} requests")
     penalized = not md.no_penalties
     constrained = _has_constraints(md)
     if md.all_greedy and not penalized and not constrained:
-        row_tokens = logits.argmax(-1)[rows]  # argmax first: no [R, N, V] copy on the plain greedy path
-    else:
-        row_logits = logits[rows].float()  # [R, N, V]
+        return logits.argmax(-1)[rows]  # argmax first: no [T, V] copy on the plain greedy path
+    dev, v = logits.device, logits.shape[1]
+    ragged = RaggedRows.build(num_rows, dev)
+    if logits.shape[0] < ragged.total:
+        raise ValueError(f"logits has {logits.shape[0]} rows; num_rows needs {ragged.total}")
+    if penalized:
+        from vllm.utils.torch_utils import make_tensor_with_pad
+
+        outputs = make_tensor_with_pad(md.output_token_ids[:r], pad=v, device="cpu", dtype=torch.int64)
+        ragged.outputs = to_device(outputs.masked_fill(outputs < 0, v), dev)  # async-scheduling placeholders
+    flat = torch.empty(ragged.total, dtype=torch.int64, device=dev)
+    for chunk in request_chunks(ragged.counts, chunk_rows_for(v, chunk_elements)):
+        _, _, lo, hi = chunk
+        x = logits[lo:hi].to(torch.float32, copy=True)  # a copy: path_logprobs reads the raw logits later
         if penalized:
-            row_logits = tree_penalties(row_logits, md, batch)
+            x = tree_penalties(x, md, batch, ragged, chunk)
         if constrained:
-            row_logits = tree_constraints(row_logits, md, batch)
-        greedy = row_logits.argmax(-1)
-        if md.all_greedy:
-            row_tokens = greedy
-        else:
-            temp = md.temperature[:r].float().clamp(min=1e-5)
-            scaled = row_logits / temp.view(r, 1, 1)
-            flat = scaled.view(r * n, -1)
-            k = md.top_k[:r].repeat_interleave(n) if md.top_k is not None else None
-            p = md.top_p[:r].repeat_interleave(n) if md.top_p is not None else None
-            flat = apply_top_k_top_p(flat, k, p)
-            probs = torch.softmax(flat, -1).view(r, n, -1)
-            noise = torch.empty_like(probs).exponential_()
-            for i, gen in md.generators.items():  # per-request seeds
-                if i < r:
-                    noise[i].exponential_(generator=gen)
-            sampled = sample_tokens(probs, noise)
-            is_greedy = (md.temperature[:r] < 1e-5).view(r, 1)
-            row_tokens = torch.where(is_greedy, greedy, sampled)
-    return row_tokens
+            x = tree_constraints(x, md, batch, ragged, chunk)
+        flat[lo:hi] = x.argmax(-1) if md.all_greedy else _sample_chunk(x, md, ragged, chunk)
+    return flat[rows]
 
 
-def tree_penalties(row_logits: Tensor, md, batch: TreeBatch) -> Tensor:
-    """Presence, frequency and repetition penalties for every verify row, as vLLM applies them.
+def _sample_chunk(x: Tensor, md, ragged: RaggedRows, chunk: tuple[int, int, int, int]) -> Tensor:
+    """Temperature, vLLM's top-k/top-p, softmax and the exponential race on one chunk (x consumed).
+
+    Greedy requests (temperature < 1e-5, vLLM's threshold) keep the argmax of x as it came in.
+    """
+    req_lo, req_hi, lo, hi = chunk
+    req = ragged.request[lo:hi]
+    greedy = x.argmax(-1)
+    temperature = md.temperature.index_select(0, req)
+    x.div_(temperature.float().clamp(min=1e-5).unsqueeze(1))
+    k = md.top_k.index_select(0, req) if md.top_k is not None else None
+    p = md.top_p.index_select(0, req) if md.top_p is not None else None
+    probs = torch.softmax(apply_top_k_top_p(x, k, p), -1)
+    del x
+    noise = torch.empty_like(probs).exponential_()
+    for i, gen in md.generators.items():  # per-request seeds: the request's own rows, in one draw
+        if req_lo <= i < req_hi:
+            a = ragged.starts[i] - lo
+            noise[a : a + ragged.counts[i]].exponential_(generator=gen)
+    sampled = sample_tokens(probs, noise)
+    return torch.where(temperature < 1e-5, greedy, sampled)
+
+
+def tree_penalties(x: Tensor, md, batch: TreeBatch, ragged: RaggedRows, chunk: tuple[int, int, int, int]) -> Tensor:
+    """Presence, frequency and repetition penalties for a chunk of verify rows, as vLLM applies them.
 
     The tokens a row's distribution is penalised for are the request's output so far (its last
     token is the tree's root) plus the draft tokens on the row's path: the row's own token and its
     ancestors'. This is vLLM's rule for a chain (rejection_sampler._combine_outputs_with_spec_tokens)
-    applied to each root-to-node path, built as one padded tensor, with vLLM's own penalty op.
-    row_logits [R, N, V] float32 -> penalised [R, N, V].
+    applied to each root-to-node path, with vLLM's own penalty op (rows are independent in it).
+    x [C, V] float32, the chunk's flat rows -> penalised [C, V] (in place).
     """
     from vllm.model_executor.layers.utils import apply_penalties
-    from vllm.utils.torch_utils import make_tensor_with_pad
 
-    r, n, v = row_logits.shape
-    dev = row_logits.device
-    outputs = make_tensor_with_pad(md.output_token_ids[:r], pad=v, device="cpu", dtype=torch.int64).to(dev)
-    outputs = outputs.masked_fill(outputs < 0, v)  # async-scheduling placeholders
-    on_path = (batch.ancestors & batch.valid.unsqueeze(1)).to(dev)  # [R, N, N]: row i's path includes row j
-    on_path[:, :, 0] = False  # the root is already the last output token
-    path_tokens = torch.where(on_path, batch.tokens.to(dev).unsqueeze(1), v)  # [R, N, N], pad v
-    row_outputs = torch.cat([outputs.unsqueeze(1).expand(r, n, -1), path_tokens], 2).view(r * n, -1)
-
-    def per_row(x: Tensor) -> Tensor:
-        return x[:r].repeat_interleave(n, 0)
-
-    flat = apply_penalties(row_logits.reshape(r * n, v), per_row(md.prompt_token_ids), row_outputs,
-                           per_row(md.presence_penalties), per_row(md.frequency_penalties),
-                           per_row(md.repetition_penalties))
-    return flat.view(r, n, v)
+    _, _, lo, hi = chunk
+    req, node = ragged.request[lo:hi], ragged.node[lo:hi]
+    on_path = batch.ancestors[req, node] & batch.valid.index_select(0, req)  # [C, N]: the row's path
+    on_path[:, 0] = False  # the root is already the last output token
+    path_tokens = torch.where(on_path, batch.tokens.index_select(0, req), x.shape[1])  # pad: vocab size
+    row_outputs = torch.cat([ragged.outputs.index_select(0, req), path_tokens], 1)
+    return apply_penalties(x, md.prompt_token_ids.index_select(0, req), row_outputs,
+                           md.presence_penalties.index_select(0, req), md.frequency_penalties.index_select(0, req),
+                           md.repetition_penalties.index_select(0, req))
 
 
 def _min_tokens_state(md) -> dict:
@@ -98,52 +189,91 @@ def _has_constraints(md) -> bool:
     return md.allowed_token_ids_mask is not None or bool(md.bad_words_token_ids) or bool(_min_tokens_state(md))
 
 
-def tree_constraints(row_logits: Tensor, md, batch: TreeBatch) -> Tensor:
-    """allowed_token_ids, bad_words and min_tokens for every verify row, as vLLM applies them to a chain.
+def tree_constraints(x: Tensor, md, batch: TreeBatch, ragged: RaggedRows, chunk: tuple[int, int, int, int]) -> Tensor:
+    """allowed_token_ids, bad_words and min_tokens for a chunk of verify rows, as vLLM applies them to a chain.
 
     Replaces the constraint part of ``RejectionSampler.apply_logits_processors`` (rejection_sampler.py:307),
     which covers exactly these three (plus penalties, see :func:`tree_penalties`); logit_bias and
     min_p are refused for every speculative method by vLLM itself. Each row is treated as the
     next position after its root-to-node path: min_tokens masks the stop tokens while
     ``len(output) + depth < min_tokens``; a bad word's last token is masked where the output so far
-    plus the row's path ends with the word's other tokens. row_logits [R, N, V] -> [R, N, V].
+    plus the row's path ends with the word's other tokens. x [C, V], the chunk's flat rows (whole
+    requests) -> [C, V] (in place).
     """
-    r, n, v = row_logits.shape
-    dev = row_logits.device
+    req_lo, req_hi, lo, hi = chunk
+    dev = x.device
     if md.allowed_token_ids_mask is not None:  # True = not allowed; the same for every row of a request
-        row_logits = row_logits.masked_fill(md.allowed_token_ids_mask[:r].unsqueeze(1).to(dev), float("-inf"))
+        x.masked_fill_(md.allowed_token_ids_mask.index_select(0, ragged.request[lo:hi]), float("-inf"))
     for i, (min_toks, out_ids, stop_ids, _) in _min_tokens_state(md).items():
-        if i >= r or not stop_ids:
+        if not req_lo <= i < req_hi or not stop_ids:
             continue
-        too_short = (len(out_ids) + batch.depths[i].to(dev)) < min_toks  # [N]
-        stops = torch.tensor(sorted(stop_ids), device=dev)
-        row_logits[i, :, stops] = row_logits[i, :, stops].masked_fill(too_short.unsqueeze(1), float("-inf"))
-    if md.bad_words_token_ids:
-        from vllm.v1.sample.ops.bad_words import apply_bad_words
-
-        # Host-side, like vLLM's own (apply_bad_words_with_drafts): only requests that set bad_words pay.
-        tokens, depths = batch.tokens.tolist(), batch.depths.tolist()
-        on_path = (batch.ancestors & batch.valid.unsqueeze(1)).tolist()
-        for i, words in md.bad_words_token_ids.items():
-            if i >= r:
-                continue
-            pasts = []
-            for j in range(int(batch.num_rows[i])):
-                path = sorted((k for k in range(1, n) if on_path[i][j][k]), key=lambda k: depths[i][k])
-                pasts.append(list(md.output_token_ids[i]) + [tokens[i][k] for k in path])
-            apply_bad_words(row_logits[i], {j: words for j in range(len(pasts))}, pasts)
-    return row_logits
+        a, c = ragged.starts[i] - lo, ragged.counts[i]
+        too_short = (len(out_ids) + batch.depths[i, :c]) < min_toks  # [c]
+        stops = to_device(torch.tensor(sorted(stop_ids), dtype=torch.int64), dev)
+        x[a : a + c, stops] = x[a : a + c, stops].masked_fill(too_short.unsqueeze(1), float("-inf"))
+    for i, words in (md.bad_words_token_ids or {}).items():
+        if req_lo <= i < req_hi:
+            a, c = ragged.starts[i] - lo, ragged.counts[i]
+            _bad_words(x[a : a + c], words, md.output_token_ids[i], batch, i)
+    return x
 
 
-def path_logprobs(sampler, logits: Tensor, path_rows: Tensor, out: Tensor, num_logprobs: int):
+def _bad_words(x: Tensor, words: list[list[int]], output: Sequence[int], batch: TreeBatch, i: int) -> None:
+    """vLLM's bad-words rule for the first c verify rows of request i, on the device (x [c, V], in place).
+
+    A word's last token is masked on a row whose past — the output so far plus the row's path (its
+    ancestors' tokens and its own, root excluded) — ends with the word's other tokens; a word longer
+    than the past + 1 never matches (vllm/v1/sample/ops/bad_words.py). The path is read by depth
+    from the ancestor mask, so no tree value comes to the host.
+    """
+    c, dev = x.shape[0], x.device
+    n = batch.tokens.shape[1]
+    longest = max(len(w) - 1 for w in words)
+    if longest > 0:
+        # by_depth[j, e - 1]: the token of row j's ancestor at depth e (0 past the row's own depth).
+        on_path = batch.ancestors[i, :c] & batch.valid[i].unsqueeze(0)  # [c, N], the row itself included
+        on_path[:, 0] = False
+        at_depth = batch.depths[i].unsqueeze(1) == torch.arange(1, n, device=dev).unsqueeze(0)  # [N, N - 1]
+        by_depth = ((on_path.unsqueeze(2) & at_depth.unsqueeze(0)) * batch.tokens[i].view(1, n, 1)).sum(1)
+        out_tail = list(output)[-longest:]
+        out_tail = [-1] * (longest - len(out_tail)) + out_tail  # -1 matches no token: the past is too short
+        out_tail = to_device(torch.tensor(out_tail, dtype=torch.int64), dev)
+        past = torch.cat([out_tail.expand(c, longest), by_depth], 1)  # [c, longest + N - 1]
+        depth = batch.depths[i, :c].unsqueeze(1)
+    for word in words:
+        prefix, last = word[:-1], word[-1]
+        if not prefix:
+            x[:, last] = float("-inf")
+            continue
+        m = len(prefix)
+        # The s-th last token of row j's past sits at longest + depth_j - s.
+        idx = longest + depth - torch.arange(1, m + 1, device=dev).unsqueeze(0)
+        expected = to_device(torch.tensor(prefix[::-1], dtype=torch.int64), dev)
+        match = (past.gather(1, idx) == expected.unsqueeze(0)).all(1)
+        x[:, last].masked_fill_(match, float("-inf"))
+
+
+def path_logprobs(sampler, logits: Tensor, path_rows: Tensor, out: Tensor, num_logprobs: int,
+                  chunk_elements: int = CHUNK_ELEMENTS):
     """Logprobs of the emitted tokens, in the rejection sampler's layout (vLLM raw modes).
 
     path_rows [R, D + 1]: logits row of each emitted position (the accepted path, then the bonus);
     out [R, D + 1] emitted tokens, -1 past the end (those positions are dropped by vLLM's
-    parse_output, like the rejection sampler's rejected ones).
+    parse_output, like the rejection sampler's rejected ones). Positions are gathered in chunks of
+    ``chunk_elements // V`` rows, so no [R × (D + 1), V] copy of the logits is made.
     """
-    raw = logits[path_rows.reshape(-1)].float()
-    if sampler.logprobs_mode == "raw_logprobs":
-        raw = sampler.compute_logprobs(raw)
+    from vllm.v1.outputs import LogprobsTensors
+
+    positions = path_rows.reshape(-1)
     tokens = out.reshape(-1).to(torch.int64).clamp(min=0)
-    return sampler.gather_logprobs(raw, num_logprobs, tokens)
+    step = chunk_rows_for(logits.shape[1], chunk_elements)
+    parts = []
+    for lo in range(0, positions.shape[0], step):
+        raw = logits[positions[lo : lo + step]].float()
+        if sampler.logprobs_mode == "raw_logprobs":
+            raw = sampler.compute_logprobs(raw)
+        parts.append(sampler.gather_logprobs(raw, num_logprobs, tokens[lo : lo + step]))
+        del raw
+    if len(parts) == 1:
+        return parts[0]
+    return LogprobsTensors(*(torch.cat([part[f] for part in parts]) for f in range(3)))

@@ -1,0 +1,378 @@
+"""The verify rows' sampler on ragged logits ([Σ rows, V], chunks of whole requests).
+
+`sample_rows` used to gather the rows into a padded [R, N, V] tensor; it now works on the logits as
+vLLM hands them over. The padded implementation is kept here, verbatim, as the reference: greedy
+rows (with penalties and constraints) must give exactly its tokens; sampled rows must follow the
+processed distribution (a chi-square test); nothing may be read from the device; seeds must hold.
+vLLM's own SamplingMetadata dataclass and min_tokens processor are used, no engine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+pytest.importorskip("vllm")
+
+from scipy.stats import chi2  # noqa: E402
+from vllm.v1.sample.logits_processor import LogitsProcessors  # noqa: E402
+from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor  # noqa: E402
+from vllm.v1.sample.metadata import SamplingMetadata  # noqa: E402
+from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p  # noqa: E402
+
+from vllm_ddtree.sampling import request_chunks, sample_rows  # noqa: E402
+from vllm_ddtree.tree import NO_PARENT, DraftTree, TreeBatch, compile_tree, sample_tokens  # noqa: E402
+
+
+# ---- the padded implementation this replaced, verbatim (sample_rows, tree_penalties, tree_constraints) ----
+
+def padded_sample_rows(logits: Tensor, rows: Tensor, md, batch: TreeBatch) -> Tensor:
+    r, n = rows.shape
+    penalized = not md.no_penalties
+    constrained = _has_constraints(md)
+    if md.all_greedy and not penalized and not constrained:
+        row_tokens = logits.argmax(-1)[rows]
+    else:
+        row_logits = logits[rows].float()  # [R, N, V]
+        if penalized:
+            row_logits = padded_tree_penalties(row_logits, md, batch)
+        if constrained:
+            row_logits = padded_tree_constraints(row_logits, md, batch)
+        greedy = row_logits.argmax(-1)
+        if md.all_greedy:
+            row_tokens = greedy
+        else:
+            temp = md.temperature[:r].float().clamp(min=1e-5)
+            scaled = row_logits / temp.view(r, 1, 1)
+            flat = scaled.view(r * n, -1)
+            k = md.top_k[:r].repeat_interleave(n) if md.top_k is not None else None
+            p = md.top_p[:r].repeat_interleave(n) if md.top_p is not None else None
+            flat = apply_top_k_top_p(flat, k, p)
+            probs = torch.softmax(flat, -1).view(r, n, -1)
+            noise = torch.empty_like(probs).exponential_()
+            for i, gen in md.generators.items():
+                if i < r:
+                    noise[i].exponential_(generator=gen)
+            sampled = sample_tokens(probs, noise)
+            is_greedy = (md.temperature[:r] < 1e-5).view(r, 1)
+            row_tokens = torch.where(is_greedy, greedy, sampled)
+    return row_tokens
+
+
+def padded_tree_penalties(row_logits: Tensor, md, batch: TreeBatch) -> Tensor:
+    from vllm.model_executor.layers.utils import apply_penalties
+    from vllm.utils.torch_utils import make_tensor_with_pad
+
+    r, n, v = row_logits.shape
+    dev = row_logits.device
+    outputs = make_tensor_with_pad(md.output_token_ids[:r], pad=v, device="cpu", dtype=torch.int64).to(dev)
+    outputs = outputs.masked_fill(outputs < 0, v)
+    on_path = (batch.ancestors & batch.valid.unsqueeze(1)).to(dev)
+    on_path[:, :, 0] = False
+    path_tokens = torch.where(on_path, batch.tokens.to(dev).unsqueeze(1), v)
+    row_outputs = torch.cat([outputs.unsqueeze(1).expand(r, n, -1), path_tokens], 2).view(r * n, -1)
+
+    def per_row(x: Tensor) -> Tensor:
+        return x[:r].repeat_interleave(n, 0)
+
+    flat = apply_penalties(row_logits.reshape(r * n, v), per_row(md.prompt_token_ids), row_outputs,
+                           per_row(md.presence_penalties), per_row(md.frequency_penalties),
+                           per_row(md.repetition_penalties))
+    return flat.view(r, n, v)
+
+
+def _min_tokens_state(md) -> dict:
+    for proc in md.logitsprocs.non_argmax_invariant:
+        if isinstance(proc, MinTokensLogitsProcessor):
+            return proc.min_toks
+    return {}
+
+
+def _has_constraints(md) -> bool:
+    return md.allowed_token_ids_mask is not None or bool(md.bad_words_token_ids) or bool(_min_tokens_state(md))
+
+
+def padded_tree_constraints(row_logits: Tensor, md, batch: TreeBatch) -> Tensor:
+    r, n, v = row_logits.shape
+    dev = row_logits.device
+    if md.allowed_token_ids_mask is not None:
+        row_logits = row_logits.masked_fill(md.allowed_token_ids_mask[:r].unsqueeze(1).to(dev), float("-inf"))
+    for i, (min_toks, out_ids, stop_ids, _) in _min_tokens_state(md).items():
+        if i >= r or not stop_ids:
+            continue
+        too_short = (len(out_ids) + batch.depths[i].to(dev)) < min_toks
+        stops = torch.tensor(sorted(stop_ids), device=dev)
+        row_logits[i, :, stops] = row_logits[i, :, stops].masked_fill(too_short.unsqueeze(1), float("-inf"))
+    if md.bad_words_token_ids:
+        from vllm.v1.sample.ops.bad_words import apply_bad_words
+
+        tokens, depths = batch.tokens.tolist(), batch.depths.tolist()
+        on_path = (batch.ancestors & batch.valid.unsqueeze(1)).tolist()
+        for i, words in md.bad_words_token_ids.items():
+            if i >= r:
+                continue
+            pasts = []
+            for j in range(int(batch.num_rows[i])):
+                path = sorted((k for k in range(1, n) if on_path[i][j][k]), key=lambda k: depths[i][k])
+                pasts.append(list(md.output_token_ids[i]) + [tokens[i][k] for k in path])
+            apply_bad_words(row_logits[i], {j: words for j in range(len(pasts))}, pasts)
+    return row_logits
+
+
+# ---- building a step: random trees, ragged logits, vLLM's SamplingMetadata ----
+
+def random_trees(gen: torch.Generator, drafts: list[int], vocab: int) -> TreeBatch:
+    """Trees with the given node counts (0 allowed): random parents, distinct sibling tokens."""
+    r, width = len(drafts), max(max(drafts), 1)
+    tok = torch.zeros(r, width, dtype=torch.int64)
+    par = torch.full((r, width), NO_PARENT, dtype=torch.int64)
+    dep = torch.zeros(r, width, dtype=torch.int64)
+    for i, n in enumerate(drafts):
+        for j in range(n):
+            p = int(torch.randint(-1, j, (1,), generator=gen)) if j else -1
+            siblings = {int(tok[i, k]) for k in range(j) if int(par[i, k]) == p}
+            t = int(torch.randint(0, vocab, (1,), generator=gen))
+            while t in siblings:
+                t = (t + 1) % vocab
+            tok[i, j], par[i, j], dep[i, j] = t, p, (1 if p < 0 else int(dep[i, p]) + 1)
+    valid = dep > 0
+    zeros = torch.zeros(r, width)
+    tree = DraftTree(tok, par, dep, zeros, zeros, valid, valid.sum(1), width)
+    roots = torch.randint(0, vocab, (r,), generator=gen)
+    return compile_tree(tree, roots, torch.full((r,), 5))
+
+
+def verify_rows(drafts: list[int], n: int, device: torch.device | str = "cpu") -> Tensor:
+    """rows [R, N] as sample_tree_step computes them: logits row of each verify row, 0 where padding."""
+    counts = torch.tensor(drafts) + 1
+    starts = torch.cumsum(counts, 0) - counts
+    valid = torch.arange(n).unsqueeze(0) < counts.unsqueeze(1)
+    return torch.where(valid, starts[:, None] + torch.arange(n), 0).to(device)
+
+
+def metadata(r: int, vocab: int, *, temperature: list[float] | None = None, top_k: list[int] | None = None,
+             top_p: list[float] | None = None, penalties: bool = False, outputs: list[list[int]] | None = None,
+             prompts: list[list[int]] | None = None, allowed: Tensor | None = None,
+             bad_words: dict[int, list[list[int]]] | None = None, min_tokens: dict | None = None,
+             generators: dict[int, torch.Generator] | None = None, device: str = "cpu",
+             seed: int = 0) -> SamplingMetadata:
+    """vLLM's SamplingMetadata for r requests; min_tokens: req -> (min_tokens, stop ids) (vLLM's processor state)."""
+    gen = torch.Generator().manual_seed(seed)
+    outputs = outputs or [[] for _ in range(r)]
+    procs = []
+    if min_tokens:
+        proc = MinTokensLogitsProcessor(None, torch.device("cpu"), False)
+        for i, (m, stops) in min_tokens.items():
+            proc.min_toks[i] = (m, outputs[i], set(stops), False)
+        procs.append(proc)
+    prompt = None
+    if penalties:
+        from vllm.utils.torch_utils import make_tensor_with_pad
+
+        prompt = make_tensor_with_pad(prompts or [[1]] * r, pad=vocab, device="cpu", dtype=torch.int64)
+    uniform = lambda lo, hi: (lo + (hi - lo) * torch.rand(r, generator=gen))  # noqa: E731
+    dev = torch.device(device)
+    to = lambda t: None if t is None else t.to(dev)  # noqa: E731
+    temp = None if temperature is None else torch.tensor(temperature, dtype=torch.float32)
+    return SamplingMetadata(
+        temperature=to(temp), all_greedy=temp is None, all_random=temp is not None and bool((temp >= 1e-5).all()),
+        top_p=to(None if top_p is None else torch.tensor(top_p, dtype=torch.float32)),
+        top_k=to(None if top_k is None else torch.tensor(top_k, dtype=torch.int32)),
+        generators=generators or {}, max_num_logprobs=None, no_penalties=not penalties,
+        prompt_token_ids=to(prompt),
+        frequency_penalties=to(uniform(0.0, 0.8) if penalties else torch.zeros(r)),
+        presence_penalties=to(uniform(0.0, 0.8) if penalties else torch.zeros(r)),
+        repetition_penalties=to(uniform(1.0, 1.6) if penalties else torch.ones(r)),
+        output_token_ids=outputs, allowed_token_ids_mask=to(allowed), bad_words_token_ids=bad_words or {},
+        logitsprocs=LogitsProcessors(procs))
+
+
+def row_past(batch: TreeBatch, output: list[int], i: int, j: int) -> list[int]:
+    """Output so far + row j's path (root excluded): what a bad word is matched against."""
+    row, path = j, []
+    while row > 0:
+        path.append(int(batch.tokens[i, row]))
+        row = int(batch.parents[i, row])
+    return output + path[::-1]
+
+
+DRAFTS = [0, 5, 1, 7, 0, 3, 7, 2, 6, 0]  # ragged, with requests that have no drafts
+VOCAB = 64
+
+
+def constrained_step(seed: int):
+    """A step exercising every penalty and constraint, with logits boosting the tokens they act on
+    (so a constraint applied to the wrong row, or not at all, changes the argmax)."""
+    gen = torch.Generator().manual_seed(seed)
+    r, n = len(DRAFTS), max(DRAFTS) + 1
+    batch = random_trees(gen, DRAFTS, VOCAB)
+    outputs = [torch.randint(0, VOCAB, (int(torch.randint(0, 6, (1,), generator=gen)),), generator=gen).tolist()
+               for _ in range(r)]
+    prompts = [torch.randint(0, VOCAB, (int(torch.randint(1, 8, (1,), generator=gen)),), generator=gen).tolist()
+               for _ in range(r)]
+    total = sum(d + 1 for d in DRAFTS)
+    logits = torch.randn(total, VOCAB, generator=gen) * 2
+    rows = verify_rows(DRAFTS, n)
+    # Bad words built from real paths: a word ending in the row's past (masks the row and whichever
+    # rows share that past), one longer than some pasts, one single token; their last tokens boosted.
+    bad_words = {}
+    for i in range(0, r, 2):
+        j = int(torch.randint(0, DRAFTS[i] + 1, (1,), generator=gen))
+        past = row_past(batch, outputs[i], i, j)
+        words = [past[-2:] + [3], past[-3:] + [4], [5], list(range(10, 10 + len(past) + 1)) + [6]]
+        bad_words[i] = [w for w in words if len(w) > 1 or w == [5]]
+    boost = torch.zeros(total, VOCAB)
+    boost[:, 3:7] = 6.0
+    stops = {i: [7, 8] for i in range(1, r, 3)}
+    min_tokens = {i: (len(outputs[i]) + 2, s) for i, s in stops.items()}  # masks depth 0 and 1 only
+    boost[:, 7:9] += 8.0  # above the bad words: rows past min_tokens pick a stop token
+    allowed = torch.zeros(r, VOCAB, dtype=torch.bool)
+    allowed[r - 1, 40:] = True  # request r-1 may use only tokens below 40
+    boost[rows[r - 1, : DRAFTS[r - 1] + 1], 50] += 9.0
+    return batch, rows, logits + boost, outputs, prompts, bad_words, min_tokens, allowed
+
+
+def valid_tokens(tokens: Tensor, batch: TreeBatch) -> list[list[int]]:
+    return [t[: int(m)] for t, m in zip(tokens.tolist(), batch.num_rows.tolist())]
+
+
+@pytest.mark.parametrize("chunk_elements", [1 << 25, VOCAB * 4, 1])  # one chunk; a few requests each; one request each
+def test_greedy_rows_with_penalties_and_constraints_match_the_padded_sampler(chunk_elements):
+    for seed in range(4):
+        batch, rows, logits, outputs, prompts, bad_words, min_tokens, allowed = constrained_step(seed)
+        r = len(DRAFTS)
+        plain = metadata(r, VOCAB)
+        cases = {
+            "penalties": metadata(r, VOCAB, penalties=True, outputs=outputs, prompts=prompts),
+            "constraints": metadata(r, VOCAB, outputs=outputs, allowed=allowed, bad_words=bad_words,
+                                    min_tokens=min_tokens),
+            "all": metadata(r, VOCAB, penalties=True, outputs=outputs, prompts=prompts, allowed=allowed,
+                            bad_words=bad_words, min_tokens=min_tokens),
+        }
+        unprocessed = valid_tokens(padded_sample_rows(logits, rows, plain, batch), batch)
+        for name, md in cases.items():
+            want = valid_tokens(padded_sample_rows(logits, rows, md, batch), batch)
+            got = valid_tokens(sample_rows(logits, rows, md, batch, [d + 1 for d in DRAFTS], chunk_elements), batch)
+            assert got == want, (name, seed)
+            assert want != unprocessed, f"{name}: the step must exercise what it checks"
+        assert valid_tokens(sample_rows(logits, rows, plain, batch, [d + 1 for d in DRAFTS]), batch) == unprocessed
+
+
+def test_greedy_requests_mixed_with_sampled_ones_keep_the_padded_argmax():
+    batch, rows, logits, outputs, prompts, bad_words, min_tokens, allowed = constrained_step(7)
+    r = len(DRAFTS)
+    temperature = [0.0 if i % 2 else 0.8 for i in range(r)]
+    md = metadata(r, VOCAB, temperature=temperature, top_k=[20] * r, top_p=[0.9] * r, penalties=True,
+                  outputs=outputs, prompts=prompts, allowed=allowed, bad_words=bad_words, min_tokens=min_tokens)
+    want = valid_tokens(padded_sample_rows(logits, rows, md, batch), batch)
+    got = valid_tokens(sample_rows(logits, rows, md, batch, [d + 1 for d in DRAFTS], VOCAB * 4), batch)
+    greedy = [i for i in range(r) if temperature[i] == 0.0]
+    assert [got[i] for i in greedy] == [want[i] for i in greedy]
+
+
+def test_request_chunks_pack_whole_requests():
+    counts = [1, 6, 2, 8, 1, 4]
+    chunks = request_chunks(counts, 7)
+    assert chunks == [(0, 2, 0, 7), (2, 3, 7, 9), (3, 4, 9, 17), (4, 6, 17, 22)]
+    assert request_chunks(counts, 100) == [(0, 6, 0, 22)]
+
+
+# ---- sampled rows follow the processed distribution ----
+
+STAT_VOCAB, STAT_REPEATS = 16, 3000
+STAT_DRAFTS = [2, 0]  # each repeat: a request with two drafts, then one without
+FALSE_ALARM = 1e-4  # per chi-square test: a correct sampler fails one with this probability (over seeds)
+
+
+def processed_probs(logits: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
+    """softmax of the temperature-scaled logits filtered by vLLM's top-k and top-p."""
+    x = (logits.float() / temperature).unsqueeze(0)
+    x = apply_top_k_top_p(x.clone(), torch.tensor([top_k]), torch.tensor([top_p]))
+    return torch.softmax(x, -1)[0]
+
+
+def draw_counts(temperature: float, logits_per_row: Tensor) -> Tensor:
+    """Counts [rows, V] of the ragged sampler's draws for every row of many identical requests."""
+    torch.manual_seed(1234)
+    drafts = STAT_DRAFTS * STAT_REPEATS
+    gen = torch.Generator().manual_seed(0)
+    batch = random_trees(gen, drafts, STAT_VOCAB)
+    rows = verify_rows(drafts, max(drafts) + 1)
+    logits = logits_per_row.repeat(STAT_REPEATS, 1)
+    r = len(drafts)
+    md = metadata(r, STAT_VOCAB, temperature=[temperature] * r, top_k=[12] * r, top_p=[0.85] * r)
+    tokens = sample_rows(logits, rows, md, batch, [d + 1 for d in drafts], STAT_VOCAB * 64)
+    per_row = [(i, j) for i, d in enumerate(STAT_DRAFTS) for j in range(d + 1)]
+    counts = torch.zeros(len(per_row), STAT_VOCAB)
+    for k, (i, j) in enumerate(per_row):
+        counts[k] = torch.bincount(tokens[i :: len(STAT_DRAFTS), j], minlength=STAT_VOCAB).float()
+    return counts
+
+
+def chi_square_p(observed: Tensor, probs: Tensor) -> float:
+    """p-value of the observed counts under probs; a token outside probs' support fails outright."""
+    support = probs > 0
+    if observed[~support].sum() > 0:
+        return 0.0
+    expected = probs[support] * observed.sum()
+    stat = float(((observed[support] - expected) ** 2 / expected).sum())
+    return float(chi2.sf(stat, int(support.sum()) - 1))
+
+
+def test_sampled_rows_follow_the_processed_distribution_and_a_wrong_temperature_does_not():
+    gen = torch.Generator().manual_seed(3)
+    rows_logits = torch.randn(sum(d + 1 for d in STAT_DRAFTS), STAT_VOCAB, generator=gen) * 0.8
+    counts = draw_counts(0.7, rows_logits)
+    for k in range(rows_logits.shape[0]):
+        probs = processed_probs(rows_logits[k], 0.7, 12, 0.85)
+        assert int((probs > 0).sum()) >= 4  # the filter leaves a real distribution to test
+        assert chi_square_p(counts[k], probs) > FALSE_ALARM, k
+    # Negative control: draws made at temperature 1.4 are rejected as draws at 0.7.
+    wrong = draw_counts(1.4, rows_logits)
+    for k in range(rows_logits.shape[0]):
+        assert chi_square_p(wrong[k], processed_probs(rows_logits[k], 0.7, 12, 0.85)) < FALSE_ALARM, k
+
+
+# ---- no device reads; seeds ----
+
+def test_the_ragged_path_reads_no_device_value():
+    """Every tensor on "meta", where any read of a value raises: penalties, all three constraints,
+    temperature, top-k with top-p and the draw run on shapes alone. (A meta tensor takes no
+    generator, so seeded noise is covered by the seed tests on the host instead.)"""
+    batch, rows, logits, outputs, prompts, bad_words, min_tokens, allowed = constrained_step(0)
+    r = len(DRAFTS)
+    meta = torch.device("meta")
+    md = metadata(r, VOCAB, temperature=[0.0 if i % 3 == 0 else 0.9 for i in range(r)], top_k=[20] * r,
+                  top_p=[0.9] * r, penalties=True, outputs=outputs, prompts=prompts, allowed=allowed,
+                  bad_words=bad_words, min_tokens=min_tokens, device="meta")
+    on_meta = TreeBatch(*(t.to(meta) for t in (batch.tokens, batch.parents, batch.depths, batch.positions,
+                                               batch.valid, batch.num_rows, batch.context_lens, batch.ancestors)),
+                        batch.max_depth)
+    with pytest.raises(Exception):  # the premise: a host read of a meta tensor raises
+        on_meta.tokens.tolist()
+    tokens = sample_rows(logits.to(meta), rows.to(meta), md, on_meta, [d + 1 for d in DRAFTS], VOCAB * 4)
+    assert tokens.device == meta and tokens.shape == rows.shape
+
+
+def seeded_tokens(drafts: list[int], seeded: int, seed: int, logits: Tensor, chunk_elements: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(11)
+    batch = random_trees(gen, drafts, VOCAB)
+    rows = verify_rows(drafts, max(drafts) + 1)
+    r = len(drafts)
+    md = metadata(r, VOCAB, temperature=[1.0] * r, top_p=[0.95] * r,
+                  generators={seeded: torch.Generator().manual_seed(seed)})
+    return valid_tokens(sample_rows(logits, rows, md, batch, [d + 1 for d in drafts], chunk_elements), batch)
+
+
+def test_seeded_requests_are_reproducible_whatever_else_is_in_the_batch():
+    gen = torch.Generator().manual_seed(5)
+    mine = torch.randn(7, VOCAB, generator=gen)  # the seeded request: 6 drafts
+    other = lambda k: torch.randn(k, VOCAB, generator=gen)  # noqa: E731
+    a = seeded_tokens([3, 6, 0], 1, 42, torch.cat([other(4), mine, other(1)]), VOCAB * 8)
+    b = seeded_tokens([3, 6, 0], 1, 42, torch.cat([other(4), mine, other(1)]), VOCAB * 8)
+    # Another batch around it, other chunk boundaries: the seeded request's rows draw the same noise.
+    c = seeded_tokens([1, 0, 2, 6, 4], 3, 42, torch.cat([other(2), other(1), other(3), mine, other(5)]), VOCAB * 5)
+    assert a[1] == b[1] == c[3]
+    d = seeded_tokens([3, 6, 0], 1, 43, torch.cat([other(4), mine, other(1)]), VOCAB * 8)
+    assert d[1] != a[1]  # the seed decides the draws (7 rows at temperature 1: a coincidence is ~impossible)
