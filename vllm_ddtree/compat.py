@@ -1,6 +1,6 @@
 """Static compatibility check of a vLLM release against every runtime patch vllm-ddtree applies.
 
-vllm-ddtree wraps and subclasses private vLLM code (:mod:`vllm_ddtree.vllm_patches`, P0–P13, and the
+vllm-ddtree wraps and subclasses private vLLM code (:mod:`vllm_ddtree.vllm_patches`, P0–P14, and the
 classes and helpers the tree proposer, sampler and attention backends build on). A vLLM release is
 safe to patch only where that code is what the patches were written against: vLLM 0.32.0.
 
@@ -51,7 +51,7 @@ def _t(patch: str, file: str, names: str, why: str) -> list[Target]:
     return [Target(patch, file, n.strip(), why) for n in names.split(",")]
 
 
-#: Every target, grouped by the patch that needs it (see vllm_patches' docstring for P0–P13).
+#: Every target, grouped by the patch that needs it (see vllm_patches' docstring for P0–P14).
 TARGETS: tuple[Target, ...] = tuple(
     _t("P1", "config/speculative.py", "SpeculativeMethod, SpeculativeConfig:fields",
        "the method Literal widened with 'ddtree'; the dataclass a 'ddtree' field is added to")
@@ -80,6 +80,12 @@ TARGETS: tuple[Target, ...] = tuple(
          "the tree walk replaces the chain rejection sampler; reads the spec-decode metadata it builds")
     + _t("P13", "v1/worker/gpu_model_runner.py", "GPUModelRunner._input_fits_in_drafter",
          "the drafter's query is 1 + drafter width rows")
+    + _t("P14", "v1/worker/gpu_worker.py", "Worker.compile_or_warm_up_model",
+         "after vLLM's warm-up and graph capture, the automatic budget times its step sizes (GPU)")
+    + _t("P14", "v1/worker/cpu_worker.py", "CPUWorker.compile_or_warm_up_model",
+         "the same on a CPU")
+    + _t("engine", "v1/worker/gpu_model_runner.py", "GPUModelRunner._dummy_run",
+         "vLLM's dummy step, timed at start-up for the automatic budget")
     + _t("engine", "v1/spec_decode/dflash.py",
          "DFlashProposer, DFlashProposer.set_inputs_first_pass",
          "DDTreeProposer subclasses DFlashProposer and calls its first-pass input set-up")

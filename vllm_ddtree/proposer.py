@@ -10,6 +10,7 @@ trees stay with the proposer for the verify step (`vllm_ddtree.verify`).
 from __future__ import annotations
 
 import copy
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -211,6 +212,7 @@ class DDTreeProposer(DFlashProposer):
         self._slots: dict[str, int] = {}
         self._seen: dict[str, int] = {}
         self.auto: AutoBudget | None = None
+        self.live_timing = True  # step times feed the budget (off under tensor parallelism: calibrate_at_startup)
         self._last_propose: float | None = None
         self.pending_step: tuple[float, float, float] | None = None  # set by sample_tree_step: the step's size
         self.undrafted = False  # this propose drafted nothing: the next step decodes alone
@@ -284,6 +286,55 @@ class DDTreeProposer(DFlashProposer):
         self.model.precompute_and_store_context_kv(hidden, self._context_positions_buffer[:n],
                                                    self._context_slot_mapping_buffer[:n])
 
+    def calibrate_at_startup(self, runner, repeats: int = 2, max_tokens: int = 256) -> dict | None:
+        """Time the step sizes the automatic budget chooses from, before serving (vLLM profiles memory
+        and captures graphs at the same point, with the same dummy forwards).
+
+        `runner._dummy_run(n)` is vLLM's own dummy step (the target's forward of n tokens spread over
+        min(n, max_num_seqs) requests, and the drafter's): n = 1, 2, 4, ... are the undrafted steps of
+        n requests (the speculation gate's baseline, `SpeculationGate.ar_prior`), and all sizes up to
+        `max_tokens` feed the cost fit in place of exploring sizes on live requests
+        (`CostCalibration.seed`). Each size: one warm-up, then the median of `repeats`. Returns what
+        was measured (None without the automatic budget).
+        """
+        if self.auto is None:
+            return None
+        sched = self.ddtree_vllm_config.scheduler_config
+        max_seqs = sched.max_num_seqs
+        top = min(max_tokens, sched.max_num_batched_tokens, max_seqs * (1 + self.max_budget))
+        sizes = sorted({2 ** i for i in range(top.bit_length()) if 2 ** i <= top} | {top})
+        sync = (torch.cuda.synchronize if self.device.type == "cuda" else lambda: None)
+        timed = {}
+        for n in sizes:
+            seconds = []
+            for i in range(repeats + 1):
+                sync()
+                t0 = time.perf_counter()
+                runner._dummy_run(n)
+                sync()
+                if i:  # the first is a warm-up
+                    seconds.append(time.perf_counter() - t0)
+            timed[n] = statistics.median(seconds)
+        tp = _tensor_parallel_group()
+        if tp is not None:
+            # Every rank must choose the same trees (the scheduler takes rank 0's drafts, and each
+            # rank masks its own heads with its own trees): rank 0's timings for all, and no timing
+            # of live steps afterwards, which would differ per rank. Acceptance calibrations see the
+            # same tokens on every rank and keep learning.
+            timed = tp.broadcast_object(timed, src=0)
+            self.live_timing = False
+        points = []
+        for n, sec in timed.items():
+            reqs = min(n, max_seqs)
+            q = n / reqs  # the dummy step's query tokens per request (no context before them)
+            points.append((float(n), reqs * q * (q + 1) / 2, 0.0, sec))
+        self.auto.calibration.seed(points)
+        if self.auto.gate is not None:
+            self.auto.gate.ar_prior = {n: sec for n, sec in timed.items() if n <= max_seqs}
+        logger.info("ddtree: timed steps of %s tokens at start-up: %s ms; the automatic budget starts calibrated",
+                    "/".join(map(str, timed)), "/".join(f"{1e3 * s:.1f}" for s in timed.values()))
+        return {"step_ms": {n: 1e3 * s for n, s in timed.items()}}
+
     @property
     def draft_vocab_size(self) -> int | None:
         """Target ids the drafter's logits span when they are the checkpoint's draft-vocabulary
@@ -302,7 +353,7 @@ class DDTreeProposer(DFlashProposer):
         request, the speculation gate's baseline (the drafter's K = 0 context pass included).
         """
         now = time.perf_counter()
-        if self.auto is not None and self._last_propose is not None:
+        if self.auto is not None and self._last_propose is not None and self.live_timing:
             if self.pending_step is not None:
                 self.auto.observe_step(*self.pending_step, now - self._last_propose)
             elif self.pending_ar_step is not None:  # an undrafted decode step: the gate's baseline
@@ -480,3 +531,14 @@ class DDTreeProposer(DFlashProposer):
             slots.append(self._slots[rid])
         self.ngram.observe_batch(slots, new)  # one table merge for the whole batch
         return slots
+
+
+def _tensor_parallel_group():
+    """vLLM's tensor-parallel group when it has more than one rank, else None."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    try:
+        group = get_tp_group()
+    except AssertionError:  # not initialised (no distributed environment)
+        return None
+    return group if group.world_size > 1 else None

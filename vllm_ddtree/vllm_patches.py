@@ -81,6 +81,11 @@ P13 ``GPUModelRunner._input_fits_in_drafter`` (:4288) — for ddtree, the drafte
     block rows, not 1 + ``num_speculative_tokens`` (the verify width): vLLM's count would stop drafting
     for the whole batch once its longest request came within the tree budget of the drafter's
     max_model_len, instead of within the block size.
+P14 ``Worker.compile_or_warm_up_model`` (v1/worker/gpu_worker.py:908; ``CPUWorker``'s on a CPU,
+    cpu_worker.py:264) — wrapped: after vLLM's own warm-up and graph capture, a ddtree engine with the
+    automatic budget times its step sizes with vLLM's dummy forwards
+    (:meth:`vllm_ddtree.proposer.DDTreeProposer.calibrate_at_startup`), so it starts serving
+    calibrated instead of exploring tree sizes on users' requests.
 """
 
 from __future__ import annotations
@@ -260,6 +265,7 @@ def apply() -> None:
             _patch_sampling_params()
             _patch_cpu_attention_selection()
             _patch_model_runner()
+            _patch_worker_warm_up()
             _set(SpeculativeConfig, _MARK, True)
         except BaseException:
             _rollback()
@@ -792,3 +798,26 @@ def _patch_model_runner() -> None:
         return common_attn_metadata.max_seq_len + rows <= self.effective_drafter_max_model_len
 
     _set(GPUModelRunner, "_input_fits_in_drafter", _input_fits_in_drafter)
+
+
+# ---- P14: the worker's warm-up -------------------------------------------------------------------
+
+
+def _patch_worker_warm_up() -> None:
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        from vllm.v1.worker.cpu_worker import CPUWorker as worker
+    else:
+        from vllm.v1.worker.gpu_worker import Worker as worker
+    warm_up = worker.compile_or_warm_up_model
+
+    @functools.wraps(warm_up)
+    def compile_or_warm_up_model(self):
+        out = warm_up(self)
+        drafter = getattr(self.model_runner, "drafter", None)
+        if _is_ddtree(self.vllm_config) and hasattr(drafter, "calibrate_at_startup"):
+            drafter.calibrate_at_startup(self.model_runner)
+        return out
+
+    _set(worker, "compile_or_warm_up_model", compile_or_warm_up_model)

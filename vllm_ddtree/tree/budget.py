@@ -583,9 +583,21 @@ class CostCalibration:
         order = list(dict.fromkeys([max_budget, min_budget, mid]))
         return cls(cost, tuple(order), **kw)
 
+    seeded: bool = False  # the exploration points came from timed forwards at start-up (`seed`)
+
     @property
     def calibrated(self) -> bool:
-        return len(self.explored) >= len(self.budgets) * self.repeats
+        return self.seeded or len(self.explored) >= len(self.budgets) * self.repeats
+
+    def seed(self, points: list[tuple[float, float, float, float]]) -> None:
+        """Calibrate from steps timed before serving (tokens, attention pairs, context, seconds), in
+        place of exploring step sizes on live requests; the online correction (`add` after this:
+        the recent window and its refits) still follows what serving measures."""
+        if len({p[0] for p in points}) < 2:
+            raise ValueError("a start-up calibration needs steps of at least two sizes")
+        self.explored = [tuple(float(x) for x in p) for p in points]
+        self.seeded = True
+        self.refit()
 
     def explore_budget(self, num_requests: int = 1) -> int | None:
         """The per-request budget for the next step of `num_requests` requests while exploring, else None."""
@@ -670,7 +682,9 @@ class SpeculationGate:
     not model). While `advantage` is below 1 steps decode without drafting, except every
     `probe_every`-th, which drafts to keep the estimate current (acceptance changes along an answer).
 
-    A request count with no undrafted step measured yet gets one first (it is as exact as any other
+    The engine times undrafted steps of a few request counts at start-up (`ar_prior`); a count not
+    measured while serving takes its baseline from those, interpolated. Without them, a request count
+    with no undrafted step measured yet gets one first (it is as exact as any other
     step), and another every `probe_every` steps until one is measured: only a step of decode tokens
     alone measures the baseline, and while new requests keep prefilling there may be none for a while.
     A drafted step whose time was not measured (a prefill in it) teaches the gate nothing.
@@ -690,15 +704,39 @@ class SpeculationGate:
     _pending: list | None = None  # [host tensor [] of a plan's expected tokens, its request count, measured seconds]
     _since_probe: int = 0
     _unmeasured: dict = field(default_factory=dict)  # request count -> decisions taken without its baseline
+    ar_prior: dict = field(default_factory=dict)  # request count -> undrafted step seconds timed at start-up
 
     def __post_init__(self) -> None:
         if self.probe_every < 1 or not 0 < self.alpha <= 1 or self.window < 1:
             raise ValueError(f"SpeculationGate needs probe_every >= 1, 0 < alpha <= 1, window >= 1; got {self}")
 
     def ar_rate(self, num_requests: int) -> float | None:
-        """Measured tokens per second of an undrafted step of `num_requests` requests (None: never measured)."""
+        """Tokens per second of an undrafted step of `num_requests` requests: measured at that count
+        while serving; else, with start-up timings (`ar_prior`), interpolated between the timed counts
+        and scaled by how serving's measurements compare with them; None when neither exists."""
         secs = self.ar_seconds.get(num_requests)
-        return num_requests / statistics.median(secs) if secs else None
+        if secs:
+            return num_requests / statistics.median(secs)
+        prior = self._prior_seconds(num_requests)
+        if prior is None:
+            return None
+        both = [statistics.median(v) / self.ar_prior[r] for r, v in self.ar_seconds.items() if v and r in self.ar_prior]
+        return num_requests / (prior * (statistics.median(both) if both else 1.0))
+
+    def _prior_seconds(self, num_requests: int) -> float | None:
+        """Start-up seconds at `num_requests`: linear between the timed counts around it, the line
+        through the last two past the largest, the smallest's time below it."""
+        if not self.ar_prior:
+            return None
+        counts = sorted(self.ar_prior)
+        if num_requests <= counts[0]:
+            return self.ar_prior[counts[0]]
+        hi = next((c for c in counts if c >= num_requests), None)
+        lo, hi = (counts[-2], counts[-1]) if hi is None else (max(c for c in counts if c < num_requests), hi)
+        if lo == hi:
+            return self.ar_prior[hi]
+        t = (num_requests - lo) / (hi - lo)
+        return max(self.ar_prior[lo] + t * (self.ar_prior[hi] - self.ar_prior[lo]), self.ar_prior[counts[0]])
 
     def speculate(self, num_requests: int) -> bool:
         """Whether the next step of `num_requests` requests drafts (host bool)."""

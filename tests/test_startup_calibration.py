@@ -1,0 +1,89 @@
+"""The automatic budget is calibrated before serving: step sizes timed at start-up, not explored on
+users' requests; the speculation gate's baseline for any request count comes from those timings."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import vllm_env
+
+from vllm_ddtree.tree import AutoBudget, CostModel, ModelShape, SpeculationGate, get_profile
+
+SHAPE = ModelShape(layers=30, hidden=576, q_heads=9, kv_heads=3, head_dim=64, ffn=1536, vocab=49152, bytes_per_param=4)
+
+
+def timed_steps(intercept: float = 0.020, per_token: float = 0.001) -> list[tuple[float, float, float, float]]:
+    """Start-up points as the engine makes them: n tokens as n one-token requests, no context."""
+    return [(float(n), n * 1.0, 0.0, intercept + per_token * n) for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)]
+
+
+def test_a_seeded_calibration_is_calibrated_and_fits_the_timed_steps():
+    auto = AutoBudget(CostModel(SHAPE, get_profile("cpu")), 1, 64, gate=SpeculationGate())
+    assert auto.exploring and auto.calibration.explore_budget(1) is not None
+    auto.calibration.seed(timed_steps())
+    assert not auto.exploring and auto.calibration.explore_budget(8) is None
+    # The cost model now predicts the timed steps (the line they lie on), not the roofline's guess.
+    for tokens, pairs, ctx, seconds in timed_steps():
+        predicted = float(auto.cost.verify_seconds(torch.tensor(tokens), torch.tensor(pairs), torch.tensor(ctx)))
+        assert predicted == pytest.approx(seconds, rel=0.02)
+    # Calibrated: the gate decides. With no baseline for one request it first decodes one step alone.
+    assert auto.speculate(1) is False
+    with pytest.raises(ValueError, match="two sizes"):
+        auto.calibration.seed([(8.0, 8.0, 0.0, 0.01)])
+
+
+def test_the_gate_s_baseline_is_interpolated_from_start_up_timings_and_follows_serving():
+    gate = SpeculationGate()
+    assert gate.ar_rate(12) is None  # nothing timed, nothing measured
+    gate.ar_prior = {1: 0.010, 8: 0.024, 32: 0.072}
+    assert gate.ar_rate(8) == pytest.approx(8 / 0.024)
+    assert gate.ar_rate(20) == pytest.approx(20 / (0.024 + 0.5 * 0.048))  # between the timed counts
+    assert gate.ar_rate(64) == pytest.approx(64 / (0.072 + 32 * 0.048 / 24))  # the last two's line
+    assert gate.ar_rate(1) == pytest.approx(100.0)
+    # A count with a timed baseline is not forced to decode alone first.
+    assert gate.speculate(20)
+    # Serving measures undrafted steps 1.5x slower than the dummy forwards: every estimate follows.
+    gate.observe_ar_step(8, 0.036)
+    assert gate.ar_rate(8) == pytest.approx(8 / 0.036)  # measured at that count: the measurement
+    assert gate.ar_rate(20) == pytest.approx(20 / (1.5 * 0.048))
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_ddtree_engine_starts_calibrated(tmp_path):
+    """`{"method": "ddtree"}` (automatic budget, gate) on the toy pair: before any request the cost is
+    calibrated from timed steps and the gate has start-up baselines; then greedy output equals the
+    target alone's."""
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import json, os, sys\n"
+        "os.environ['VLLM_ENABLE_V1_MULTIPROCESSING'] = '0'\n"
+        "from vllm import LLM, SamplingParams\n"
+        "from vllm_ddtree.models.target import prepare_target\n"
+        "target = str(prepare_target())\n"
+        "params = SamplingParams(temperature=0, max_tokens=32)\n"
+        "prompts = ['def add(a, b):', 'The capital of France is']\n"
+        "out = {}\n"
+        "for name, spec in (('ddtree', {'method': 'ddtree'}), ('none', None)):\n"
+        "    llm = LLM(model=target, dtype='float32', max_model_len=1024, enforce_eager=True, seed=0,\n"
+        "              speculative_config=spec)\n"
+        "    if spec:\n"
+        "        drafter = llm.llm_engine.model_executor.driver_worker.worker.model_runner.drafter\n"
+        "        out['before'] = drafter.budget_summary()\n"
+        "        out['prior'] = {str(k): v for k, v in drafter.auto.gate.ar_prior.items()}\n"
+        "    out[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]\n"
+        "    del llm\n"
+        "print('RESULT ' + json.dumps(out, default=str))\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900,
+                          env=vllm_env(), cwd=Path(__file__).resolve().parents[1])
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and line, proc.stderr[-3000:]
+    res = json.loads(line[0][len("RESULT "):])
+    before = res["before"]
+    assert before["cost_calibrated"] and before["gate_drafted_steps"] == before["gate_undrafted_steps"] == 0
+    assert len(before["explored_step_ms"]) >= 3 and all(ms > 0 for ms in before["explored_step_ms"].values())
+    assert "1" in res["prior"] and all(s > 0 for s in res["prior"].values())
+    assert res["ddtree"] == res["none"]
