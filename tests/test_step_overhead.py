@@ -1,0 +1,54 @@
+"""The step's device work does not grow with the batch, and it reads device data on the host once.
+
+Runs the product's own step functions (the tree part of `DDTreeProposer.propose`, `prepare_tree_step`,
+`sample_tree_step`) through benchmarks/step_overhead.py's counters: aten ops with a device operand,
+and every host read of data a GPU would hold (a tensor subclass marks it), on a stand-in runner.
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import step_overhead  # noqa: E402
+
+VOCAB, LAYERS = 2048, 4
+
+
+def count(batch: int, budget, ngram: bool, lookup: int) -> dict:
+    with torch.no_grad():
+        return step_overhead.one_step(step_overhead.product(), batch, budget, ngram, lookup, VOCAB, LAYERS, 0, True)
+
+
+@pytest.mark.parametrize("budget", [8, 64])
+def test_device_ops_do_not_grow_with_the_batch(budget):
+    """No loop over requests or nodes on the device: the same ops at 1, 8 and 32 requests."""
+    ops = {batch: count(batch, budget, False, 0)["device_ops"] for batch in (1, 8, 32)}
+    assert len(set(ops.values())) == 1, ops
+
+
+@pytest.mark.parametrize("ngram, lookup, reads", [(False, 0, 1), (False, 8, 2), (True, 0, 2)])
+def test_the_step_reads_device_data_once_plus_the_n_gram_merge(ngram, lookup, reads):
+    """One host read: the tree copy vLLM's scheduler takes as lists. The n-gram tables (rescoring or
+    the lookup branch) add one: the step's sampled tokens for their merge. All through `to_host`."""
+    row = count(8, 8, ngram, lookup)
+    assert row["host_copies"] == reads and row["counted_host_reads"] == reads, row
+    assert row["nodes"] >= 1 and row["accepted"] >= 1  # a real step: trees verified, nodes accepted
+
+
+def test_the_counters_see_what_they_count():
+    """Negative controls: a read of device data and an op on it are counted; host work is not."""
+    step_overhead.MARK[0] = True
+    x = step_overhead.device(torch.arange(6))
+    step_overhead.DeviceData.reads = 0
+    with step_overhead.OpCounter() as ops:
+        y = x * 2
+        torch.arange(3) + 1  # a host op
+        y.tolist()
+        int(y[0])
+    assert step_overhead.DeviceData.reads == 2
+    assert ops.device_ops >= 2 and ops.host_ops >= 2
