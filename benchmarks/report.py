@@ -276,7 +276,63 @@ def render_gpu_check(study: dict, data: dict) -> list[str]:
     return head + [""] + table(["part", "result", "s", "summary"], body)
 
 
+def render_serve_load(study: dict, data: dict) -> list[str]:
+    """benchmarks/serve_load.py: the two servers side by side on the mixed workload, then tokens/s per stream count."""
+    servers = data["servers"]
+    names = list(servers)
+    wl = data["meta"]["workload"]
+    ms = lambda v: "–" if v is None else f"{1000 * v:.0f}"  # noqa: E731
+    lines = [("requests", "requests", fmt), ("completed", "completed", fmt), ("cancelled (stream closed)", "cancelled", fmt),
+             ("refused (4xx)", "client_errors", fmt), ("too-long prompts refused", "too_long_refused", fmt),
+             ("server errors (5xx)", "server_errors", fmt), ("lost", "lost", fmt),
+             ("greedy outputs ≠ base", "greedy_mismatches", None), ("running / waiting after", None, None),
+             ("KV cache usage after", "kv_usage_after", fmt), ("prefix-cache hits (tokens)", "prefix_cache_hits",
+                                                               lambda v: fmt(int(v))),
+             ("preemptions", "preemptions", lambda v: fmt(int(v))), ("output tokens/s", "tokens_per_s", lambda v: fmt(v, 1)),
+             ("TTFT p50 / p99 (s)", ("ttft_p50_s", "ttft_p99_s"), fmt), ("ITL p50 / p99 (ms)", ("itl_p50_s", "itl_p99_s"), ms),
+             ("requests running, mean / max", ("running_mean", "running_max"), lambda v: fmt(v, 1)),
+             ("requests waiting, mean / max", ("waiting_mean", "waiting_max"), lambda v: fmt(v, 1)),
+             ("mean acceptance length", "mean_acceptance_length", fmt)]
+    body = []
+    for label, key, f in lines:
+        row = [label]
+        for n in names:
+            s = servers[n]
+            if key == "greedy_mismatches":
+                row.append("reference" if n == "base" else
+                           f"{fmt(s[key])} of {fmt(s['greedy_compared'])}" if "greedy_compared" in s else fmt(s[key]))
+            elif key is None:
+                row.append(f"{fmt(int(s['running_after']))} / {fmt(int(s['waiting_after']))}")
+            elif isinstance(key, tuple):
+                row.append(" / ".join("–" if s.get(k) is None else f(s[k]) for k in key))
+            else:
+                row.append("–" if s.get(key) is None else f(s[key]))
+        body.append(row)
+    out = [f"Mixed workload: {wl['requests']} requests at {wl['streams']} streams "
+           f"({', '.join(f'{v} {k}' for k, v in wl['kinds'].items())}; {wl['chat']} chat; {wl['greedy']} greedy; "
+           f"{wl['with_stop']} with stop strings; {wl['cancel_planned']} to be closed mid-stream; max_tokens "
+           f"{wl['max_tokens_range'][0]}–{wl['max_tokens_range'][1]}; a request counts as lost after "
+           f"{fmt(int(wl['request_timeout_s']))} s).", ""]
+    out += table(["", *names], body)
+    bw = data["meta"].get("by_streams_workload", {})
+    out += ["", f"Greedy completions per stream count ({bw.get('prompts', '')}, max_tokens {bw.get('max_tokens', '–')}):",
+            ""]
+    out += table(["streams", "requests", "base tok/s", "ddtree tok/s", "ddtree vs base", "greedy outputs ≠ base"],
+                 [[fmt(r["streams"]), fmt(r["requests"]), fmt(r["tokens_per_s_base"], 1),
+                   fmt(r["tokens_per_s_ddtree"], 1), ratio(r["throughput_ratio"]), fmt(r["greedy_mismatches"])]
+                  for r in data["by_streams"]])
+    failed = [k for k, v in data.get("checks", {}).items() if not v]
+    args = data["meta"].get("server_args", {})
+    out += ["", "Checks: " + ("all passed" if not failed else "failed: " + ", ".join(failed)) + "."]
+    if args.get("ddtree"):
+        out += ["", "Server (ddtree; the base server the same without `--speculative-config`): `" +
+                " ".join(f"'{a}'" if "{" in a else a for a in args["ddtree"]) + "`" +
+                (f"; {args['note']}." if args.get("note") else ".")]
+    return out
+
+
 RENDER = {
+    "serve_load": render_serve_load,
     "vllm_e2e": render_vllm_e2e, "acceptance": render_acceptance, "ab": render_ab,
     "budget_replay": render_budget_replay, "step_profile": render_step_profile, "undrafted": render_undrafted,
     "verify_rows": render_verify_rows, "tree_build": render_tree_build, "draft_vocab": render_draft_vocab,
