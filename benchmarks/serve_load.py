@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import json
 import os
 import random
 import signal
@@ -56,7 +55,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -117,10 +116,10 @@ def server_env() -> dict:
     return env
 
 
-def common_args(target: str) -> list[str]:
+def common_args(target: str, max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS) -> list[str]:
     """`vllm serve` arguments both servers share (the ddtree one adds only its speculative config)."""
     return [target, "--dtype", "float32", "--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN),
-            "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS), "--max-num-seqs", str(MAX_NUM_SEQS),
+            "--max-num-batched-tokens", str(max_num_batched_tokens), "--max-num-seqs", str(MAX_NUM_SEQS),
             "--seed", "0", "--disable-uvicorn-access-log"]
 
 
@@ -545,7 +544,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settle-timeout", type=float, default=60.0,
                     help="seconds to wait for /metrics to show an idle server after the mixed workload")
     ap.add_argument("--start-timeout", type=float, default=900.0, help="seconds to wait for each server's /health")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=MAX_NUM_BATCHED_TOKENS,
+                    help="both servers' step token budget (default 256: long prompts prefill in chunks). vLLM's "
+                         "DFlash-family scheduling reserves the drafter's block (15 slots for the toy drafter) per "
+                         "running request in it, so a small budget caps how many requests a ddtree step runs")
     args = ap.parse_args(argv)
+    if args.max_num_batched_tokens < 32:
+        raise ValueError("--max-num-batched-tokens must be at least 32")
     # SIGTERM (a test's timeout) unwinds like Ctrl-C, so that the servers' process groups are stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     quick = args.quick
@@ -569,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
     plain = {s: plain_workload(tok, max(plain_min, plain_per_stream * s), plain_max_tokens) for s in stream_counts}
 
     logdir = Path(tempfile.mkdtemp(prefix="serve-load-"))
-    base_args = common_args(target)
+    base_args = common_args(target, args.max_num_batched_tokens)
     servers = {"base": Server("base", base_args, free_port(), logdir / "base.log"),
                "ddtree": Server("ddtree", base_args + ["--speculative-config", DDTREE_SPEC], free_port(),
                                 logdir / "ddtree.log")}
@@ -672,7 +677,10 @@ def main(argv: list[str] | None = None) -> int:
             "engine": "vllm-cpu", "device": hardware(), "model": "target SmolLM2-135M-Instruct (float32)",
             "drafter": "the drafter in vllm_ddtree/checkpoints/smollm2-dflash (from the drafter table)",
             "date": datetime.date.today().isoformat(),
-            "command": "python benchmarks/serve_load.py" + (" --quick" if quick else "") + f" --json {shown_path(args.json)}",
+            "command": "python benchmarks/serve_load.py" + (" --quick" if quick else "")
+                       + ("" if args.max_num_batched_tokens == MAX_NUM_BATCHED_TOKENS
+                          else f" --max-num-batched-tokens {args.max_num_batched_tokens}")
+                       + f" --json {shown_path(args.json)}",
             "vllm": vllm_version(),
             "server_args": {"base": ["vllm-ddtree", "serve", *shown_args],
                             "ddtree": ["vllm-ddtree", "serve", *shown_args, "--speculative-config", DDTREE_SPEC],
