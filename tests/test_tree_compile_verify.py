@@ -52,6 +52,20 @@ def test_positions_mask_and_rows():
             assert batch.ancestors[r, i, i] and not batch.ancestors[r, :n, i].any()
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_both_ancestor_masks_are_every_row_s_ancestors(seed):
+    """The GPU's (reachability squared) and the CPU's (parents chased) give the same, right mask."""
+    from vllm_ddtree.tree.compile import ancestors_by_chasing, ancestors_by_squaring
+
+    tree, batch = make_batch(seed, depth=2 + seed, budget=4 + 6 * seed)
+    depth = batch.max_depth
+    for mask in (ancestors_by_squaring(batch.parents, depth), ancestors_by_chasing(batch.parents, depth)):
+        for r in range(batch.batch_size):
+            par = batch.parents[r].tolist()
+            for i in range(int(batch.num_rows[r])):
+                assert set(mask[r, i].nonzero().flatten().tolist()) == ancestors_naive(par, i), (r, i)
+
+
 def test_flashinfer_layout_matches_dense_mask():
     _, batch = make_batch()
     fi = flashinfer_tree_mask(batch)

@@ -97,10 +97,18 @@ def compile_tree(tree: DraftTree, root_tokens: Tensor, context_lens: Tensor) -> 
 def ancestor_mask(parents: Tensor, max_depth: int) -> Tensor:
     """[R, N] parent rows (-1 = none) -> [R, N, N] bool: row i sees itself, its ancestors and row 0.
 
-    The reachability of "self or parent", squared ceil(log2(max_depth)) times (a batched matmul
-    each): a fixed handful of ops for any tree, where chasing parents one depth at a time costs a
-    few ops per depth.
+    Two exact ways, chosen by device: on a GPU, where each op is a kernel launch, the reachability of
+    "self or parent" squared ceil(log2(max_depth)) times (a few batched matmuls, whatever the depth);
+    elsewhere, where the ops are cheap and the matmuls' O(R N^3) work is not, parents chased once per
+    depth (`benchmarks/step_overhead.py` counts the ops; on 2 vCPUs the chase is 5-10x faster).
     """
+    if parents.device.type == "cuda":
+        return ancestors_by_squaring(parents, max_depth)
+    return ancestors_by_chasing(parents, max_depth)
+
+
+def ancestors_by_squaring(parents: Tensor, max_depth: int) -> Tensor:
+    """`ancestor_mask` in a fixed handful of ops: [R, N, N] reachability squared log2(depth) times."""
     r, n = parents.shape
     device = parents.device
     # [R, N, N + 1]: each row's parent column (a spare last column for "no parent"), plus itself.
@@ -111,6 +119,23 @@ def ancestor_mask(parents: Tensor, max_depth: int) -> Tensor:
         reach = torch.bmm(reach, reach).clamp_(max=1.0)  # 0/1 entries: sums are exact in float32
     mask = reach > 0
     mask[:, :, 0] = True  # the root is everyone's ancestor (keeps padding rows non-empty)
+    return mask
+
+
+def ancestors_by_chasing(parents: Tensor, max_depth: int) -> Tensor:
+    """`ancestor_mask` with O(R N) work per depth: parent pointers chased max_depth times, one scatter."""
+    r, n = parents.shape
+    device = parents.device
+    rows = torch.arange(n, device=device).expand(r, n)
+    chain = [rows]
+    cur = rows
+    for _ in range(max_depth):
+        nxt = parents.gather(1, cur.clamp(min=0))
+        cur = torch.where((cur >= 0) & (nxt >= 0), nxt, -1)
+        chain.append(torch.where(cur >= 0, cur, rows))  # past the root: repeat self (already set)
+    chain.append(torch.zeros_like(rows))  # the root is everyone's ancestor (keeps padding rows non-empty)
+    mask = torch.zeros(r, n, n, dtype=torch.bool, device=device)
+    mask.scatter_(2, torch.stack(chain, dim=2), True)
     return mask
 
 
