@@ -26,8 +26,14 @@ def make_tree(num_nodes, ctx):
     return compile_tree(build_tree(lp, ids, num_nodes), torch.tensor([1]), torch.tensor([ctx]))
 
 
+@pytest.mark.parametrize("separate", [128, 4, 1])
 @pytest.mark.parametrize("causal", [True, False])
-def test_backend_matches_dense_attention(causal):
+def test_backend_matches_dense_attention(causal, separate, monkeypatch):
+    """`separate`: requests with more queries are attended on their own (128: none here, one padded
+    batch; 4: the 5-query chunk and the 10-row tree apart, the decode row alone; 1: all apart)."""
+    from vllm_ddtree.attention import cpu_tree
+
+    monkeypatch.setattr(cpu_tree, "SEPARATE_QUERY_LEN", separate)
     g = torch.Generator().manual_seed(0)
     # request 0: prefill chunk of 5 after 7 cached; request 1: one decode row after 20;
     # request 2: tree verify of 1 + 9 rows after 11 cached tokens.
@@ -72,6 +78,7 @@ def test_backend_matches_dense_attention(causal):
         md = builder.build(0, cm)
     finally:
         set_step_tree_masks(None)
+    assert len(md.parts) == {128: 0, 4: 3, 1: 3}[separate]
     out = torch.zeros(total, HEADS * HD)
     impl.forward(None, query, new_k, new_v, kv_cache, md, out)
 

@@ -63,6 +63,9 @@ class TreeAttentionMetadata:
     max_query_len: int = 0
     max_seq_len: int = 0
     _folded: dict = field(default_factory=dict)  # query-heads-per-KV-head G -> [R, 1, G * max_q, max_kv]
+    # A step that mixes long query runs (prefill chunks) with short ones (decodes, tree rows) is
+    # attended in parts, each padded to its own longest query (see `SEPARATE_QUERY_LEN`); empty: one part.
+    parts: list = field(default_factory=list)
 
     def folded_mask(self, group: int) -> Tensor:
         """The mask for queries folded as [R, kv_heads, group * max_q] (query head-major within a
@@ -72,6 +75,12 @@ class TreeAttentionMetadata:
             r, _, q, kv = self.mask.shape
             self._folded[group] = self.mask[:, :, None].expand(r, 1, group, q, kv).reshape(r, 1, group * q, kv)
         return self._folded[group]
+
+
+#: A request with more queries than this in a step (a prefill chunk) is attended on its own. Padding
+#: every request to the longest query of the step would make a 2048-token chunk next to 20 decodes
+#: cost 21 chunks' attention; tree rows (at most 1 + verify width) and decodes stay in one batch.
+SEPARATE_QUERY_LEN = 128
 
 
 class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadata]):
@@ -90,19 +99,48 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
         qsl = cm.query_start_loc[: r + 1].long()
         seq_lens = cm.seq_lens[:r].long()
         query_lens = qsl[1:] - qsl[:-1]
-        max_q = max(int(cm.max_query_len), 1)
-        max_kv = max(int(cm.max_seq_len), 1)
         causal = cm.causal
         causal_t = causal.bool()[:r] if isinstance(causal, Tensor) else torch.full((r,), bool(causal))
         tree = step_tree_masks_for(self.layer_names, r)
-        p = torch.arange(max_kv)
         blocks = cm.block_table_tensor[:r].long()
+        long_runs = (query_lens > SEPARATE_QUERY_LEN).nonzero().flatten().tolist()  # host tensors on a CPU
+        if not long_runs or len(long_runs) == r == 1:
+            groups = [None]  # one part: every request, as before
+        else:
+            short = (query_lens <= SEPARATE_QUERY_LEN).nonzero().flatten()
+            groups = ([short] if short.numel() else []) + [torch.tensor([i]) for i in long_runs]
+        parts = [self._part(idx, qsl, query_lens, seq_lens, causal_t, blocks, tree, causal, cm) for idx in groups]
+        if len(parts) == 1:
+            return parts[0]
+        whole = parts[0]
+        return TreeAttentionMetadata(
+            num_actual_tokens=cm.num_actual_tokens, query_start_loc=qsl, seq_lens=seq_lens,
+            slot_mapping=cm.slot_mapping, kv_rows=whole.kv_rows, query_index=whole.query_index,
+            query_valid=whole.query_valid, valid_queries=whole.valid_queries, valid_tokens=whole.valid_tokens,
+            mask=whole.mask, causal=causal, max_query_len=int(cm.max_query_len), max_seq_len=int(cm.max_seq_len),
+            parts=parts)
+
+    def _part(self, idx: Tensor | None, qsl: Tensor, query_lens: Tensor, seq_lens: Tensor, causal_t: Tensor,
+              blocks: Tensor, tree: TreeStepMasks | None, causal, cm: CommonAttentionMetadata) -> TreeAttentionMetadata:
+        """The metadata of the requests `idx` (None: all of them), padded to their own longest query and KV."""
+        if idx is not None:
+            starts, query_lens, seq_lens = qsl[:-1][idx], query_lens[idx], seq_lens[idx]
+            causal_t, blocks = causal_t[idx], blocks[idx]
+            if tree is not None:
+                tree = TreeStepMasks(tree.has_tree[idx.to(tree.has_tree.device)], tree.num_rows[idx.to(tree.num_rows.device)],
+                                     tree.ancestors[idx.to(tree.ancestors.device)], tree.layer_prefix)
+            max_q, max_kv = max(int(query_lens.max()), 1), max(int(seq_lens.max()), 1)
+        else:
+            starts = qsl[:-1]
+            max_q, max_kv = max(int(cm.max_query_len), 1), max(int(cm.max_seq_len), 1)
+        r = query_lens.shape[0]
+        p = torch.arange(max_kv)
         kv_block = blocks.gather(1, (p // self.block_size).clamp(max=blocks.shape[1] - 1).expand(r, max_kv))
         kv_offset = (p % self.block_size).expand(r, max_kv)
         rows = cache_rows(kv_block, kv_offset, self.num_kv_heads, self.block_size)  # [R, max_kv, kv_heads, 2]
         i = torch.arange(max_q)
         query_valid = i.view(1, -1) < query_lens.view(-1, 1)
-        query_index = torch.where(query_valid, qsl[:-1].view(-1, 1) + i.view(1, -1), 0)
+        query_index = torch.where(query_valid, starts.view(-1, 1) + i.view(1, -1), 0)
         mask = build_attention_mask(query_lens, seq_lens, causal_t, max_q, max_kv, tree)
         valid = query_valid.reshape(-1).nonzero().squeeze(1)
         return TreeAttentionMetadata(
@@ -215,7 +253,12 @@ class TreeAttentionImpl(AttentionImpl):
             raise NotImplementedError("fused output quantization is not supported by the CPU tree attention")
         if attn_metadata is None:  # profiling / warm-up run
             return output
-        md = attn_metadata
+        for md in attn_metadata.parts or [attn_metadata]:
+            self._attend(md, query, kv_cache, output)
+        return output
+
+    def _attend(self, md: TreeAttentionMetadata, query: Tensor, kv_cache: Tensor, output: Tensor) -> None:
+        """One part's attention: its queries' outputs written into `output`."""
         r, max_q = md.query_index.shape
         kvh, hd, group = self.num_kv_heads, self.head_size, self.num_heads // self.num_kv_heads
         kv = kv_cache.view(-1, hd).index_select(0, md.kv_rows).view(r, kvh, 2, md.max_seq_len, hd)
@@ -229,7 +272,6 @@ class TreeAttentionImpl(AttentionImpl):
         out = out.view(r, self.num_heads, max_q, hd).transpose(1, 2).reshape(r * max_q, self.num_heads, hd)
         flat = output.view(output.shape[0], self.num_heads, hd)
         flat.index_copy_(0, md.valid_tokens, out.index_select(0, md.valid_queries).to(flat.dtype))
-        return output
 
 
 class TreeAttentionBackend(CPUAttentionBackend):
