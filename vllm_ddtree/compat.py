@@ -80,6 +80,8 @@ TARGETS: tuple[Target, ...] = tuple(
          "the tree walk replaces the chain rejection sampler; reads the spec-decode metadata it builds")
     + _t("P13", "v1/worker/gpu_model_runner.py", "GPUModelRunner._input_fits_in_drafter",
          "the drafter's query is 1 + drafter width rows")
+    + _t("P13", "v1/worker/gpu_model_runner.py", "GPUModelRunner.take_draft_token_ids",
+         "no drafts (not vLLM's zero-filled chain) for a step whose drafter was skipped")
     + _t("P14", "v1/worker/gpu_worker.py", "Worker.compile_or_warm_up_model",
          "after vLLM's warm-up and graph capture, the automatic budget times its step sizes (GPU)")
     + _t("P14", "v1/worker/cpu_worker.py", "CPUWorker.compile_or_warm_up_model",

@@ -80,7 +80,10 @@ P12 ``GPUModelRunner._sample`` (:3437) — for ddtree steps, the tree walk repla
 P13 ``GPUModelRunner._input_fits_in_drafter`` (:4288) — for ddtree, the drafter's query is 1 + W
     block rows, not 1 + ``num_speculative_tokens`` (the verify width): vLLM's count would stop drafting
     for the whole batch once its longest request came within the tree budget of the drafter's
-    max_model_len, instead of within the block size.
+    max_model_len, instead of within the block size. ``GPUModelRunner.take_draft_token_ids`` (:4627)
+    — when the drafter was skipped, vLLM hands the scheduler zeros of ``num_speculative_tokens`` per
+    request (:4460), which ddtree would verify as a verify-width chain for every request of the
+    batch; it hands no drafts instead.
 P14 ``Worker.compile_or_warm_up_model`` (v1/worker/gpu_worker.py:908; ``CPUWorker``'s on a CPU,
     cpu_worker.py:264) — wrapped: after vLLM's own warm-up and graph capture, a ddtree engine with the
     automatic budget times its step sizes with vLLM's dummy forwards
@@ -795,9 +798,23 @@ def _patch_model_runner() -> None:
         if common_attn_metadata is None or not _is_ddtree(self.vllm_config):
             return fits(self, common_attn_metadata)
         rows = 1 + self.speculative_config.ddtree.drafter_width  # the bonus token + W mask rows
-        return common_attn_metadata.max_seq_len + rows <= self.effective_drafter_max_model_len
+        self._ddtree_drafter_skipped = common_attn_metadata.max_seq_len + rows > self.effective_drafter_max_model_len
+        return not self._ddtree_drafter_skipped
 
     _set(GPUModelRunner, "_input_fits_in_drafter", _input_fits_in_drafter)
+
+    take = GPUModelRunner.take_draft_token_ids
+
+    @functools.wraps(take)
+    def take_draft_token_ids(self):
+        out = take(self)
+        if out is not None and getattr(self, "_ddtree_drafter_skipped", False) and _is_ddtree(self.vllm_config):
+            # vLLM zero-fills [R, num_speculative_tokens] drafts when it skips the drafter: a chain of
+            # verify-width zeros for every request, verified for nothing. No drafts instead.
+            out = type(out)(out.req_ids, [[] for _ in out.req_ids])
+        return out
+
+    _set(GPUModelRunner, "take_draft_token_ids", take_draft_token_ids)
 
 
 # ---- P14: the worker's warm-up -------------------------------------------------------------------
