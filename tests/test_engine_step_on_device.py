@@ -116,3 +116,13 @@ def test_the_automatic_budget_is_told_which_tree_nodes_were_accepted():
     assert verified.tolist() == [[True] * 4, [False] * 4, [False] * 4]
     assert accepted.tolist() == [[True, False, True, True], [False] * 4, [False] * 4]
     assert float(runner.drafter.auto.acceptance.bin_accepted.sum()) == 3.0
+
+
+def test_a_tree_step_s_drafter_order_does_not_outlive_the_next_step():
+    """vLLM skips the propose after a step when a request nears the drafter's max_model_len: the
+    tree step's context order must not reach a later propose, whose context is another step's."""
+    runner, step, out = run_step(torch.device("cpu"))
+    assert runner.drafter.context_order is not None and runner.drafter.step_tokens is not None
+    assert prepare_tree_step(runner, None, 1) is None  # the next step (no drafts scheduled)
+    assert runner.drafter.context_order is None and runner.drafter.context_positions is None
+    assert runner.drafter.step_tokens is None

@@ -60,13 +60,17 @@ def prepare_tree_step(runner, spec_decode_metadata, total_tokens: int) -> TreeSt
     """
     from vllm_ddtree.attention.tree_mask import TreeStepMasks, set_step_tree_masks
 
+    # A tree step's order for the drafter's context is for the propose right after it; vLLM skips
+    # that propose when a request of the batch nears the drafter's max_model_len, and a later one
+    # must not apply it to another step's tokens.
+    proposer: DDTreeProposer = runner.drafter
+    proposer.context_order = proposer.context_positions = proposer.step_tokens = None
     if spec_decode_metadata is None:
         set_step_tree_masks(None)
         return None
     if runner.input_batch.prev_sampled_token_ids is not None:
         # Only async scheduling leaves sampled tokens on the device; config refuses it for ddtree.
         raise RuntimeError("speculative method 'ddtree' needs async scheduling off (--no-async-scheduling)")
-    proposer: DDTreeProposer = runner.drafter
     req_ids = list(runner.input_batch.req_ids)
     r = len(req_ids)
     drafted = spec_decode_metadata.num_draft_tokens
@@ -181,7 +185,7 @@ def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadat
     # position, and vLLM's DFlash context store would overwrite that row's K/V with it.
     runner.drafter.context_positions = step.sequential_positions
     runner.drafter.step_tokens = out  # the n-gram model's new tokens (DDTreeProposer._observe)
-    proposer = runner.drafter
+    proposer: DDTreeProposer = runner.drafter
     proposer.stats.record(batch.num_rows - 1, batch.depths.max(dim=1).values, walk.num_accepted)
     if proposer.auto is not None:
         _calibrate(proposer, step, walk.path_rows)
