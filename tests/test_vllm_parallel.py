@@ -20,9 +20,6 @@ runs its own ddtree proposer, and VLLM_CPU_OMP_THREADS_BIND "0|1" gives each its
 
 import concurrent.futures
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,7 +27,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import vllm_env
+from conftest import free_port, stop, vllm_env
 
 sys.path.insert(0, str(Path(__file__).parent / "engine"))
 import generate_spec  # noqa: E402  (the prompts)
@@ -64,22 +61,6 @@ def result(proc: subprocess.Popen, out: Path, timeout: float = 1500) -> dict:
         stop(proc)
     assert proc.returncode == 0, err[-4000:]
     return json.loads(out.read_text())
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """End a process started in its own session, and whatever it started that is still running."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)  # engine and worker processes can outlive their parent
-    except ProcessLookupError:
-        pass
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
 
 
 def test_tensor_parallel_ddtree_is_token_identical_and_ranks_build_the_same_trees(tmp_path, drafter):
@@ -121,12 +102,6 @@ def test_tensor_parallel_ddtree_is_token_identical_and_ranks_build_the_same_tree
 # ---- data parallelism -------------------------------------------------------------------------------
 
 DP = 2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(server: subprocess.Popen, url: str, log: Path, timeout: float) -> None:

@@ -15,16 +15,13 @@ nothing is accepted and only the plumbing is exercised).
 """
 
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import vllm_env
+from conftest import free_port, stop, vllm_env
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,34 +30,12 @@ TIMEOUT = 900  # s for the whole run; ~3 min on a busy 2-core CPU
 PROMPT, MAX_TOKENS = "def fibonacci(n):", 32
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def example_env(drafter: Path | None, **extra: str) -> dict:
     """The examples' environment; without a drafter they serve `{"method": "ddtree"}` alone."""
     env = vllm_env(PYTHON=sys.executable, **extra)
     for key in ("DRAFTER", "VLLM_DDTREE_DRAFTER", "TREE_BUDGET", "SPEC_CONFIG"):
         env.pop(key, None)
     return env if drafter is None else env | {"DRAFTER": str(drafter), "VLLM_DDTREE_DRAFTER": str(drafter)}
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """End a process started in its own session, and whatever it started that is still running."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)  # the group outlives its leader if an engine process is left
-    except ProcessLookupError:
-        pass
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
 
 
 def test_serve_chat_completion_stream_and_metrics(tmp_path, drafter):
