@@ -26,6 +26,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
+import re
+from collections import Counter
 
 import torch
 from tqdm import tqdm
@@ -45,7 +48,9 @@ from vllm_ddtree.tree import AcceptanceCalibration, AutoBudget, CostCalibration,
 
 def heldout_prompts(tokenizer, count: int) -> list[list[int]]:
     """The first `count` chat-templated standard-library prompts whose responses the drafter's
-    training held out (the same ids and length cut as `train.datagen`)."""
+    training held out (the same ids and length cut as `train.datagen`). The first of them are the ones
+    every training run's periodic evaluation scored to keep its best state: for a set no choice saw,
+    see :func:`fresh_heldout_prompts`."""
     from vllm_ddtree.train.dflash import is_heldout
     from vllm_ddtree.train.prompts import stdlib_prompts
 
@@ -54,6 +59,55 @@ def heldout_prompts(tokenizer, count: int) -> list[list[int]]:
         ids = tokenizer(chat_prompt(tokenizer, p), add_special_tokens=False)["input_ids"]
         if len(ids) <= 384 and is_heldout({"prompt_id": i}):
             out.append(ids)
+            if len(out) == count:
+                break
+    return out
+
+
+# vllm_gen wrote the standard-library prompts of at most 384 tokens in chunks of 192, in id order (22
+# chunks). The fine-tunes' data took stdlib chunks 0-11 at most, and every stage's periodic evaluation
+# (its first 48 held-out responses) came from the first chunks. The held-out responses of chunks 13-21
+# joined the base stage's held-out set only in its last two runs, whose end-of-run comparison of the
+# best-scoring state with the last kept the last both times: no choice about the drafter turned on them.
+GEN_CHUNK, FRESH_FROM_CHUNK = 192, 13
+
+
+def _function_text(prompt: str) -> str:
+    """A prompt without its import header: the function's header and docstring."""
+    m = re.search(r"(?m)^[ \t]*(async def |def )", prompt)
+    return prompt[m.start():] if m else prompt
+
+
+def fresh_heldout_prompts(tokenizer, count: int) -> list[list[int]]:
+    """The first `count` chat-templated held-out standard-library prompts no choice about the drafter
+    saw: `train.dflash.is_heldout` prompts of generation chunks 13-21, less (a) the members of the one
+    batch the older `train.datagen` generator wrote into the base stage's data (its first, by its own
+    length-sorted, seeded batch order), whose held-out responses were among the first the base stage
+    evaluated, and (b) prompts whose function text (header and docstring, import header aside) is also
+    another standard-library prompt's or a `doctest`-source prompt's, which were trained on."""
+    from vllm_ddtree.data.humaneval import load_humaneval
+    from vllm_ddtree.train.datagen import _batches
+    from vllm_ddtree.train.dflash import is_heldout
+    from vllm_ddtree.train.prompts import _free_function_prompts, stdlib_files, stdlib_prompts
+
+    prompts = stdlib_prompts()
+    ids = [tokenizer(chat_prompt(tokenizer, p), add_special_tokens=False)["input_ids"] for p in prompts]
+    keep = [i for i in range(len(ids)) if len(ids[i]) <= 384]
+    batches = _batches([len(ids[i]) for i in keep], 96)
+    order = list(range(len(batches)))
+    random.Random(0).shuffle(order)
+    datagen_batch = {keep[k] for k in batches[order[0]]}
+    names = {p["entry_point"] for p in load_humaneval()}
+    texts = Counter(_function_text(p) for p in prompts)
+    own = set(prompts)  # the doctest source leaves out prompts identical to a stdlib one
+    doctest_texts = {_function_text(q) for f in stdlib_files() for part in _free_function_prompts(f, names)
+                     for q in part if q not in own}
+    out = []
+    for k, i in enumerate(keep):
+        text = _function_text(prompts[i])
+        if (k >= FRESH_FROM_CHUNK * GEN_CHUNK and is_heldout({"prompt_id": i}) and i not in datagen_batch
+                and texts[text] == 1 and text not in doctest_texts):
+            out.append(ids[i])
             if len(out) == count:
                 break
     return out
@@ -113,8 +167,9 @@ def run_rules(trees_per_prompt, cost: CostModel, seconds, width: int) -> dict[st
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=10)
-    ap.add_argument("--prompt-set", choices=("humaneval", "heldout"), default="humaneval",
-                    help="heldout: standard-library prompts the drafter's training held out (train.dflash.is_heldout)")
+    ap.add_argument("--prompt-set", choices=("humaneval", "heldout", "heldout-fresh"), default="humaneval",
+                    help="heldout: standard-library prompts the drafter's training held out (train.dflash.is_heldout); "
+                         "heldout-fresh: those of them no choice about the drafter saw (fresh_heldout_prompts)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--width", type=int, default=64, help="tree width built at every position (the largest budget)")
     ap.add_argument("--ngram-weights", default="0,0.2", help="comma-separated n-gram weights, one panel each")
@@ -137,9 +192,13 @@ def main() -> None:
     pair = load_pair(args.drafter)
     decoder = ReferenceDecoder(pair.target, pair.drafter, eos_token_ids=pair.eos_token_ids)
     shape = ModelShape.from_hf_config(pair.target.config, str(pair.target.dtype))
-    prompts = (heldout_prompts(pair.tokenizer, args.prompts) if args.prompt_set == "heldout" else
-               [pair.tokenizer(chat_prompt(pair.tokenizer, p["prompt"]), add_special_tokens=False)["input_ids"]
-                for p in load_humaneval(args.prompts)])
+    if args.prompt_set == "humaneval":
+        prompts = [pair.tokenizer(chat_prompt(pair.tokenizer, p["prompt"]), add_special_tokens=False)["input_ids"]
+                   for p in load_humaneval(args.prompts)]
+    else:
+        prompts = (heldout_prompts if args.prompt_set == "heldout" else fresh_heldout_prompts)(pair.tokenizer, args.prompts)
+        if len(prompts) < args.prompts:
+            raise SystemExit(f"--prompt-set {args.prompt_set} has {len(prompts)} prompts; pass --prompts {len(prompts)} or fewer")
     temp = args.temperature
     sampling = [SamplingConfig(temperature=temp, top_k=args.top_k, top_p=args.top_p, seed=args.seed + i)
                 for i in range(len(prompts))]  # validates the sampling arguments before any decode
