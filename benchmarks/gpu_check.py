@@ -304,7 +304,6 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, 
 
 def oracle_attention(step: PagedStep, tree_masks: bool = True) -> torch.Tensor:
     """[T, HQ, HD] float32 over the unpaged K/V with the tree core's masks (causal ones if not `tree_masks`)."""
-    dev = step.q.device
     outs = [sdpa(step.q[step.qsl[i] : step.qsl[i + 1]], step.keys[i], step.values[i],
                  oracle_mask(r, tree_masks), HD ** -0.5) for i, r in enumerate(step.reqs)]
     return torch.cat(outs)
@@ -826,8 +825,16 @@ def part_b_graphs(ctx: "Check") -> dict:
                         tree_step(x, state, variant)
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                    static_out = tree_step(x, state, variant)
+                inside: list[BaseException] = []  # the op that broke the capture: leaving the capture
+                try:  # raises only "operation failed due to a previous error during capture"
+                    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                        try:
+                            static_out = tree_step(x, state, variant)
+                        except BaseException as exc:
+                            inside.append(exc)
+                            raise
+                except BaseException as exc:
+                    raise (inside[0] if inside else exc) from None
                 x.copy_(step_inputs(r, ctx.sizes.vocab, tail, seed=1000 + r, dtype=torch.bfloat16, device=ctx.device))
                 saved = [t.clone() for t in state_tensors(state)]
                 graph.replay()
@@ -933,13 +940,102 @@ def verify_model(ctx: "Check"):
     return model.eval(), config
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Qwen3RMSNorm: normalised in float32, cast back, then scaled."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+class StaticVerify:
+    """The verify forward of a transformers Qwen3 model's own weights as plain tensor ops over a
+    preallocated KV cache: batch x rows new tokens after `context` cached ones, the rows attending to
+    the context and causally to each other (a chain; a tree mask of the same rows costs SDPA the same).
+
+    Every shape and buffer is fixed at construction, so on CUDA the forward is captured in a CUDA graph
+    and replayed: what vLLM's compiled, graphed model costs, which the eager transformers forward (one
+    kernel launch at a time from Python, ~50 ms for Qwen3-8B whatever the rows) does not show.
+    The cache is the model's own prefill of the context, so the logits equal transformers' (checked).
+    """
+
+    def __init__(self, model, cache, ids: torch.Tensor, context: int) -> None:
+        cfg = model.config
+        self.model, self.eps = model, cfg.rms_norm_eps
+        self.batch, self.rows = ids.shape
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.ids, self.context = ids, context
+        layers = cache.layers if hasattr(cache, "layers") else None
+        keys = [lyr.keys for lyr in layers] if layers is not None else list(cache.key_cache)
+        values = [lyr.values for lyr in layers] if layers is not None else list(cache.value_cache)
+        total = context + self.rows
+        self.k = [torch.cat([k[:, :, :context], k.new_zeros(*k.shape[:2], self.rows, k.shape[-1])], 2) for k in keys]
+        self.v = [torch.cat([v[:, :, :context], v.new_zeros(*v.shape[:2], self.rows, v.shape[-1])], 2) for v in values]
+        pos = torch.arange(context, total, device=ids.device).expand(self.batch, -1)
+        x = model.model.embed_tokens(ids)
+        cos, sin = model.model.rotary_emb(x, pos)  # [B, rows, hd]
+        self.cos, self.sin = cos.unsqueeze(2), sin.unsqueeze(2)
+        groups = self.heads // self.kv_heads
+        causal = torch.ones(self.rows, total, dtype=torch.bool, device=ids.device).tril(context)
+        self.mask = causal.repeat(groups, 1)  # [groups * rows, total]: q heads grouped under their KV head
+
+    def forward(self) -> torch.Tensor:
+        """Logits [B, rows, V]; writes the rows' K/V into the cache's tail (the same slots every call)."""
+        B, R, H, G, D = self.batch, self.rows, self.heads, self.kv_heads, self.head_dim
+        m = self.model.model
+        x = m.embed_tokens(self.ids)
+        for i, layer in enumerate(m.layers):
+            a = layer.self_attn
+            h = rms_norm(x, layer.input_layernorm.weight, self.eps)
+            q = rms_norm(F.linear(h, a.q_proj.weight).view(B, R, H, D), a.q_norm.weight, self.eps)
+            k = rms_norm(F.linear(h, a.k_proj.weight).view(B, R, G, D), a.k_norm.weight, self.eps)
+            v = F.linear(h, a.v_proj.weight).view(B, R, G, D)
+            q = q * self.cos + rotate_half(q) * self.sin
+            k = k * self.cos + rotate_half(k) * self.sin
+            self.k[i][:, :, self.context:] = k.transpose(1, 2)
+            self.v[i][:, :, self.context:] = v.transpose(1, 2)
+            # [B, G, H/G * R, D]: each KV head's query heads stacked along the rows, so plain SDPA reads
+            # the cache once per KV head (no repeated K/V, no enable_gqa)
+            qg = q.view(B, R, G, H // G, D).permute(0, 2, 3, 1, 4).reshape(B, G, H // G * R, D)
+            o = F.scaled_dot_product_attention(qg, self.k[i], self.v[i], attn_mask=self.mask, scale=D ** -0.5)
+            o = o.view(B, G, H // G, R, D).permute(0, 3, 1, 2, 4).reshape(B, R, H * D)
+            x = x + F.linear(o, a.o_proj.weight)
+            h = rms_norm(x, layer.post_attention_layernorm.weight, self.eps)
+            mlp = layer.mlp
+            x = x + F.linear(F.silu(F.linear(h, mlp.gate_proj.weight)) * F.linear(h, mlp.up_proj.weight),
+                             mlp.down_proj.weight)
+        return F.linear(rms_norm(x, m.norm.weight, self.eps), self.model.lm_head.weight)
+
+
+def graphed(fn: Callable[[], torch.Tensor], device: torch.device) -> Callable[[], object]:
+    """On CUDA: `fn` captured in a CUDA graph (after warm-up on a side stream), returned as its replay.
+    Elsewhere `fn` itself."""
+    if device.type != "cuda":
+        return fn
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def part_d_verify_cost(ctx: "Check") -> dict:
-    """Forward time of batch x (1 + N) new rows after a cached context; CostModel fitted; knees."""
+    """Forward time of batch x (1 + N) new rows after a cached context, eager transformers and the same
+    weights' static forward (CUDA-graph replay on CUDA); CostModel fitted to the latter; knees."""
     t0 = time.perf_counter()
     model, config = verify_model(ctx)
     build_s = time.perf_counter() - t0
     s, v = ctx.sizes, ctx.sizes.model["vocab_size"]
-    points, skipped = [], []
+    points, skipped, checks = [], [], []
     with torch.inference_mode():
         for b in s.verify_batches:
             if ctx.deadline.left() < 20:
@@ -952,27 +1048,41 @@ def part_d_verify_cost(ctx: "Check") -> dict:
                     skipped.append((b, n))
                     continue
                 new = torch.randint(v, (b, 1 + n), device=ctx.device)
+                static = StaticVerify(model, cache, new, s.verify_context)
 
-                def forward():  # the rows are appended to the cache, then cropped off again
+                def forward(model=model, cache=cache, new=new, n=n):  # rows appended to the cache, cropped off again
                     logits = model(new, past_key_values=cache, use_cache=True).logits
                     cache.crop(-(1 + n))
                     return logits
 
-                ms = timed_ms(forward, ctx.device, s.reps)
-                points.append({"batch": b, "rows": 1 + n, "n": n, "ms": ms})
-                log(f"  d.verify_cost batch {b} x (1 + {n}) rows: {ms:.2f} ms")
+                if n == s.verify_rows[min(1, len(s.verify_rows) - 1)]:  # once per batch, with draft rows
+                    ref, got = forward().float(), static.forward().float()
+                    checks.append({"batch": b, "n": n, "max_abs_diff": float((ref - got).abs().max()),
+                                   "max_abs_logit": float(ref.abs().max())})
+                eager_ms = timed_ms(forward, ctx.device, s.reps)
+                ms = timed_ms(graphed(static.forward, ctx.device), ctx.device, s.reps)
+                del static
+                points.append({"batch": b, "rows": 1 + n, "n": n, "ms": ms, "eager_ms": eager_ms})
+                log(f"  d.verify_cost batch {b} x (1 + {n}) rows: {ms:.2f} ms "
+                    f"{'graph replay' if ctx.device.type == 'cuda' else 'static'}, {eager_ms:.2f} ms eager transformers")
             del cache
     del model
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()
     fit = fit_cost(points, config, ctx) if len(points) >= 2 else None
     knees = knee_rows(points)
-    ok = len(points) >= 2 and fit is not None and all(math.isfinite(p["ms"]) and p["ms"] > 0 for p in points)
+    # float32 (the CPU part): the static forward is transformers' computation, up to summation order
+    tol = 1e-3 if s.model_dtype == torch.float32 else None
+    same = all(c["max_abs_diff"] <= tol * max(1.0, c["max_abs_logit"]) for c in checks) if tol else True
+    ok = (len(points) >= 2 and fit is not None and all(math.isfinite(p["ms"]) and p["ms"] > 0 for p in points)
+          and bool(checks) and same)
     return {"passed": ok, "model": {k: ctx.sizes.model[k] for k in ("num_hidden_layers", "hidden_size", "vocab_size")},
             "dtype": str(s.model_dtype).replace("torch.", ""), "context": s.verify_context, "model_build_s": build_s,
-            "points": points, "skipped": skipped, "fitted": fit, "knee_n": knees,
+            "timed": "CUDA-graph replay of the static forward" if ctx.device.type == "cuda" else "static forward, eager",
+            "static_vs_transformers": checks, "points": points, "skipped": skipped, "fitted": fit, "knee_n": knees,
             "summary": f"{len(points)} points; knee N (step 10% over one row) by batch: {knees}"
-                       + (f"; fit slope {fit['slope']:.2f} x roofline + {fit['intercept_ms']:.2f} ms" if fit else "")}
+                       + (f"; fit slope {fit['slope']:.2f} x roofline + {fit['intercept_ms']:.2f} ms" if fit else "")
+                       + ("" if same else "; the static forward's logits differ from transformers'")}
 
 
 def cost_inputs(points: list[dict], context: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -1115,8 +1225,11 @@ def plot_report(report: dict, png: str) -> None:
         line = ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"batch {b} measured")[0]
         if pts[0][2] is not None:
             ax.plot([p[0] for p in pts], [p[2] for p in pts], "--", color=line.get_color(), label=f"batch {b} fitted")
+        eager = sorted((p["n"], p["eager_ms"]) for p in d["points"] if p["batch"] == b and "eager_ms" in p)
+        if eager:
+            ax.plot(*zip(*eager), ":", color=line.get_color(), alpha=0.6, label=f"batch {b} eager transformers")
     ax.set(xscale="symlog", yscale="log", xlabel="draft rows N (step verifies 1 + N per request)",
-           ylabel="verify forward ms", title=f"d. verify cost, context {d.get('context')}")
+           ylabel="verify forward ms", title=f"d. verify cost ({d.get('timed', '')}), context {d.get('context')}")
     ax.legend(fontsize=7)
     ax = axes[1]
     g = parts.get("b.graphs", {}).get("captures", [])

@@ -56,7 +56,7 @@ def newest_gpu_check(device: str) -> dict | None:
         d = parts.get("d.verify_cost", {})
         if report.get("device_slug") == device and d.get("fitted") and d.get("passed"):
             found.append((path.stat().st_mtime, path, report))
-    return max(found, key=lambda f: f[0])[2] | {"_path": str(max(found, key=lambda f: f[0])[1])} if found else None
+    return max(found, key=lambda f: f[0])[2] | {"_path": str(max(found, key=lambda f: f[0])[1].relative_to(REPO))} if found else None
 
 
 def cost_models(device: str, report: dict | None) -> tuple[CostModel, CostModel, str]:

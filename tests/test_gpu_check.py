@@ -66,6 +66,27 @@ def test_cpu_parts_checked_what_they_claim(report):
     assert all(b["equal"] and b["real_moves"] > 0 and b["layers"] == 36 for b in parts["c.compaction"]["batches"])
     d = parts["d.verify_cost"]
     assert len(d["points"]) == 8 and d["fitted"]["slope"] > 0 and set(d["knee_n"]) == {"1", "4"}
+    # the timed static forward (CUDA-graph replayed on a GPU) computes what transformers computes
+    assert [c["batch"] for c in d["static_vs_transformers"]] == [1, 4]
+    assert all(c["max_abs_diff"] <= 1e-3 * max(1.0, c["max_abs_logit"]) for c in d["static_vs_transformers"])
+
+
+def test_static_verify_forward_equals_transformers_and_the_check_has_teeth():
+    class Ctx:
+        sizes, device = gpu_check.sizes_for("cpu", quick=True), torch.device("cpu")
+
+    model, config = gpu_check.verify_model(Ctx)
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        cache = model(torch.randint(config.vocab_size, (2, 40)), use_cache=True, logits_to_keep=1).past_key_values
+        new = torch.randint(config.vocab_size, (2, 5))
+        static = gpu_check.StaticVerify(model, cache, new, context=40)
+        want = model(new, past_key_values=cache, use_cache=True).logits
+        scale = want.abs().max()
+        assert (static.forward() - want).abs().max() <= 1e-4 * scale
+        assert (static.forward() - want).abs().max() <= 1e-4 * scale  # again: the rows' cache slots are reused
+        static.mask[:] = True  # the rows see each other's future: a different computation
+        assert (static.forward() - want).abs().max() > 1e-2 * scale
 
 
 def test_the_report_redraws_as_a_png(report, tmp_path):

@@ -167,7 +167,9 @@ class CostModel:
             self.residual = src.to(tokens.device, non_blocking=True)  # no host sync in the decode loop
         size = tokens.round().long()
         inside = (size >= 0) & (size < self.residual.numel())
-        return smooth + torch.where(inside, self.residual[size.clamp(0, self.residual.numel() - 1)], 0.0)
+        # torch.take, not residual[size]: indexing with a 0-dim tensor converts it to a Python int, a
+        # host sync (and a failed CUDA-graph capture) at every step
+        return smooth + torch.where(inside, torch.take(self.residual, size.clamp(0, self.residual.numel() - 1)), 0.0)
 
     def step_seconds(self, tree_tokens, context_total, num_requests: int = 1):
         """Predicted cycle time of a step with `tree_tokens` draft nodes over `num_requests` requests.
