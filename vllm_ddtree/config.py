@@ -44,10 +44,12 @@ DEFAULT_MAX_TREE_BUDGET = 64
 #: already wrap past 63 bits (they act as hashes), so longer contexts only add lookups.
 MAX_NGRAM_ORDER = 16
 
-#: What a speculative config must change when the checkpoint's draft vocabulary meets a sharded head.
-VOCAB_SUBSET_NEEDS_TP1 = (
-    "speculative_config: draft_vocab=\"checkpoint\" needs the drafter's shared LM head "
-    "unsharded and unquantized (tensor parallel size 1); set \"draft_vocab\": \"full\""
+#: What a speculative config must change when the checkpoint's draft vocabulary meets a head whose rows
+#: cannot be gathered (a quantized one).
+VOCAB_SUBSET_NEEDS_PLAIN_HEAD = (
+    "speculative_config: draft_vocab=\"checkpoint\" needs the drafter's shared LM head unquantized "
+    "(plain floating-point rows, vLLM's vocabulary-parallel layout under tensor parallelism); "
+    "set \"draft_vocab\": \"full\""
 )
 
 
@@ -263,14 +265,13 @@ class DDTreeConfig:
                 )
 
     def check_parallelism(self, *, tensor_parallel_size: int, pipeline_parallel_size: int = 1,
-                          draft_tensor_parallel_size: int | None = None, vocab_subset: bool = False) -> None:
+                          draft_tensor_parallel_size: int | None = None) -> None:
         """Refuse, at configuration time, the parallel layouts ddtree cannot run (``ValueError`` naming
-        the key). ``vocab_subset``: the drafter ships a ``draft_vocab.json`` that ``draft_vocab`` would use.
+        the key).
 
         The DFlash drafter runs inside the target's workers, in the target's tensor-parallel group (it
         reads the target's hidden states and shares its embeddings and LM head), so a drafter
-        tensor-parallel size other than the target's cannot be honoured. The draft-vocabulary subset
-        gathers rows of that LM head, which tensor parallelism shards across ranks.
+        tensor-parallel size other than the target's cannot be honoured.
         """
         if pipeline_parallel_size > 1:
             raise ValueError(
@@ -283,11 +284,6 @@ class DDTreeConfig:
                 f"method 'ddtree' on a target with tensor_parallel_size={tensor_parallel_size}: the DFlash drafter "
                 "runs in the target's tensor-parallel group (it reads the target's hidden states and shares its "
                 f"embeddings and LM head); remove draft_tensor_parallel_size or set it to {tensor_parallel_size}"
-            )
-        if tensor_parallel_size > 1 and vocab_subset and self.draft_vocab == "checkpoint":
-            raise ValueError(
-                f"{VOCAB_SUBSET_NEEDS_TP1}: the drafter ships a draft_vocab.json, and tensor_parallel_size="
-                f"{tensor_parallel_size} shards the head it would gather rows of"
             )
 
     # ---- derived ----------------------------------------------------------------------------

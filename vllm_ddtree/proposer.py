@@ -39,6 +39,7 @@ from vllm.logger import init_logger
 from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
+from vllm_ddtree.config import VOCAB_SUBSET_NEEDS_PLAIN_HEAD
 from vllm_ddtree.drafter.io import load_draft_vocab
 
 logger = init_logger("vllm.ddtree")  # under "vllm" so vLLM's log configuration applies
@@ -397,23 +398,33 @@ class DDTreeProposer(DFlashProposer):
             self._gather_vocab_head(self.model.lm_head)
 
     def _gather_vocab_head(self, head) -> None:
+        """The draft vocabulary's rows of the shared LM head, gathered once into a layer of their own.
+
+        Under tensor parallelism vLLM shards that head by vocabulary (`ParallelLMHead`: rank r holds
+        the ids `shard_indices.org_vocab_start_index` .. `org_vocab_end_index`): each rank gathers the
+        draft ids it holds, and `_subset_logits` adds the ranks' logits, each in its own columns and
+        zero elsewhere, in one all-reduce, so every rank gets the same [rows, N] logits.
+        """
         weight, ids, method = getattr(head, "weight", None), self._vocab_ids, getattr(head, "quant_method", None)
-        if (weight is None or not weight.is_floating_point() or weight.shape[0] < int(ids[-1]) + 1
-                or not hasattr(method, "apply")):
-            raise ValueError(
-                "speculative_config: draft_vocab=\"checkpoint\" needs the drafter's shared LM head "
-                "unsharded and unquantized (tensor parallel size 1); set \"draft_vocab\": \"full\""
-            )
+        group = _tensor_parallel_group()
+        shard = getattr(head, "shard_indices", None)
+        start, end = ((shard.org_vocab_start_index, shard.org_vocab_end_index) if group is not None and shard is not None
+                      else (0, None if weight is None else weight.shape[0]))
+        if (weight is None or not weight.is_floating_point() or not hasattr(method, "apply")
+                or (group is not None and shard is None) or (group is None and end < int(ids[-1]) + 1)):
+            raise ValueError(VOCAB_SUBSET_NEEDS_PLAIN_HEAD)
         ids = ids.to(weight.device)
+        mine = ((ids >= start) & (ids < end)).nonzero().flatten()  # [n]: positions of this rank's ids
+        local = ids[mine] - start
         sub = torch.nn.Module()  # the head's rows of the draft vocabulary, as a layer of its own
-        sub.weight = torch.nn.Parameter(weight[ids].contiguous(), requires_grad=False)
+        sub.weight = torch.nn.Parameter(weight[local].contiguous(), requires_grad=False)
         bias = getattr(head, "bias", None)
-        sub.bias = None if bias is None else bias[ids].contiguous()
+        sub.bias = None if bias is None else bias[local].contiguous()
         # The head's own GEMM set-up for the new layer: on a CPU, vLLM swaps F.linear (5x slower
         # here for a few rows) for a prepacked oneDNN kernel; a GPU keeps its plain matmul.
-        if hasattr(method, "process_weights_after_loading"):
+        if local.numel() and hasattr(method, "process_weights_after_loading"):
             method.process_weights_after_loading(sub)
-        self._vocab_head = (sub, method, ids)
+        self._vocab_head = (sub, method, ids, None if group is None else (mine, group))
 
     def _subset_logits(self, model, hidden_states: Tensor) -> tuple[Tensor, Tensor]:
         """Draft logits [rows, N] over the checkpoint's draft vocabulary, and its target ids [N].
@@ -421,12 +432,21 @@ class DDTreeProposer(DFlashProposer):
         Replaces ``model.compute_logits`` (the shared target head, [rows, V]) for a drafter that
         ships ``draft_vocab.json``: the same logits on those ids (the head's rows, gathered at
         load into a layer with the head's own GEMM, then LogitsProcessor's soft cap and scale),
-        a matmul over N rows instead of V.
+        a matmul over N rows instead of V. Under tensor parallelism each rank computes its own ids'
+        columns and one all-reduce of [rows, N] assembles them (vLLM's head all-gathers [rows, V]).
         """
         if self._vocab_head is None:
             self._gather_vocab_head(model.lm_head)
-        sub, method, ids = self._vocab_head
-        logits = method.apply(sub, hidden_states.to(sub.weight.dtype), bias=sub.bias)
+        sub, method, ids, sharded = self._vocab_head
+        h = hidden_states.to(sub.weight.dtype)
+        if sharded is None:
+            logits = method.apply(sub, h, bias=sub.bias)
+        else:  # this rank's columns, zero elsewhere: the sum over ranks is every column exactly once
+            mine, group = sharded
+            logits = h.new_zeros(h.shape[0], ids.numel())
+            if mine.numel():
+                logits[:, mine] = method.apply(sub, h, bias=sub.bias)
+            logits = group.all_reduce(logits)
         lp = model.logits_processor
         if lp.soft_cap is not None:
             logits = torch.tanh(logits / lp.soft_cap) * lp.soft_cap

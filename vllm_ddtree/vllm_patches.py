@@ -471,12 +471,9 @@ def _reject_chain_only(spec: Any) -> None:
     _check_batch_size_schedule(spec)
     par = spec.target_parallel_config  # the layouts ddtree cannot run (vllm_ddtree.config), before vLLM's branch
     if par is not None:
-        from vllm_ddtree.drafter.io import load_draft_vocab
-
         spec.ddtree.check_parallelism(
             tensor_parallel_size=par.tensor_parallel_size, pipeline_parallel_size=par.pipeline_parallel_size,
-            draft_tensor_parallel_size=spec.draft_tensor_parallel_size,
-            vocab_subset=spec.ddtree.draft_vocab == "checkpoint" and load_draft_vocab(spec.model) is not None)
+            draft_tensor_parallel_size=spec.draft_tensor_parallel_size)
 
 
 def _default_drafter(spec: Any) -> str:

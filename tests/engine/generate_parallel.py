@@ -69,7 +69,8 @@ def rank_report(worker) -> dict | None:
     totals = verify._parallel_test_totals
     return {"compaction": {"steps": totals["steps"], "moved": int(totals["moved"]),
                            "checksum": int(totals["checksum"])},
-            "stats": drafter.stats.summary(), "live_timing": bool(drafter.live_timing)}
+            "stats": drafter.stats.summary(), "live_timing": bool(drafter.live_timing),
+            "draft_vocab_size": drafter.draft_vocab_size}
 
 
 if __name__ == "__main__":
