@@ -108,8 +108,8 @@ def valid(key: str, value, fixed: bool) -> bool:
             return value is None
         lo, hi = (0, 64) if key == "min_tree_budget" else (1, ROOM)
         return value is None or (_int(value) and lo <= value <= hi)
-    if key == "ngram_weight":
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+    if key == "ngram_weight":  # None: the platform's default
+        return value is None or isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
     if key == "ngram_order":
         return _int(value) and 2 <= value <= MAX_NGRAM_ORDER
     if key == "prompt_lookup_tokens":

@@ -382,13 +382,24 @@ def test_ddtree_config_defaults_and_corpus(tmp_path):
     cfg = DDTreeConfig()
     # The measured best on the toy pair: the automatic budget, free to choose no tree, with a lookup branch.
     assert (cfg.tree_budget, cfg.min_budget, cfg.max_budget, cfg.prompt_lookup_tokens) == ("auto", 0, 64, 8)
-    assert (cfg.ngram_weight, cfg.ngram_order, cfg.verify_width) == (0.2, 3, 72)
+    assert (cfg.ngram_weight, cfg.ngram_order, cfg.verify_width) == (None, 3, 72)
+    # n-gram rescoring by platform: on a CPU (and with a corpus anywhere), not on a GPU, where the engine
+    # runs the tree step op by op; a weight the user gave is kept on both, and so is the profile
+    assert cfg.with_platform_defaults(cpu=True).ngram_weight == 0.2
+    assert cfg.with_platform_defaults(cpu=False).ngram_weight == 0.0
+    assert DDTreeConfig(ngram_weight=0.5).with_platform_defaults(cpu=False).ngram_weight == 0.5
+    assert DDTreeConfig(ngram_weight=0).with_platform_defaults(cpu=True).ngram_weight == 0
+    assert cfg.with_platform_defaults(cpu=False).device_profile == "h100"
+    assert DDTreeConfig(device_profile="h200").with_platform_defaults(cpu=False).device_profile == "h200"
     assert DDTreeConfig(tree_budget=16).min_budget == 16
     from vllm_ddtree.tree.ngram import NGramCounts
 
     corpus = tmp_path / "c.pt"
     NGramCounts(3, 49152).save(corpus)  # read at configuration: order and vocabulary are checked
-    assert DDTreeConfig.from_mapping({"ngram_corpus": str(corpus)}).ngram_corpus == str(corpus)
+    with_corpus = DDTreeConfig.from_mapping({"ngram_corpus": str(corpus)})
+    assert with_corpus.ngram_corpus == str(corpus) and with_corpus.with_platform_defaults(cpu=False).ngram_weight == 0.2
+    with pytest.raises(ValueError, match=r"ngram_corpus is only read by n-gram rescoring"):
+        DDTreeConfig.from_mapping({"ngram_corpus": str(corpus), "ngram_weight": 0})
     assert cfg.with_drafter(16).drafter_width == 15
     with pytest.raises(ValueError, match=r"unknown ddtree option 'drafter_width'"):
         DDTreeConfig.from_mapping({"drafter_width": 3})  # resolved from the checkpoint, not a user key

@@ -8,7 +8,7 @@ A ddtree speculative config is vLLM's usual dict plus the keys below, all top-le
      "device_profile": "cpu"}
 
 ``{"method": "ddtree"}`` alone is the same as the first three lines with the model from
-:mod:`vllm_ddtree.drafters`: the defaults are the configuration that measured fastest on the toy pair
+:mod:`vllm_ddtree.drafters` (on a GPU ``ngram_weight`` is 0, see the field): the defaults are the configuration that measured fastest on the toy pair
 (``benchmarks/results/vllm_e2e_defaults.json``), chosen among fixed and automatic budgets with and
 without the prompt-lookup branch and the speculation gate.
 
@@ -36,6 +36,9 @@ from typing import Any, Literal
 
 #: Device profiles of the budget cost model (see ``vllm_ddtree.tree.budget.PROFILES``).
 DEVICE_PROFILES: tuple[str, ...] = ("cpu", "h100", "h200")
+
+#: ``ngram_weight`` where n-gram rescoring is on by default (a CPU, or an ``ngram_corpus`` given).
+DEFAULT_NGRAM_WEIGHT = 0.2
 
 #: Default cap on the tree size when ``tree_budget="auto"`` and no ``max_tree_budget`` is given.
 DEFAULT_MAX_TREE_BUDGET = 64
@@ -82,9 +85,13 @@ class DDTreeConfig:
     """Largest tree the budget controller may choose (``tree_budget="auto"`` only; default 64).
     This is the verify width vLLM reserves query rows and KV slots for."""
 
-    ngram_weight: float = 0.2
+    ngram_weight: float | None = None
     """Weight λ of the prefix-aligned n-gram score added to the drafter's log-probabilities
-    (PRESTO). ``0`` disables n-gram rescoring."""
+    (PRESTO). ``0`` disables n-gram rescoring. ``None`` (default): 0.2 on a CPU or with an
+    ``ngram_corpus``, 0 on a GPU, where the engine runs the tree step op by op and the rescoring's
+    table lookups (about 1,900 more ops per step) cost more time than its acceptance gains: on an
+    H100 the step's device work took 22.8 ms with it against 7.6 ms without, next to an 11.6 ms
+    Qwen3-8B verify forward (``benchmarks/results/gpu/h100.json``)."""
 
     ngram_order: int = 3
     """Order of the n-gram model (3 = two tokens of context). At least 2."""
@@ -178,7 +185,7 @@ class DDTreeConfig:
                 "lower min_tree_budget or raise max_tree_budget"
             )
         w = self.ngram_weight
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
+        if w is not None and (isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0):
             raise ValueError(
                 f"speculative_config: ngram_weight must be a number >= 0 and finite (0 disables n-gram rescoring), "
                 f"got {w!r}"
@@ -205,7 +212,7 @@ class DDTreeConfig:
                     f"speculative_config: ngram_corpus file {str(path)!r} does not exist; build one with "
                     "`vllm-ddtree build-ngram` or remove ngram_corpus to use the online n-gram model only"
                 )
-            if not self.ngram_enabled:  # the corpus only feeds the rescoring; the lookup branch reads online counts
+            if self.ngram_weight == 0:  # the corpus only feeds the rescoring; the lookup branch reads online counts
                 raise ValueError(
                     "speculative_config: ngram_corpus is only read by n-gram rescoring, which ngram_weight=0 turns "
                     "off; remove ngram_corpus or set ngram_weight > 0"
@@ -315,7 +322,8 @@ class DDTreeConfig:
 
     @property
     def ngram_enabled(self) -> bool:
-        return self.ngram_weight > 0
+        """Whether n-gram rescoring runs (``ngram_weight`` resolved; see `with_platform_defaults`)."""
+        return (self.ngram_weight or 0) > 0
 
     def with_drafter(self, block_size: int) -> DDTreeConfig:
         """A copy with ``drafter_width`` resolved from the drafter's ``block_size``."""
@@ -324,6 +332,14 @@ class DDTreeConfig:
     def with_device_profile(self, name: str) -> DDTreeConfig:
         """A copy with the cost-model profile filled in (when the user gave none)."""
         return self if self.device_profile is not None else dataclasses.replace(self, device_profile=name)
+
+    def with_platform_defaults(self, cpu: bool) -> DDTreeConfig:
+        """A copy with what depends on the platform filled in where the user gave nothing: the
+        cost-model profile, and ``ngram_weight`` (0.2 on a CPU or with a corpus, else 0)."""
+        out = self.with_device_profile("cpu" if cpu else "h100")
+        if out.ngram_weight is None:
+            out = dataclasses.replace(out, ngram_weight=DEFAULT_NGRAM_WEIGHT if cpu or out.ngram_corpus else 0.0)
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of every field (for logs and the config hash)."""

@@ -557,14 +557,11 @@ def _resolve_drafter(spec: Any, ddtree: DDTreeConfig) -> DDTreeConfig:
                     f"{DRAFT_VOCAB_FILE}, which narrows a shared full head: remove one of them, or set "
                     "\"draft_vocab\": \"full\" to ignore the file"
                 )
-    resolved = ddtree.with_drafter(int(block_size))
-    if resolved.device_profile is None:
-        from vllm.platforms import current_platform
+    from vllm.platforms import current_platform
 
-        # Only cpu and h100 are told apart here: asking for the GPU's name would initialise CUDA in
-        # the API process. H200 users set device_profile="h200".
-        resolved = resolved.with_device_profile("cpu" if current_platform.is_cpu() else "h100")
-    return resolved
+    # Only cpu and h100 are told apart here: asking for the GPU's name would initialise CUDA in the
+    # API process. H200 users set device_profile="h200".
+    return ddtree.with_drafter(int(block_size)).with_platform_defaults(cpu=current_platform.is_cpu())
 
 
 # ---- P6: VllmConfig -----------------------------------------------------------------------------
