@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import logging
 import math
 import os
 import platform
@@ -63,6 +64,7 @@ from vllm_ddtree.attention.tree_mask import (  # noqa: E402
     flashinfer_paged_plan,
     flashinfer_tree_wrapper,
     plan_flashinfer_tree_step,
+    prebuild_tree_kernels,
 )
 from vllm_ddtree.compaction import accepted_path_moves, move_slots_  # noqa: E402
 from vllm_ddtree.tree import (  # noqa: E402
@@ -432,6 +434,15 @@ def part_a_kernel(ctx: "Check") -> dict:
     os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 8))
     workspace = torch.empty(512 << 20, dtype=torch.uint8, device=ctx.device)
     results, bad = {"jit": build_kernels(ctx)}, []
+    # Every kernel the cases use must have been built by the start-up prebuild: FlashInfer logs each
+    # JIT build ("Building JIT module ..."); any during the cases is a kernel a verify step would build.
+    builds: list[str] = []
+    jit_log = logging.Handler()
+    jit_log.emit = lambda record: builds.append(record.getMessage()) if "Building JIT module" in record.getMessage() else None
+    logging.getLogger().addHandler(jit_log)
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("flashinfer"):
+            logging.getLogger(name).addHandler(jit_log)
     for dtype in (torch.bfloat16, torch.float16):
         dn = str(dtype).replace("torch.", "")
         t0 = time.perf_counter()
@@ -448,6 +459,11 @@ def part_a_kernel(ctx: "Check") -> dict:
             if not ok:
                 bad.append(f"{dn}/{name}")
         results[f"{dn}/cases_seconds"] = round(time.perf_counter() - t0, 1)
+    for name in [None, *[n for n in logging.root.manager.loggerDict if n.startswith("flashinfer")]]:
+        logging.getLogger(name).removeHandler(jit_log)
+    results["jit_builds_after_prebuild"] = sorted(set(builds))
+    if builds:
+        bad.append("prebuild_tree_kernels missed a kernel the cases built")
     timing = time_flashinfer(ctx, workspace)
     n = sum(isinstance(v, dict) and "ok" in v for v in results.values())
     return {"passed": not bad, "cases": results, "failed_cases": bad, "timing": timing,
@@ -465,16 +481,17 @@ def build_kernels(ctx: "Check") -> dict:
     errors: dict[str, str] = {}
 
     def build(dtype: torch.dtype) -> None:
-        try:
-            step = paged_step([Request("decode", 1, 20)], dtype, ctx.device, seed=0, with_oracle=False)
+        try:  # the engine's own start-up build (P14), with this check's head shape
             ws = torch.empty(64 << 20, dtype=torch.uint8, device=ctx.device)
-            run_flashinfer(step, step_plan(step), dtype, ws)
+            prebuild_tree_kernels(flashinfer_tree_wrapper(ws, "NHD"), kv_layout="NHD", device=ctx.device,
+                                  **plan_constants(dtype))
             torch.cuda.synchronize(ctx.device)
         except Exception as exc:  # noqa: BLE001 - reported; the cases retry
             errors[str(dtype)] = f"{type(exc).__name__}: {str(exc)[:300]}"
 
     t0 = time.perf_counter()
-    log(f"  a.kernel: FlashInfer JIT build, bf16 and fp16 at once (MAX_JOBS={os.environ.get('MAX_JOBS')})")
+    log(f"  a.kernel: FlashInfer JIT build by prebuild_tree_kernels, bf16 and fp16 at once "
+        f"(MAX_JOBS={os.environ.get('MAX_JOBS')})")
     threads = [threading.Thread(target=build, args=(dt,)) for dt in (torch.bfloat16, torch.float16)]
     for t in threads:
         t.start()

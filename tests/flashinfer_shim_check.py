@@ -31,17 +31,23 @@ from vllm_ddtree.tree import build_tree, compile_tree, topk_per_depth
 from vllm_ddtree.vllm_patches import gpu_tree_attention_backend
 
 PLAN = inspect.signature(flashinfer.BatchPrefillWithPagedKVCacheWrapper.plan)
+RUN = inspect.signature(flashinfer.BatchPrefillWithPagedKVCacheWrapper.run)
 
 
 class PlanRecorder:
-    """FlashInfer's prefill wrapper minus the kernels: plan() binds to the real signature."""
+    """FlashInfer's prefill wrapper minus the kernels: plan() and run() bind to the real signatures."""
 
     def __init__(self) -> None:
         self.planned: dict | None = None
+        self.ran: tuple | None = None
 
     def plan(self, **kwargs) -> None:
         PLAN.bind(self, **kwargs)  # TypeError on a keyword FlashInfer does not take, or a missing one
         self.planned = kwargs
+
+    def run(self, *args, **kwargs):
+        RUN.bind(self, *args, **kwargs)
+        self.ran = args
 
 
 def main() -> None:
@@ -57,6 +63,7 @@ def main() -> None:
     cfg.cache_config.kv_cache_layout = "LBNHC"  # what the engine core resolves before building metadata
     with set_current_vllm_config(cfg):  # as in the engine, where layers and builders are made and used
         check_verify_step(cfg)
+        check_start_up_build(cfg)
     print("shim ok", flashinfer.__version__)
 
 
@@ -111,6 +118,31 @@ def check_verify_step(cfg) -> None:
     offsets = _compute_page_mask_indptr(got["qo_indptr"], got["paged_kv_indptr"], got["paged_kv_last_page_len"], 16)
     assert offsets.tolist() == [0, *torch.cumsum(query_lens * seq_lens, 0).tolist()]
     assert int(offsets[-1]) == got["custom_mask"].numel()
+
+
+def check_start_up_build(cfg) -> None:
+    """P14's prebuild: one tree step planned with the builder's constants and run, for every distinct
+    kernel of the engine's layer groups, once each."""
+    from types import SimpleNamespace
+
+    from vllm_ddtree.vllm_patches import prebuild_tree_attention
+
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=3, head_size=64, dtype=torch.bfloat16)
+    name = "model.layers.0.self_attn.attn"  # the layer check_verify_step made
+    builders = [TreeFlashInferMetadataBuilder(spec, [name], cfg, torch.device("cpu")) for _ in range(2)]
+    for b in builders:
+        b._ddtree_wrapper = PlanRecorder()
+    stock = FlashInferMetadataBuilder(spec, [name], cfg, torch.device("cpu"))
+    groups = [SimpleNamespace(metadata_builders=[b]) for b in (*builders, stock)]
+    runner = SimpleNamespace(_attn_group_iterator=lambda: iter(groups))
+    assert prebuild_tree_attention(runner) == 1  # two groups, one kernel: the same constants
+    got = builders[0]._ddtree_wrapper.planned
+    assert got["causal"] is False and got["custom_mask"].tolist() == [True, True, False, True, True, True]
+    assert (got["num_qo_heads"], got["num_kv_heads"], got["head_dim_qk"], got["page_size"]) == (9, 3, 64, 16)
+    assert got["q_data_type"] == torch.bfloat16 and got["paged_kv_last_page_len"].tolist() == [3]
+    q, (k, v) = builders[0]._ddtree_wrapper.ran
+    assert q.shape == (2, 9, 64) and q.dtype == torch.bfloat16
+    assert k.shape == v.shape and k.shape in ((1, 16, 3, 64), (1, 3, 16, 64))
 
 
 if __name__ == "__main__":

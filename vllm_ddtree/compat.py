@@ -88,6 +88,8 @@ TARGETS: tuple[Target, ...] = tuple(
          "the same on a CPU")
     + _t("engine", "v1/worker/gpu_model_runner.py", "GPUModelRunner._dummy_run",
          "vLLM's dummy step, timed at start-up for the automatic budget")
+    + _t("engine", "v1/worker/gpu_model_runner.py", "GPUModelRunner._attn_group_iterator",
+         "the layer groups whose FlashInfer tree kernels are built at start-up")
     + _t("engine", "v1/spec_decode/dflash.py",
          "DFlashProposer, DFlashProposer.set_inputs_first_pass",
          "DDTreeProposer subclasses DFlashProposer and calls its first-pass input set-up")

@@ -826,9 +826,27 @@ def _patch_worker_warm_up() -> None:
     @functools.wraps(warm_up)
     def compile_or_warm_up_model(self):
         out = warm_up(self)
-        drafter = getattr(self.model_runner, "drafter", None)
-        if _is_ddtree(self.vllm_config) and hasattr(drafter, "calibrate_at_startup"):
-            drafter.calibrate_at_startup(self.model_runner)
+        if _is_ddtree(self.vllm_config):
+            prebuild_tree_attention(self.model_runner)
+            drafter = getattr(self.model_runner, "drafter", None)
+            if hasattr(drafter, "calibrate_at_startup"):
+                drafter.calibrate_at_startup(self.model_runner)
         return out
 
     _set(worker, "compile_or_warm_up_model", compile_or_warm_up_model)
+
+
+def prebuild_tree_attention(runner) -> int:
+    """FlashInfer's custom-mask kernels of every tree-verifying layer group built now (JIT, minutes
+    on first use), not on the first verify step; each distinct kernel once. Returns how many were
+    built (0 off CUDA: the CPU tree attention has nothing to build)."""
+    built: set = set()
+    for group in runner._attn_group_iterator():
+        for builder in group.metadata_builders:
+            # TreeFlashInferMetadataBuilder, by its method: importing it needs FlashInfer, which a CPU lacks
+            if hasattr(builder, "prebuild_tree_kernels"):
+                key = builder.prebuild_tree_kernels()
+                if key not in built:
+                    built.add(key)
+                    _logger().info("ddtree: FlashInfer tree-attention kernel built (%s)", dict(key)["q_data_type"])
+    return len(built)

@@ -17,6 +17,8 @@ What it replaces, and why (vLLM 0.32, v1/attention/backends/flashinfer.py):
   backend would replay from a FULL CUDA graph captured without the mask; ``plan()`` with a custom
   mask cannot be captured either. Verify steps therefore run attention eagerly between PIECEWISE
   graphs; steps without trees keep full decode graphs.
+- Start-up (``prebuild_tree_kernels``, called after vLLM's warm-up by P14): one dummy verify step is
+  planned and run, so FlashInfer's JIT build of the custom-mask kernel happens before serving.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from vllm_ddtree.attention.tree_mask import (
     flashinfer_paged_plan,
     flashinfer_tree_wrapper,
     plan_flashinfer_tree_step,
+    prebuild_tree_kernels,
     step_tree_masks_for,
 )
 
@@ -94,6 +97,18 @@ class TreeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
             prefill=FIPrefill(wrapper=wrapper),
             decode=None,
         )
+
+    def prebuild_tree_kernels(self) -> tuple:
+        """FlashInfer's JIT build of this layer group's custom-mask kernel, at start-up instead of on
+        the first verify step (`tree_mask.prebuild_tree_kernels`). Returns the constants' key, so a
+        caller builds each distinct kernel once."""
+        constants = dict(num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                         page_size=self.page_size, sm_scale=self.sm_scale, window_left=self.window_left,
+                         logits_soft_cap=self.logits_soft_cap, q_data_type=self.q_data_type_prefill,
+                         kv_data_type=self.kv_cache_dtype, o_data_type=self.model_config.dtype)
+        prebuild_tree_kernels(self._tree_wrapper(), kv_layout=get_flashinfer_layout_string(self.kv_cache_layout),
+                              device=self.device, **constants)
+        return tuple(sorted((k, str(v)) for k, v in constants.items()))
 
     def _tree_wrapper(self):
         """A prefill wrapper of our own: the stock causal and DFlash (non-causal) ones stay planned."""

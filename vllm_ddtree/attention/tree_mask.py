@@ -254,6 +254,29 @@ def plan_flashinfer_tree_step(wrapper, plan: FlashInferPagedPlan, *, num_qo_head
                  q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type)
 
 
+def prebuild_tree_kernels(wrapper, *, kv_layout: str, device: torch.device | str, **constants) -> None:
+    """Plan and run one verify step (a two-row tree after one cached token, one page) on zeros, so that
+    FlashInfer builds and loads the custom-mask prefill kernel of these constants now.
+
+    FlashInfer compiles its kernels on first use (nvcc, one module per dtype and head shape; a custom
+    mask forces its FA2 kernels, which vLLM's own FlashInfer prefill may never have needed): without
+    this the first verify step of a served request waits for that build, ~50 s on 16 cores for one
+    dtype. ``constants`` are those of `plan_flashinfer_tree_step`; ``kv_layout`` "NHD" or "HND".
+    """
+    page = constants["page_size"]
+    qsl = torch.tensor([0, 2], dtype=torch.int32)
+    masks = TreeStepMasks(has_tree=torch.tensor([True], device=device), num_rows=torch.tensor([2], device=device),
+                          ancestors=torch.tensor([[[True, False], [True, True]]], device=device))
+    plan = flashinfer_paged_plan(qsl, torch.tensor([3], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32,
+                                 device=device), page, True, masks)
+    plan_flashinfer_tree_step(wrapper, plan, **constants)
+    heads, kv_heads, hd = constants["num_qo_heads"], constants["num_kv_heads"], constants["head_dim"]
+    q = torch.zeros(2, heads, hd, dtype=constants["q_data_type"], device=device)
+    shape = (1, page, kv_heads, hd) if kv_layout == "NHD" else (1, kv_heads, page, hd)
+    k = torch.zeros(shape, dtype=constants["kv_data_type"], device=device)
+    wrapper.run(q, (k, torch.zeros_like(k)))
+
+
 def pack_tree_spec_mask(tree: TreeStepMasks, max_q: int) -> Tensor:
     """[sum(num_rows of tree requests), 2 * ceil(max_q / 32)] uint16: each tree row's bitmask over its
     request's new tokens (the tree rows), in the XQA speculative-decode layout (see module docstring).
