@@ -90,8 +90,8 @@ class DDTreeConfig:
     (PRESTO). ``0`` disables n-gram rescoring. ``None`` (default): 0.2 on a CPU or with an
     ``ngram_corpus``, 0 on a GPU, where the engine runs the tree step op by op and the rescoring's
     table lookups (about 1,900 more ops per step) cost more time than its acceptance gains: on an
-    H100 the step's device work took 22.8 ms with it against 7.6 ms without, next to an 11.6 ms
-    Qwen3-8B verify forward (``benchmarks/results/gpu/h100.json``)."""
+    H100 the step's device work took 41.0 ms with it against 13.5 ms without (another H100 machine:
+    22.8 / 7.6 ms), next to an 11.7 ms Qwen3-8B verify forward (``benchmarks/results/gpu/h100.json``)."""
 
     ngram_order: int = 3
     """Order of the n-gram model (3 = two tokens of context). At least 2."""
