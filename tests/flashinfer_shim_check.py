@@ -64,6 +64,7 @@ def main() -> None:
     with set_current_vllm_config(cfg):  # as in the engine, where layers and builders are made and used
         check_verify_step(cfg)
         check_start_up_build(cfg)
+        check_cudagraph_modes(cfg)
     print("shim ok", flashinfer.__version__)
 
 
@@ -143,6 +144,32 @@ def check_start_up_build(cfg) -> None:
     q, (k, v) = builders[0]._ddtree_wrapper.ran
     assert q.shape == (2, 9, 64) and q.dtype == torch.bfloat16
     assert k.shape == v.shape and k.shape in ((1, 16, 3, 64), (1, 3, 16, 64))
+
+
+def check_cudagraph_modes(cfg) -> None:
+    """vLLM's own resolution of CUDA-graph modes (CompilationConfig.resolve_cudagraph_mode_and_sizes, as
+    GPUModelRunner._check_and_update_cudagraph_mode calls it) for a GPU engine asking for vLLM's default
+    FULL_AND_PIECEWISE: with ddtree every step, the drafter's included, runs PIECEWISE graphs."""
+    from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode
+
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=3, head_size=64, dtype=torch.bfloat16)
+    tree = TreeFlashInferMetadataBuilder.get_cudagraph_support(cfg, spec)
+    stock = FlashInferMetadataBuilder.get_cudagraph_support(cfg, spec)
+    assert tree == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE, tree
+
+    def resolve(support, uniform_decode_query_len: int) -> CUDAGraphMode:
+        cc = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+                               splitting_ops=list(CompilationConfig._attention_ops))
+        return cc.resolve_cudagraph_mode_and_sizes(support, "FLASHINFER", uniform_decode_query_len)
+
+    # ddtree's uniform decode is a full tree: 1 + verify width tokens per request
+    width = cfg.speculative_config.num_speculative_tokens
+    assert width == cfg.speculative_config.ddtree.verify_width > 1
+    assert resolve(tree, 1 + width) == CUDAGraphMode.PIECEWISE
+    # what downgrades it is a multi-token uniform decode with single-token support: the same support
+    # keeps FULL decode graphs without speculation
+    assert resolve(tree, 1) == CUDAGraphMode.FULL_AND_PIECEWISE
+    assert resolve(stock, 1) == CUDAGraphMode.FULL_AND_PIECEWISE
 
 
 if __name__ == "__main__":

@@ -15,8 +15,11 @@ What it replaces, and why (vLLM 0.32, v1/attention/backends/flashinfer.py):
 - ``FlashInferMetadataBuilder.get_cudagraph_support`` (:1036): capped at single-token decode. A
   step whose trees all fill the budget is a uniform batch of 1 + budget tokens, which the stock
   backend would replay from a FULL CUDA graph captured without the mask; ``plan()`` with a custom
-  mask cannot be captured either. Verify steps therefore run attention eagerly between PIECEWISE
-  graphs; steps without trees keep full decode graphs.
+  mask cannot be captured either. vLLM's mode resolution then turns FULL_AND_PIECEWISE into
+  PIECEWISE for the whole engine, the drafter included (a uniform decode of 1 + verify width tokens
+  with single-token support; ``tests/flashinfer_shim_check.py`` runs it): attention runs eagerly
+  between piecewise graphs on every step. Where the stock backend itself reports single-token support
+  (its native decode: what vLLM 0.32 reports for this config), vLLM's DFlash chain resolves the same.
 - Start-up (``prebuild_tree_kernels``, called after vLLM's warm-up by P14): one dummy verify step is
   planned and run, so FlashInfer's JIT build of the custom-mask kernel happens before serving.
 """
