@@ -12,7 +12,8 @@ leaves the GPU idle. Neither shows as time on a CPU, so this counts them, on the
   batch 1/8/64/256 x budget 8/64/auto x n-gram rescoring on/off x lookup branch on/off. The
   functions run against a stand-in runner with exactly the attributes vLLM 0.32's GPUModelRunner
   gives them (as in tests/test_engine_step_on_device.py).
-  * ``device_ops``: aten ops with at least one device operand (a ``TorchDispatchMode`` counter);
+  * ``device_ops``: aten ops with at least one device operand (a ``TorchDispatchMode`` counter),
+    and every op of the n-gram model (its tables live on the drafter's device in an engine);
     ``host_ops``: aten ops on host tensors only (on a GPU: host time, no launch).
   * ``host_copies``: reads of device data on the host (``.tolist()``, ``.item()``, ``.cpu()``,
     ``int()``... of a tensor derived from device data), counted by a tensor subclass that marks the
@@ -101,8 +102,26 @@ def device(t: torch.Tensor) -> torch.Tensor:
     return t.as_subclass(DeviceData) if MARK[0] else t
 
 
+#: tree/ngram.py functions that work on host tensors in an engine too (the step's new tokens, from
+#: host lists, cut into windows before one copy to the tables' device)
+NGRAM_HOST_SIDE = {"windows_of", "observe_batch"}
+
+
+def in_ngram_tables() -> bool:
+    """Whether the op was called by the n-gram model on its tables: they live on the drafter's device
+    in an engine (NGramModel(device=...)) but on the host here, so their ops carry no DeviceData
+    operand. Decided by the innermost tree/ngram.py function on the stack."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(os.path.join("tree", "ngram.py")):
+            return frame.f_code.co_name not in NGRAM_HOST_SIDE
+        frame = frame.f_back
+    return False
+
+
 class OpCounter(TorchDispatchMode):
-    """Counts aten ops: those with a device operand (`device_ops`) and the rest (`host_ops`)."""
+    """Counts aten ops: those with a device operand or on the n-gram tables (`device_ops`) and the
+    rest (`host_ops`)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -110,7 +129,7 @@ class OpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         flat, _ = tree_flatten((args, kwargs or {}))
-        if any(isinstance(a, DeviceData) for a in flat):
+        if any(isinstance(a, DeviceData) for a in flat) or in_ngram_tables():
             self.device_ops += 1
         else:
             self.host_ops += 1

@@ -1,8 +1,9 @@
 """The step's device work does not grow with the batch, and it reads device data on the host once.
 
 Runs the product's own step functions (the tree part of `DDTreeProposer.propose`, `prepare_tree_step`,
-`sample_tree_step`) through benchmarks/step_overhead.py's counters: aten ops with a device operand,
-and every host read of data a GPU would hold (a tensor subclass marks it), on a stand-in runner.
+`sample_tree_step`) through benchmarks/step_overhead.py's counters: aten ops with a device operand
+or on the n-gram tables, and every host read of data a GPU would hold (a tensor subclass marks it),
+on a stand-in runner.
 """
 
 import sys
@@ -24,11 +25,19 @@ def count(batch: int, budget, ngram: bool, lookup: int) -> dict:
         return step_overhead.one_step(step_overhead.product(), batch, budget, ngram, lookup, VOCAB, LAYERS, 0, True)
 
 
-@pytest.mark.parametrize("budget", [8, 64])
-def test_device_ops_do_not_grow_with_the_batch(budget):
-    """No loop over requests or nodes on the device: the same ops at 1, 8 and 32 requests."""
-    ops = {batch: count(batch, budget, False, 0)["device_ops"] for batch in (1, 8, 32)}
+@pytest.mark.parametrize("budget, ngram, lookup", [(8, False, 0), (64, False, 0), ("auto", False, 8), ("auto", True, 8)])
+def test_device_ops_do_not_grow_with_the_batch(budget, ngram, lookup):
+    """No loop over requests or nodes on the device: the same ops at 1, 8 and 32 requests, the n-gram
+    tables' ops (merge, lookups) included."""
+    ops = {batch: count(batch, budget, ngram, lookup)["device_ops"] for batch in (1, 8, 32)}
     assert len(set(ops.values())) == 1, ops
+
+
+def test_the_n_gram_tables_ops_are_device_ops():
+    """The tables live on the drafter's device in an engine: their merge and lookups are counted as
+    device ops (the step's new tokens are cut into windows on the host, which is not)."""
+    without, with_lookup = count(8, "auto", False, 0), count(8, "auto", False, 8)
+    assert with_lookup["device_ops"] > without["device_ops"] + 100, (without, with_lookup)
 
 
 @pytest.mark.parametrize("ngram, lookup, reads", [(False, 0, 1), (False, 8, 2), (True, 0, 2)])
