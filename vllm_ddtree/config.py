@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-#: Device profiles of the budget cost model (see ``vllm_ddtree.tree.budget.PROFILES``).
+#: Device profiles of the budget cost model (see ``vllm_ddtree.tree.cost.PROFILES``).
 DEVICE_PROFILES: tuple[str, ...] = ("cpu", "h100", "h200")
 
 #: ``ngram_weight`` where n-gram rescoring is on by default (a CPU, or an ``ngram_corpus`` given).

@@ -3,25 +3,11 @@
 No vLLM imports here: the same code serves the reference decoder, the CPU engine and the GPU path.
 """
 
-from .budget import (
-    PROFILES,
-    AcceptanceCalibration,
-    AutoBudget,
-    BudgetPlan,
-    CostCalibration,
-    CostModel,
-    DeviceProfile,
-    LookupCalibration,
-    ModelShape,
-    SpeculationGate,
-    allocate_batch,
-    batch_estimate,
-    choose_budgets,
-    get_profile,
-    node_gains,
-    path_gains,
-    roofline_seconds,
-)
+from .acceptance import AcceptanceCalibration, LookupCalibration
+from .allocate import BudgetPlan, allocate_batch, batch_estimate, choose_budgets, node_gains, path_gains
+from .budget import AutoBudget
+from .cost import PROFILES, CostCalibration, CostModel, DeviceProfile, ModelShape, get_profile, roofline_seconds
+from .gate import SpeculationGate
 from .build import (
     NO_PARENT,
     DraftTree,
