@@ -18,7 +18,6 @@ series summed, histograms as {"count", "sum"}], "ddtree": [per spec: the tree pr
 the scheduler and cache settings the engine resolved]}.
 """
 
-import argparse
 import gc
 import json
 
@@ -94,12 +93,7 @@ if __name__ == "__main__":
 
     from vllm_ddtree.models.target import prepare_target
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("out")
-    ap.add_argument("specs", nargs="+")
-    ap.add_argument("--engine", default="{}")
-    ap.add_argument("--sampling", default='{"temperature": 0, "max_tokens": 40}')
-    ap.add_argument("--repeat", type=int, default=0)
+    ap = generate_spec.helper_parser()
     ap.add_argument("--prompts", default=None)
     ap.add_argument("--prefix", default="")
     ap.add_argument("--distort", default=None)
@@ -115,8 +109,7 @@ if __name__ == "__main__":
     if args.distort:
         distort_index, distort_t = int(args.distort.split(":")[0]), float(args.distort.split(":")[1])
     sampling = SamplingParams(**json.loads(args.sampling))
-    engine = dict(dtype="float32", max_model_len=1024, enforce_eager=True, seed=0, max_num_batched_tokens=256,
-                  disable_log_stats=False) | json.loads(args.engine)
+    engine = generate_spec.engine_kwargs(args)
     result = {k: [] for k in ("outputs", "prompt_tokens", "cached_tokens", "metrics", "ddtree", "config")}
     for i, arg in enumerate(args.specs):
         spec = None if arg == "none" else json.loads(arg)

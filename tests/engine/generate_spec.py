@@ -51,17 +51,29 @@ def ddtree_summary(llm) -> dict | None:
     return drafter.stats.summary() | drafter.budget_summary() | {"draft_vocab_size": drafter.draft_vocab_size}
 
 
-if __name__ == "__main__":
-    from vllm import LLM, SamplingParams
-
-    from vllm_ddtree.models.target import prepare_target
-
+def helper_parser() -> argparse.ArgumentParser:
+    """The arguments every generation helper takes: OUT, SPEC_JSON..., --engine, --sampling, --repeat."""
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("specs", nargs="+")
     ap.add_argument("--engine", default="{}")
     ap.add_argument("--sampling", default='{"temperature": 0, "max_tokens": 40}')
     ap.add_argument("--repeat", type=int, default=0)
+    return ap
+
+
+def engine_kwargs(args) -> dict:
+    """LLM(...) keyword arguments: the helpers' float32 test engine, updated by --engine."""
+    return dict(dtype="float32", max_model_len=1024, enforce_eager=True, seed=0, max_num_batched_tokens=256,
+                disable_log_stats=False) | json.loads(args.engine)
+
+
+if __name__ == "__main__":
+    from vllm import LLM, SamplingParams
+
+    from vllm_ddtree.models.target import prepare_target
+
+    ap = helper_parser()
     ap.add_argument("--requests", default=None)
     ap.add_argument("--gate-closed", type=int, default=None)
     ap.add_argument("--vllm-k0", type=int, default=None)
@@ -73,8 +85,7 @@ if __name__ == "__main__":
         reqs = json.loads(args.requests)
         prompts = [PROMPTS[i] for i, _ in reqs]
         sampling = [SamplingParams(**kw) for _, kw in reqs]
-    engine = dict(dtype="float32", max_model_len=1024, enforce_eager=True, seed=0, max_num_batched_tokens=256,
-                  disable_log_stats=False) | json.loads(args.engine)
+    engine = engine_kwargs(args)
     result = {"outputs": [], "metrics": [], "logprobs": [], "ddtree": [], "finish": []}
     for i, arg in enumerate(args.specs):
         spec = None if arg == "none" else json.loads(arg)
