@@ -137,6 +137,7 @@ def check_start_up_build(cfg) -> None:
     groups = [SimpleNamespace(metadata_builders=[b]) for b in (*builders, stock)]
     runner = SimpleNamespace(_attn_group_iterator=lambda: iter(groups))
     assert prebuild_tree_attention(runner) == 1  # two groups, one kernel: the same constants
+    assert builders[1]._ddtree_wrapper.planned is None  # built once, not once per group
     got = builders[0]._ddtree_wrapper.planned
     assert got["causal"] is False and got["custom_mask"].tolist() == [True, True, False, True, True, True]
     assert (got["num_qo_heads"], got["num_kv_heads"], got["head_dim_qk"], got["page_size"]) == (9, 3, 64, 16)

@@ -101,17 +101,19 @@ class TreeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
             decode=None,
         )
 
-    def prebuild_tree_kernels(self) -> tuple:
+    def tree_kernel_constants(self) -> dict:
+        """This layer group's constants of `plan_flashinfer_tree_step` (as `build` passes them) and its
+        cache layout: what selects FlashInfer's custom-mask kernel."""
+        return dict(num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                    page_size=self.page_size, sm_scale=self.sm_scale, window_left=self.window_left,
+                    logits_soft_cap=self.logits_soft_cap, q_data_type=self.q_data_type_prefill,
+                    kv_data_type=self.kv_cache_dtype, o_data_type=self.model_config.dtype,
+                    kv_layout=get_flashinfer_layout_string(self.kv_cache_layout))
+
+    def prebuild_tree_kernels(self) -> None:
         """FlashInfer's JIT build of this layer group's custom-mask kernel, at start-up instead of on
-        the first verify step (`tree_mask.prebuild_tree_kernels`). Returns the constants' key, so a
-        caller builds each distinct kernel once."""
-        constants = dict(num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                         page_size=self.page_size, sm_scale=self.sm_scale, window_left=self.window_left,
-                         logits_soft_cap=self.logits_soft_cap, q_data_type=self.q_data_type_prefill,
-                         kv_data_type=self.kv_cache_dtype, o_data_type=self.model_config.dtype)
-        prebuild_tree_kernels(self._tree_wrapper(), kv_layout=get_flashinfer_layout_string(self.kv_cache_layout),
-                              device=self.device, **constants)
-        return tuple(sorted((k, str(v)) for k, v in constants.items()))
+        the first verify step (`tree_mask.prebuild_tree_kernels`)."""
+        prebuild_tree_kernels(self._tree_wrapper(), device=self.device, **self.tree_kernel_constants())
 
     def _tree_wrapper(self):
         """A prefill wrapper of our own: the stock causal and DFlash (non-causal) ones stay planned."""

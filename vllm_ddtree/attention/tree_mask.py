@@ -260,8 +260,8 @@ def prebuild_tree_kernels(wrapper, *, kv_layout: str, device: torch.device | str
 
     FlashInfer compiles its kernels on first use (nvcc, one module per dtype and head shape; a custom
     mask forces its FA2 kernels, which vLLM's own FlashInfer prefill may never have needed): without
-    this the first verify step of a served request waits for that build, ~50 s on 16 cores for one
-    dtype. ``constants`` are those of `plan_flashinfer_tree_step`; ``kv_layout`` "NHD" or "HND".
+    this the first verify step of a served request waits for that build (46-52 s for bf16 and fp16
+    together on 16 cores, in the GPU check). ``constants`` are those of `plan_flashinfer_tree_step`; ``kv_layout`` "NHD" or "HND".
     """
     page = constants["page_size"]
     qsl = torch.tensor([0, 2], dtype=torch.int32)
