@@ -9,7 +9,9 @@ ddtree with `"tree_budget": "auto", "min_tree_budget": 0` whose speculation gate
 vLLM's own K = 0 drafter pass (`DDTreeProposer.vllm_k0_pass`: the drafter's forward too, its output
 discarded) instead of the context pass alone. Medians per step of `GPUModelRunner.execute_model`
 (the forward), `sample_tokens` (sampling, and the drafter's K = 0 pass, timed alone as `drafter_k0`)
-and tokens/s of the whole generate().
+and tokens/s of the whole generate(). `--profile N`: afterwards, N more tokens per request under
+torch.profiler; each engine's six costliest ops by self CPU time, in milliseconds per decode step
+(`profile_ms_per_step`: where an undrafted step's extra time goes).
 """
 
 from __future__ import annotations
@@ -30,10 +32,41 @@ def close_gate(llm) -> None:
     drafter.auto.gate.ar_seconds = {r: [1e-6] for r in range(1, 257)}
 
 
+def profile_ops(llm, prompts: list[str], tokens: int, top: int = 6) -> dict[str, float]:
+    """The `top` ops by self CPU time per decode step (ms) over a generate() of `tokens` more tokens:
+    profiled from the first step that schedules one token per request (the prefill left out) on."""
+    from torch.profiler import ProfilerActivity, profile
+    from vllm import SamplingParams
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    prof, decode_steps = profile(activities=[ProfilerActivity.CPU]), [0]
+    forward = GPUModelRunner.execute_model
+
+    def counted(self, scheduler_output, *a, **kw):
+        if scheduler_output.total_num_scheduled_tokens == len(scheduler_output.num_scheduled_tokens) > 0:
+            if decode_steps[0] == 0:
+                prof.start()
+            decode_steps[0] += 1
+        return forward(self, scheduler_output, *a, **kw)
+
+    GPUModelRunner.execute_model = counted
+    try:
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True), use_tqdm=False)
+    finally:
+        GPUModelRunner.execute_model = forward
+        if decode_steps[0]:
+            prof.stop()
+    if not decode_steps[0]:
+        return {}
+    ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return {e.key: round(e.self_cpu_time_total / 1e3 / decode_steps[0], 2) for e in ops}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--batch", type=int, default=1, help="requests decoded together (HumanEval prompts when > 1)")
+    ap.add_argument("--profile", type=int, default=0, help="then profile this many more tokens per request")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # to reach the proposer
@@ -86,6 +119,8 @@ def main() -> None:
         secs = time.perf_counter() - t
         row = {"engine": name, "batch": args.batch, "tokens_per_s": sum(len(o.outputs[0].token_ids) for o in out) / secs}
         row |= {f"{k}_ms": 1e3 * statistics.median(v) for k, v in times.items() if v}
+        if args.profile:
+            row["profile_ms_per_step"] = profile_ops(llm, prompt, args.profile)
         rows.append(row)
         print(row)
         del llm
