@@ -88,10 +88,11 @@ class DDTreeConfig:
     ngram_weight: float | None = None
     """Weight λ of the prefix-aligned n-gram score added to the drafter's log-probabilities
     (PRESTO). ``0`` disables n-gram rescoring. ``None`` (default): 0.2 on a CPU or with an
-    ``ngram_corpus``, 0 on a GPU, where the engine runs the tree step op by op and the rescoring's
-    table lookups (about 1,900 more ops per step) cost more time than its acceptance gains: on an
-    H100 the step's device work took 41.0 ms with it against 13.5 ms without (another H100 machine:
-    22.8 / 7.6 ms), next to an 11.7 ms Qwen3-8B verify forward (``benchmarks/results/gpu/h100.json``)."""
+    ``ngram_corpus``, 0 on a GPU, where the engine runs the tree step op by op: the rescoring's
+    table lookups (1,100-2,100 more device ops per step, ``benchmarks/results/step_overhead.json``)
+    took the step's device work from 13.5 to 41.0 ms on an H100 (8.4 to 24.5 ms on an H200,
+    ``benchmarks/results/gpu/``), more than the whole Qwen3-8B verify forward (11.7 ms), for 11-14%
+    more τ at budget 64 in the exact replays (the drafter's model card)."""
 
     ngram_order: int = 3
     """Order of the n-gram model (3 = two tokens of context). At least 2."""
