@@ -6,10 +6,14 @@ run in the order of `PARTS`):
              nodes, a causal prefill chunk, single-token decodes, trees across page boundaries, a tree
              that is the whole KV) against the tree core's own masks, FlashInfer's mask offsets, plan()'s
              signature, and a paged read of vLLM's FlashInfer cache layout against float32 SDPA. Any device.
+             Also the split plan vLLM's builder makes (`flashinfer_split_plan`: requests up to the last
+             tree masked, the prefill chunks after them causal).
   a.kernel   The same batches through FlashInfer's paged prefill with the custom mask, planned as vLLM's
              builder plans it (`plan_flashinfer_tree_step`), bf16 and fp16, Qwen3-8B heads, page 16,
              against float32 SDPA; the tolerance is the same kernel's error on a causal batch of the same
-             data. Timing: custom-mask vs causal plan + run. CUDA only.
+             data; and as the builder runs a step, split: the masked part, then the causal part on the
+             kernel vLLM's own prefill uses (`backend="auto"`). Timing: custom-mask vs causal plan + run,
+             and a prefill chunk beside trees in one masked plan vs split. CUDA only.
   b.pipeline The tree step's device work: top-k -> build (plain, n-gram scored, with the lookup branch)
              -> automatic budget -> compile -> walk -> compaction plan, against the heap builder, a host
              walk and host moves; on CUDA also equal to the same step run on the CPU. Eager step time.
@@ -61,8 +65,11 @@ import torch.nn.functional as F  # noqa: E402
 from vllm_ddtree.attention.tree_mask import (  # noqa: E402
     FlashInferPagedPlan,
     TreeStepMasks,
+    FlashInferSplitPlan,
     flashinfer_paged_plan,
+    flashinfer_split_plan,
     flashinfer_tree_wrapper,
+    plan_flashinfer_causal_step,
     plan_flashinfer_tree_step,
     prebuild_tree_kernels,
 )
@@ -222,6 +229,10 @@ def attention_cases(scale: float) -> dict[str, list[Request]]:
         "trees_across_pages": [tree_request(n, ctx, 10 + i) for i, (n, ctx) in
                                enumerate([(64, 15), (64, 16), (64, 17), (31, 1), (15, c(2000) + 9), (128, 8)])],
         "decodes_then_tree": [Request("decode", 1, c(300) + i) for i in range(4)] + [tree_request(15, 31, 20)],
+        # as vLLM orders a step at ddtree's reorder threshold: decodes and trees, then prefill chunks
+        "trees_then_prefill": [Request("decode", 1, c(500)), tree_request(15, c(300), 30), Request("decode", 1, 40),
+                               tree_request(64, c(1000) + 5, 31), Request("decode", 1, c(700)),
+                               Request("prefill", 300, c(2000)), Request("prefill", 200, 0)],
     }
 
 
@@ -232,8 +243,9 @@ def step_masks(reqs: list[Request]) -> TreeStepMasks:
     for i, r in enumerate(reqs):
         if r.tree is not None:
             anc[i, : r.q, : r.q] = r.tree.ancestors[0, : r.q, : r.q]
-    return TreeStepMasks(has_tree=torch.tensor([r.tree is not None for r in reqs]),
-                         num_rows=torch.tensor([r.q if r.tree is not None else 0 for r in reqs]), ancestors=anc)
+    has_tree = torch.tensor([r.tree is not None for r in reqs])
+    return TreeStepMasks(has_tree=has_tree, num_rows=torch.tensor([r.q if r.tree is not None else 0 for r in reqs]),
+                         ancestors=anc, has_tree_cpu=has_tree)
 
 
 def oracle_mask(req: Request, tree_masks: bool = True) -> torch.Tensor:
@@ -311,22 +323,27 @@ def oracle_attention(step: PagedStep, tree_masks: bool = True) -> torch.Tensor:
     return torch.cat(outs)
 
 
-def paged_read_like_flashinfer(step: PagedStep, plan: FlashInferPagedPlan) -> torch.Tensor:
-    """FlashInfer's paged prefill with a custom mask as its plan()/run() document it, in float32 torch:
-    request r's KV is its pages in `paged_kv_indices` order, all full but the last
-    (`paged_kv_last_page_len` tokens), read from the layer cache's logical view; its mask block starts
-    at the cumulative q * kv that FlashInfer derives from those, row-major [q, kv]."""
+def paged_read_like_flashinfer(step: PagedStep, plan: FlashInferPagedPlan, q: torch.Tensor | None = None) -> torch.Tensor:
+    """FlashInfer's paged prefill with a custom mask (or a causal plan) as its plan()/run() document it,
+    in float32 torch, for queries `q` (default: the step's): request r's KV is its pages in
+    `paged_kv_indices` order, all full but the last (`paged_kv_last_page_len` tokens), read from the
+    layer cache's logical view; its mask block starts at the cumulative q * kv that FlashInfer derives
+    from those, row-major [q, kv]; a causal plan aligns the queries to the KV's end."""
+    q = step.q if q is None else q
     qo, ind, last = plan.qo_indptr.long(), plan.paged_kv_indptr.long(), plan.paged_kv_last_page_len.long()
     kv_lens = (ind[1:] - ind[:-1] - 1) * PAGE + last
     offsets = torch.zeros_like(qo)
     offsets[1:] = torch.cumsum((qo[1:] - qo[:-1]) * kv_lens, 0)
-    out = torch.empty(step.q.shape, dtype=torch.float32, device=step.q.device)
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     for r in range(len(qo) - 1):
         pages = plan.paged_kv_indices[ind[r] : ind[r + 1]].long()
         kv, n = int(kv_lens[r]), int(qo[r + 1] - qo[r])
         tokens = step.cache[pages].transpose(1, 2).reshape(-1, HKV, 2 * HD)[:kv].float()  # [kv, HKV, 2 * HD]
-        mask = plan.custom_mask[offsets[r] : offsets[r + 1]].view(n, kv)
-        out[qo[r] : qo[r + 1]] = sdpa(step.q[qo[r] : qo[r + 1]], tokens[..., :HD], tokens[..., HD:], mask, HD ** -0.5)
+        if plan.custom_mask is None:
+            mask = torch.arange(kv, device=q.device)[None, :] <= kv - n + torch.arange(n, device=q.device)[:, None]
+        else:
+            mask = plan.custom_mask[offsets[r] : offsets[r + 1]].view(n, kv)
+        out[qo[r] : qo[r + 1]] = sdpa(q[qo[r] : qo[r + 1]], tokens[..., :HD], tokens[..., HD:], mask, HD ** -0.5)
     return out
 
 
@@ -336,6 +353,26 @@ def step_plan(step: PagedStep, tree: bool = True) -> FlashInferPagedPlan:
     masks = step.masks
     on_dev = TreeStepMasks(masks.has_tree.to(dev), masks.num_rows.to(dev), masks.ancestors.to(dev))
     return flashinfer_paged_plan(step.qsl, step.seq_lens, step.block_table, PAGE, True, on_dev if tree else None)
+
+
+def step_split(step: PagedStep) -> FlashInferSplitPlan:
+    """The split plan vLLM's builder makes for this step: masked up to the last tree, causal after."""
+    dev = step.block_table.device
+    masks = step.masks
+    on_dev = TreeStepMasks(masks.has_tree.to(dev), masks.num_rows.to(dev), masks.ancestors.to(dev),
+                           has_tree_cpu=masks.has_tree_cpu)
+    return flashinfer_split_plan(step.qsl, step.seq_lens, step.block_table, PAGE, True, on_dev)
+
+
+def split_read_like_flashinfer(step: PagedStep, split: FlashInferSplitPlan) -> torch.Tensor:
+    """`paged_read_like_flashinfer` of the split's two plans, the causal one on the queries after the masked."""
+    t = split.num_tree_tokens
+    parts = []
+    if split.tree is not None:
+        parts.append(paged_read_like_flashinfer(step, split.tree, step.q[:t]))
+    if split.causal is not None:
+        parts.append(paged_read_like_flashinfer(step, split.causal, step.q[t:]))
+    return torch.cat(parts)
 
 
 def flashinfer_module():
@@ -381,7 +418,15 @@ def part_a_plan(ctx: "Check") -> dict:
                                if r.tree is not None and r.q > 2])
         causal = oracle_attention(step, tree_masks=False)
         rec["tree_mask_effect"] = float((want[tree_rows] - causal[tree_rows]).abs().max())  # the masks matter
-        ok = (mask_ok and rec["paged_read_max_abs_err"] < 1e-4 and rec["tree_mask_effect"] > 1e-2
+        split = step_split(step)
+        last_tree = max(i for i, r in enumerate(reqs) if r.tree is not None)
+        rec["split_masked_requests"] = split.num_tree_reqs
+        rec["split_mask_elements"] = 0 if split.tree is None else int(split.tree.custom_mask.numel())
+        split_ok = (split.num_tree_reqs == last_tree + 1 and rec["split_mask_elements"]
+                    == sum(r.q * (r.ctx + r.q) for r in reqs[: last_tree + 1]))
+        rec["split_read_max_abs_err"] = float((split_read_like_flashinfer(step, split) - want).abs().max())
+        ok = (mask_ok and split_ok and rec["paged_read_max_abs_err"] < 1e-4 and rec["tree_mask_effect"] > 1e-2
+              and rec["split_read_max_abs_err"] < 1e-4
               and rec.get("flashinfer_mask_offsets_match", True) and rec.get("plan_signature_binds", True))
         if not ok:
             bad.append(name)
@@ -423,6 +468,25 @@ def run_flashinfer(step: PagedStep, plan: FlashInferPagedPlan, dtype: torch.dtyp
     return wrapper.run(step.q, kv, k_scale=1.0, v_scale=1.0)
 
 
+def run_split_flashinfer(step: PagedStep, split: FlashInferSplitPlan, dtype: torch.dtype,
+                         workspace: torch.Tensor) -> torch.Tensor:
+    """A step as vLLM's builder and FlashInferImpl.forward run it split: the masked plan on the first
+    `num_tree_tokens` queries, the causal plan (planned as vLLM plans its own prefill, `backend="auto"`:
+    FA3 where FlashInfer has it) on the rest."""
+    kv = step.cache.permute(0, 2, 1, 3).split(HD, dim=-1)
+    t = split.num_tree_tokens
+    out = torch.empty_like(step.q)
+    if split.tree is not None:
+        tree_w = flashinfer_tree_wrapper(workspace, "NHD")
+        plan_flashinfer_tree_step(tree_w, split.tree, **plan_constants(dtype))
+        tree_w.run(step.q[:t], kv, k_scale=1.0, v_scale=1.0, out=out[:t])
+    if split.causal is not None:
+        causal_w = flashinfer_tree_wrapper(workspace, "NHD")
+        plan_flashinfer_causal_step(causal_w, split.causal, **plan_constants(dtype))
+        causal_w.run(step.q[t:], kv, k_scale=1.0, v_scale=1.0, out=out[t:])
+    return out
+
+
 def part_a_kernel(ctx: "Check") -> dict:
     """FlashInfer's kernels against the float32 oracle, bf16 and fp16; then custom-mask vs causal timing."""
     fi = flashinfer_module()
@@ -454,8 +518,11 @@ def part_a_kernel(ctx: "Check") -> dict:
             control_out = run_flashinfer(step, step_plan(step, tree=False), dtype, workspace, tree=False).float()
             control = float((control_out - oracle_attention(step, tree_masks=False)).abs().max())
             tol = 2 * control + 1e-4
-            ok = err <= tol and math.isfinite(err)
-            results[f"{dn}/{name}"] = {"max_abs_err": err, "causal_control_err": control, "tolerance": tol, "ok": ok}
+            split_err = float((run_split_flashinfer(step, step_split(step), dtype, workspace).float()
+                               - oracle_attention(step)).abs().max())
+            ok = err <= tol and math.isfinite(err) and split_err <= tol and math.isfinite(split_err)
+            results[f"{dn}/{name}"] = {"max_abs_err": err, "split_max_abs_err": split_err,
+                                       "causal_control_err": control, "tolerance": tol, "ok": ok}
             if not ok:
                 bad.append(f"{dn}/{name}")
         results[f"{dn}/cases_seconds"] = round(time.perf_counter() - t0, 1)
@@ -465,8 +532,9 @@ def part_a_kernel(ctx: "Check") -> dict:
     if builds:
         bad.append("prebuild_tree_kernels missed a kernel the cases built")
     timing = time_flashinfer(ctx, workspace)
+    mixed_timing = time_mixed_step(ctx, workspace)
     n = sum(isinstance(v, dict) and "ok" in v for v in results.values())
-    return {"passed": not bad, "cases": results, "failed_cases": bad, "timing": timing,
+    return {"passed": not bad, "cases": results, "failed_cases": bad, "timing": timing, "mixed_timing": mixed_timing,
             "flashinfer": fi.__version__,
             "summary": f"{n - len(bad)}/{n} cases within the causal control" + (f"; FAILED {', '.join(bad)}" if bad else "")
                        + f"; JIT {results['jit'].get('seconds')} s"}
@@ -484,7 +552,7 @@ def build_kernels(ctx: "Check") -> dict:
         try:  # the engine's own start-up build (P14), with this check's head shape
             ws = torch.empty(64 << 20, dtype=torch.uint8, device=ctx.device)
             prebuild_tree_kernels(flashinfer_tree_wrapper(ws, "NHD"), kv_layout="NHD", device=ctx.device,
-                                  **plan_constants(dtype))
+                                  causal_wrapper=flashinfer_tree_wrapper(ws, "NHD"), **plan_constants(dtype))
             torch.cuda.synchronize(ctx.device)
         except Exception as exc:  # noqa: BLE001 - reported; the cases retry
             errors[str(dtype)] = f"{type(exc).__name__}: {str(exc)[:300]}"
@@ -535,6 +603,47 @@ def time_flashinfer(ctx: "Check", workspace: torch.Tensor) -> list[dict]:
                          "tree_run_ms": tree_run_ms, "causal_plan_ms": causal_plan_ms, "causal_run_ms": causal_run_ms})
             log(f"  a.kernel timing batch {b} ctx {c}: tree plan+run {tree_plan_ms + tree_run_ms:.3f} ms, "
                 f"causal {causal_plan_ms + causal_run_ms:.3f} ms, mask build {build_ms:.3f} ms")
+    return rows
+
+
+def time_mixed_step(ctx: "Check", workspace: torch.Tensor) -> list[dict]:
+    """A prefill chunk beside trees, bf16: the whole step in one masked plan against the split plan
+    (masked trees, causal chunk), each timed end to end: plan inputs, plan() and run()."""
+    rows = []
+    chunk, chunk_ctx = 2048, 8192
+    for b in ctx.sizes.timing_batches:
+        c = max(ctx.sizes.timing_contexts)
+        if ctx.deadline.left() < 60:
+            rows.append({"batch": b, "context": c, "skipped": "wall-clock budget"})
+            continue
+        reqs = [tree_request(64, c, 200 + i) for i in range(b)] + [Request("prefill", chunk, chunk_ctx)]
+        step = paged_step(reqs, torch.bfloat16, ctx.device, seed=b, with_oracle=False)
+        dt = torch.bfloat16
+        kv = step.cache.permute(0, 2, 1, 3).split(HD, dim=-1)
+        whole_w, tree_w, causal_w = (flashinfer_tree_wrapper(workspace, "NHD") for _ in range(3))
+        out = torch.empty_like(step.q)
+
+        def whole() -> None:
+            plan_flashinfer_tree_step(whole_w, step_plan(step), **plan_constants(dt))
+            whole_w.run(step.q, kv, k_scale=1.0, v_scale=1.0, out=out)
+
+        def split() -> None:
+            sp = step_split(step)
+            t = sp.num_tree_tokens
+            plan_flashinfer_tree_step(tree_w, sp.tree, **plan_constants(dt))
+            plan_flashinfer_causal_step(causal_w, sp.causal, **plan_constants(dt))
+            tree_w.run(step.q[:t], kv, k_scale=1.0, v_scale=1.0, out=out[:t])
+            causal_w.run(step.q[t:], kv, k_scale=1.0, v_scale=1.0, out=out[t:])
+
+        whole_ms = timed_ms(whole, ctx.device, ctx.sizes.reps)
+        split_ms = timed_ms(split, ctx.device, ctx.sizes.reps)
+        mask_whole = int(step_plan(step).custom_mask.numel())
+        mask_split = int(step_split(step).tree.custom_mask.numel())
+        rows.append({"trees": b, "tree_rows": 65, "context": c, "chunk": chunk, "chunk_context": chunk_ctx,
+                     "one_masked_plan_ms": whole_ms, "split_ms": split_ms, "mask_elements_one_plan": mask_whole,
+                     "mask_elements_split": mask_split})
+        log(f"  a.kernel mixed step, {b} trees + a {chunk}-token chunk after {chunk_ctx}: one masked plan "
+            f"{whole_ms:.3f} ms, split {split_ms:.3f} ms (mask {mask_whole} -> {mask_split} elements)")
     return rows
 
 

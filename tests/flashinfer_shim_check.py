@@ -27,7 +27,7 @@ from vllm_ddtree.attention.flashinfer_tree import TreeFlashInferBackend, TreeFla
 from vllm_ddtree.attention.tree_mask import TreeStepMasks, flashinfer_paged_plan, set_step_tree_masks
 from vllm_ddtree.models.target import prepare_target
 from vllm_ddtree.reference.pair import drafter_dir
-from vllm_ddtree.tree import build_tree, compile_tree, topk_per_depth
+from vllm_ddtree.tree import build_tree, compile_tree, dense_attention_mask, topk_per_depth
 from vllm_ddtree.vllm_patches import gpu_tree_attention_backend
 
 PLAN = inspect.signature(flashinfer.BatchPrefillWithPagedKVCacheWrapper.plan)
@@ -44,6 +44,9 @@ class PlanRecorder:
     def plan(self, **kwargs) -> None:
         PLAN.bind(self, **kwargs)  # TypeError on a keyword FlashInfer does not take, or a missing one
         self.planned = kwargs
+        # the attributes FlashInferImpl.forward asserts against its own (set by FlashInfer's plan())
+        self._causal, self._sm_scale = kwargs["causal"], kwargs["sm_scale"]
+        self._window_left, self._logits_soft_cap = kwargs.get("window_left", -1), kwargs.get("logits_soft_cap") or 0.0
 
     def run(self, *args, **kwargs):
         RUN.bind(self, *args, **kwargs)
@@ -63,6 +66,8 @@ def main() -> None:
     cfg.cache_config.kv_cache_layout = "LBNHC"  # what the engine core resolves before building metadata
     with set_current_vllm_config(cfg):  # as in the engine, where layers and builders are made and used
         check_verify_step(cfg)
+        check_mixed_step_forward(cfg)
+        check_reorder_threshold(cfg)
         check_start_up_build(cfg)
         check_cudagraph_modes(cfg)
     print("shim ok", flashinfer.__version__)
@@ -89,7 +94,7 @@ def check_verify_step(cfg) -> None:
     anc = torch.zeros(3, rows, rows, dtype=torch.bool)
     anc[1] = tree.ancestors[0, :rows, :rows]
     masks = TreeStepMasks(has_tree=torch.tensor([False, True, False]), num_rows=torch.tensor([0, rows, 0]),
-                          ancestors=anc)
+                          ancestors=anc, has_tree_cpu=torch.tensor([False, True, False]))
     t = int(qsl[-1])
     # The device copy of seq_lens is on "meta": the builder must use the runner's host copy (a read
     # of the device copy, a GPU sync, would raise here).
@@ -97,33 +102,176 @@ def check_verify_step(cfg) -> None:
                                  num_reqs=3, num_actual_tokens=t, max_query_len=int(query_lens.max()),
                                  max_seq_len=int(seq_lens.max()), block_table_tensor=block_table,
                                  slot_mapping=torch.arange(t), causal=True, seq_lens_cpu_upper_bound=seq_lens.int())
-    recorder = PlanRecorder()
-    builder._ddtree_wrapper = recorder
+    recorder, causal_recorder = PlanRecorder(), PlanRecorder()
+    builder._ddtree_wrapper, builder._prefill_wrapper = recorder, causal_recorder
     set_step_tree_masks(masks)
     try:
         md = builder.build(0, cm)
     finally:
         set_step_tree_masks(None)
 
-    assert (md.num_decodes, md.num_decode_tokens, md.num_prefills, md.num_prefill_tokens) == (0, 0, 3, t)
-    assert md.causal is False and md.decode is None and md.prefill.wrapper is recorder
+    # The chunk before the tree shares its masked plan (the "decode" part the impl runs first); the
+    # decode after the last tree gets vLLM's causal plan.
+    assert (md.num_decodes, md.num_decode_tokens, md.num_prefills, md.num_prefill_tokens) == (2, 5 + rows, 1, 1)
+    assert md.causal is True and md.decode.wrapper is recorder and md.prefill.wrapper is causal_recorder
+    assert causal_recorder.planned["causal"] is True and causal_recorder.planned["custom_mask"] is None
     got = recorder.planned
     assert got["causal"] is False and got["page_size"] == 16 and got["head_dim_qk"] == 64
     assert (got["num_qo_heads"], got["num_kv_heads"], got["sm_scale"]) == (9, 3, 0.125)
     assert got["q_data_type"] == torch.bfloat16 and got["kv_data_type"] == torch.bfloat16
-    assert got["paged_kv_indices"].tolist() == [7, 3, 9, 12]  # each request's pages, in order
-    assert got["paged_kv_last_page_len"].tolist() == [11, 13 + rows - 16, 9]
-    want = flashinfer_paged_plan(qsl, seq_lens, block_table, 16, True, masks)
+    assert got["paged_kv_indices"].tolist() == [7, 3, 9]  # each request's pages, in order
+    assert got["paged_kv_last_page_len"].tolist() == [11, 13 + rows - 16]
+    want = flashinfer_paged_plan(qsl[:3], seq_lens[:2], block_table[:2], 16, True, masks)
     assert torch.equal(got["custom_mask"], want.custom_mask)
     # FlashInfer finds each request's mask block from the page table; it must land on ours.
     offsets = _compute_page_mask_indptr(got["qo_indptr"], got["paged_kv_indptr"], got["paged_kv_last_page_len"], 16)
-    assert offsets.tolist() == [0, *torch.cumsum(query_lens * seq_lens, 0).tolist()]
+    assert offsets.tolist() == [0, *torch.cumsum(query_lens[:2] * seq_lens[:2], 0).tolist()]
     assert int(offsets[-1]) == got["custom_mask"].numel()
+    back = causal_recorder.planned
+    assert back["paged_kv_indices"].tolist() == [12] and back["qo_indptr"].tolist() == [0, 1]
+    assert back["paged_kv_indptr"].tolist() == [0, 1] and back["paged_kv_last_page_len"].tolist() == [9]
+    assert back["fixed_split_size"] == builder.prefill_fixed_split_size
+    assert back["disable_split_kv"] == builder.disable_split_kv
+    # Without the host copy of the tree rows the step is one masked plan, as before the split.
+    set_step_tree_masks(TreeStepMasks(masks.has_tree, masks.num_rows, masks.ancestors))
+    try:
+        md = builder.build(0, cm)
+    finally:
+        set_step_tree_masks(None)
+    assert (md.num_decodes, md.num_prefills, md.prefill) == (3, 0, None)
+    assert recorder.planned["custom_mask"].numel() == int((query_lens * seq_lens).sum())
+
+
+class AttendingRecorder(PlanRecorder, flashinfer.BatchPrefillWithPagedKVCacheWrapper):
+    """A recorder (of FlashInfer's wrapper class, whose __init__ it skips: it allocates on CUDA, and the
+    impl checks the class) whose run() computes what FlashInfer's paged prefill computes from the recorded
+    plan, in float32 torch, as its plan()/run() document it: request r's KV is its pages in
+    ``paged_kv_indices`` order (all full but the last), its mask the custom mask's block at FlashInfer's
+    own offsets, or causal aligned to the KV's end; the result is written to ``out``."""
+
+    def run(self, *args, **kwargs):
+        super().run(*args, **kwargs)
+        q, (k_cache, v_cache) = args[0], args[1]  # NHD: [pages, page, kv heads, head dim]
+        p = self.planned
+        qo, ind, last = p["qo_indptr"].long(), p["paged_kv_indptr"].long(), p["paged_kv_last_page_len"].long()
+        page = p["page_size"]
+        kv_lens = (ind[1:] - ind[:-1] - 1) * page + last
+        mask = p["custom_mask"]
+        if mask is not None:
+            offsets = _compute_page_mask_indptr(p["qo_indptr"], p["paged_kv_indptr"], p["paged_kv_last_page_len"], page)
+        out = kwargs["out"]
+        for r in range(len(qo) - 1):
+            pages = p["paged_kv_indices"][ind[r] : ind[r + 1]].long()
+            kv, n = int(kv_lens[r]), int(qo[r + 1] - qo[r])
+            k = k_cache[pages].reshape(-1, *k_cache.shape[2:])[:kv].float()
+            v = v_cache[pages].reshape(-1, *v_cache.shape[2:])[:kv].float()
+            if mask is not None:
+                m = mask[int(offsets[r]) : int(offsets[r + 1])].view(n, kv)
+            else:
+                assert p["causal"]
+                m = torch.arange(kv)[None, :] <= kv - n + torch.arange(n)[:, None]
+            out[qo[r] : qo[r + 1]] = attend(q[qo[r] : qo[r + 1]].float(), k, v, m, p["sm_scale"]).to(out.dtype)
+
+
+def attend(q, k, v, mask, scale):
+    """q [n, HQ, D], k/v [kv, HKV, D] float32, mask [n, kv] -> [n, HQ, D] (grouped-query attention)."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask, scale=scale,
+        enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+def check_mixed_step_forward(cfg) -> None:
+    """A verify step in the order vLLM's reorder gives it at ddtree's threshold (decodes and trees, then
+    a prefill chunk that continues a prompt, then a prompt's first chunk), through vLLM's real
+    FlashInferImpl.forward: the tree requests' queries go through the custom-mask plan, the chunks
+    through vLLM's causal plan, and every query's output is its oracle attention. The mask has no
+    element for a chunk."""
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=3, head_size=64, dtype=torch.bfloat16)
+    name = "model.layers.0.self_attn.attn"  # the layer check_verify_step made
+    builder = TreeFlashInferMetadataBuilder(spec, [name], cfg, torch.device("cpu"))
+    impl = cfg.compilation_config.static_forward_context[name].impl
+    width = cfg.speculative_config.num_speculative_tokens
+    g = torch.Generator().manual_seed(3)
+    lp, ids = topk_per_depth(torch.randn(1, 8, 12, generator=g) * 2, 6)
+    tree = compile_tree(build_tree(lp, ids, width), torch.tensor([5]), torch.tensor([21]))
+    rows = int(tree.num_rows[0])
+    assert rows == 1 + width
+    # 0 decode (1 after 30), 1 tree (after 21), 2 decode (1 after 16), 3 chunk (40 after 20), 4 first chunk (30)
+    query_lens = torch.tensor([1, rows, 1, 40, 30])
+    ctx = torch.tensor([30, 21, 16, 20, 0])
+    seq_lens = ctx + query_lens
+    r, t = len(query_lens), int(query_lens.sum())
+    qsl = torch.zeros(r + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(query_lens, 0)
+    pages = [(int(s) + 15) // 16 for s in seq_lens]
+    pool = torch.randperm(sum(pages) + 3, generator=g)
+    block_table = torch.zeros(r, max(pages) + 1, dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(pages):
+        block_table[i, :n] = pool[start : start + n].int()
+        start += n
+    phys = torch.randn(len(pool), 16, 3, 128, generator=g).to(torch.bfloat16)  # [P, page, HKV, 2 * D]
+    kv_cache = phys.permute(0, 2, 1, 3)  # the layer's logical view [P, HKV, page, 2 * D] (LBNHC)
+    anc = torch.zeros(r, rows, rows, dtype=torch.bool)
+    anc[1] = tree.ancestors[0]
+    has_tree = torch.tensor([False, True, False, False, False])
+    masks = TreeStepMasks(has_tree=has_tree, num_rows=torch.where(has_tree, rows, 0), ancestors=anc,
+                          has_tree_cpu=has_tree)
+    cm = CommonAttentionMetadata(query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq_lens.int().to("meta"),
+                                 num_reqs=r, num_actual_tokens=t, max_query_len=int(query_lens.max()),
+                                 max_seq_len=int(seq_lens.max()), block_table_tensor=block_table,
+                                 slot_mapping=torch.arange(t), causal=True, seq_lens_cpu_upper_bound=seq_lens.int())
+    builder._ddtree_wrapper, builder._prefill_wrapper = AttendingRecorder(), AttendingRecorder()
+    set_step_tree_masks(masks)
+    try:
+        md = builder.build(0, cm)
+    finally:
+        set_step_tree_masks(None)
+    assert (md.num_decodes, md.num_decode_tokens) == (2, 1 + rows)
+    assert builder._ddtree_wrapper.planned["custom_mask"].numel() == int((query_lens * seq_lens)[:2].sum())
+    assert builder._prefill_wrapper.planned["causal"] is True
+    q = torch.randn(t, 9, 64, generator=g).to(torch.bfloat16)
+    out = torch.full((t, 9, 64), float("nan"), dtype=torch.bfloat16)
+    impl.forward(cfg.compilation_config.static_forward_context[name], q, None, None, kv_cache, md, out)
+    # The oracle: each request's K/V read by position through its block table, the tree core's mask.
+    tree_mask = dense_attention_mask(tree, int(seq_lens[1]))[0]
+    for i in range(r):
+        kv = int(seq_lens[i])
+        pos = torch.arange(kv)
+        tokens = phys[block_table[i, pos // 16].long(), pos % 16].float()  # [kv, HKV, 2 * D]
+        n = int(query_lens[i])
+        causal = pos[None, :] <= kv - n + torch.arange(n)[:, None]
+        mask = tree_mask if i == 1 else causal
+        want = attend(q[qsl[i] : qsl[i + 1]].float(), tokens[..., :64], tokens[..., 64:], mask, 0.125)
+        err = float((out[qsl[i] : qsl[i + 1]].float() - want).abs().max())
+        assert err < 2e-2, (i, err)
+        if i == 1:  # the tree mask matters for these rows
+            control = attend(q[qsl[i] : qsl[i + 1]].float(), tokens[..., :64], tokens[..., 64:], causal, 0.125)
+            assert float((control - want).abs().max()) > 0.1
+
+
+def check_reorder_threshold(cfg) -> None:
+    """P15 on vLLM's own GPUModelRunner.calculate_reorder_batch_threshold, over the engine's builders:
+    FlashInfer's native decode asks for 1; ddtree orders every request of at most 1 + verify width
+    queries before longer ones."""
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=3, head_size=64, dtype=torch.bfloat16)
+    name = "model.layers.0.self_attn.attn"
+    builder = TreeFlashInferMetadataBuilder(spec, [name], cfg, torch.device("cpu"))
+    groups = [SimpleNamespace(get_metadata_builder=lambda: builder)]
+    runner = SimpleNamespace(vllm_config=cfg, _attn_group_iterator=lambda: iter(groups))
+    GPUModelRunner.calculate_reorder_batch_threshold(runner)
+    assert builder.reorder_batch_threshold == 1
+    assert runner.reorder_batch_threshold == 1 + cfg.speculative_config.num_speculative_tokens
 
 
 def check_start_up_build(cfg) -> None:
-    """P14's prebuild: one tree step planned with the builder's constants and run, for every distinct
-    kernel of the engine's layer groups, once each."""
+    """P14's prebuild: one tree step planned with the builder's constants and run (masked, and causal on
+    vLLM's own prefill wrapper), for every distinct kernel of the engine's layer groups, once each."""
     from types import SimpleNamespace
 
     from vllm_ddtree.vllm_patches import prebuild_tree_attention
@@ -132,12 +280,15 @@ def check_start_up_build(cfg) -> None:
     name = "model.layers.0.self_attn.attn"  # the layer check_verify_step made
     builders = [TreeFlashInferMetadataBuilder(spec, [name], cfg, torch.device("cpu")) for _ in range(2)]
     for b in builders:
-        b._ddtree_wrapper = PlanRecorder()
+        b._ddtree_wrapper, b._prefill_wrapper = PlanRecorder(), PlanRecorder()
     stock = FlashInferMetadataBuilder(spec, [name], cfg, torch.device("cpu"))
     groups = [SimpleNamespace(metadata_builders=[b]) for b in (*builders, stock)]
     runner = SimpleNamespace(_attn_group_iterator=lambda: iter(groups))
     assert prebuild_tree_attention(runner) == 1  # two groups, one kernel: the same constants
     assert builders[1]._ddtree_wrapper.planned is None  # built once, not once per group
+    causal = builders[0]._prefill_wrapper.planned  # the kernel of verify steps' prefill chunks, as vLLM plans it
+    assert causal["causal"] is True and causal["custom_mask"] is None and builders[0]._prefill_wrapper.ran is not None
+    assert causal["fixed_split_size"] == builders[0].prefill_fixed_split_size
     got = builders[0]._ddtree_wrapper.planned
     assert got["causal"] is False and got["custom_mask"].tolist() == [True, True, False, True, True, True]
     assert (got["num_qo_heads"], got["num_kv_heads"], got["head_dim_qk"], got["page_size"]) == (9, 3, 64, 16)

@@ -24,7 +24,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vllm_ddtree.attention.tree_mask import FlashInferPagedPlan, TreeStepMasks, flashinfer_paged_plan
+from vllm_ddtree.attention.tree_mask import (
+    FlashInferPagedPlan,
+    TreeStepMasks,
+    flashinfer_paged_plan,
+    flashinfer_split_plan,
+)
 from vllm_ddtree.compaction import move_slots_
 from vllm_ddtree.tree import build_tree, compile_tree, dense_attention_mask, topk_per_depth
 
@@ -68,23 +73,26 @@ def _attend(q, k, v, mask, scale):
 
 
 def paged_prefill_like_flashinfer(q, k_cache, v_cache, plan: FlashInferPagedPlan, page_size: int, scale: float):
-    """FlashInfer's paged prefill with a custom mask, as its plan()/run() document it, for HND caches
+    """FlashInfer's paged prefill with a custom mask (or a causal plan), as its plan()/run() document it, for HND caches
     [pages, HKV, page_size, HD]: request r's KV is its pages in ``paged_kv_indices`` order, all full
     but the last (``paged_kv_last_page_len`` tokens); its mask block starts at FlashInfer's own
     offset (``_compute_page_mask_indptr``: cumulative q * kv from those two), row-major [q, kv]."""
-    out = torch.empty_like(q)
+    out = torch.empty(int(plan.qo_indptr[-1]), *q.shape[1:])
     qo, ind, last = plan.qo_indptr.long(), plan.paged_kv_indptr.long(), plan.paged_kv_last_page_len.long()
     kv_lens = (ind[1:] - ind[:-1] - 1) * page_size + last
     mask_indptr = torch.zeros_like(qo)
     mask_indptr[1:] = torch.cumsum((qo[1:] - qo[:-1]) * kv_lens, 0)
-    assert int(mask_indptr[-1]) == plan.custom_mask.numel()
+    assert plan.custom_mask is None or int(mask_indptr[-1]) == plan.custom_mask.numel()
     for r in range(len(qo) - 1):
         pages = plan.paged_kv_indices[ind[r] : ind[r + 1]].long()
         kv = int(kv_lens[r])
         k = k_cache[pages].transpose(1, 2).reshape(-1, HKV, HD)[:kv]
         v = v_cache[pages].transpose(1, 2).reshape(-1, HKV, HD)[:kv]
         n = int(qo[r + 1] - qo[r])
-        mask = plan.custom_mask[mask_indptr[r] : mask_indptr[r + 1]].view(n, kv)
+        if plan.custom_mask is None:  # a causal plan (FlashInfer aligns the queries to the KV's end)
+            mask = torch.arange(kv)[None, :] <= kv - n + torch.arange(n)[:, None]
+        else:
+            mask = plan.custom_mask[mask_indptr[r] : mask_indptr[r + 1]].view(n, kv)
         out[qo[r] : qo[r + 1]] = _attend(q[qo[r] : qo[r + 1]], k, v, mask, scale)
     return out
 
@@ -148,6 +156,64 @@ def test_paged_plan_needs_no_host_read():
     plan = flashinfer_paged_plan(qsl, seq_lens, block_table.to(meta), PAGE, True, on_meta)
     assert plan.custom_mask.device == meta and plan.custom_mask.numel() == int((query_lens * seq_lens).sum())
     assert plan.paged_kv_indices.device == meta and plan.paged_kv_indices.numel() == int(plan.paged_kv_indptr[-1])
+
+
+def _reordered(order: list[int]):
+    """The paged step with its requests in `order` (as vLLM's batch reorder may put them)."""
+    trees, query_lens, seq_lens, masks, keys, values, k_cache, v_cache, block_table, qsl, q = _paged_step()
+    idx = torch.tensor(order)
+    q = torch.cat([q[qsl[i] : qsl[i + 1]] for i in order])
+    query_lens, seq_lens = query_lens[idx], seq_lens[idx]
+    qsl = torch.zeros(len(order) + 1, dtype=torch.int64)
+    qsl[1:] = torch.cumsum(query_lens, 0)
+    masks = TreeStepMasks(masks.has_tree[idx], masks.num_rows[idx], masks.ancestors[idx],
+                          has_tree_cpu=masks.has_tree[idx])
+    expected = [_expected_mask(i, trees, int(query_lens[j]), int(seq_lens[j])) for j, i in enumerate(order)]
+    return query_lens, seq_lens, masks, [keys[i] for i in order], [values[i] for i in order], k_cache, v_cache, \
+        block_table[idx], qsl, q, expected
+
+
+def test_split_plan_gives_prefill_chunks_the_causal_plan_and_the_same_attention():
+    # decode, tree, tree, then the prefill chunk: the masked plan ends at the last tree
+    query_lens, seq_lens, masks, keys, values, k_cache, v_cache, block_table, qsl, q, expected = _reordered([1, 2, 3, 0])
+    split = flashinfer_split_plan(qsl, seq_lens, block_table, PAGE, True, masks)
+    assert (split.num_tree_reqs, split.num_tree_tokens) == (3, int(qsl[3]))
+    assert split.tree.custom_mask.numel() == int((query_lens * seq_lens)[:3].sum())  # none for the chunk
+    assert split.causal.custom_mask is None and split.causal.plan_kwargs()["causal"] is True
+    assert split.causal.qo_indptr.tolist() == [0, 5] and split.causal.paged_kv_indptr.tolist() == [0, 3]
+    scale = HD ** -0.5
+    got = torch.cat([paged_prefill_like_flashinfer(q[: split.num_tree_tokens], k_cache, v_cache, split.tree, PAGE, scale),
+                     paged_prefill_like_flashinfer(q[split.num_tree_tokens :], k_cache, v_cache, split.causal, PAGE, scale)])
+    for rr in range(len(query_lens)):
+        want = _attend(q[qsl[rr] : qsl[rr + 1]], keys[rr], values[rr], expected[rr], scale)
+        torch.testing.assert_close(got[qsl[rr] : qsl[rr + 1]], want, atol=1e-5, rtol=1e-5)
+
+
+def test_split_plan_is_one_masked_plan_when_it_cannot_split():
+    query_lens, seq_lens, masks, *_, block_table, qsl, _, _ = _reordered([1, 2, 3, 0])
+    whole = int((query_lens * seq_lens).sum())
+    # no host copy of the tree rows (reading the device copy would be a sync)
+    plain = TreeStepMasks(masks.has_tree, masks.num_rows, masks.ancestors)
+    split = flashinfer_split_plan(qsl, seq_lens, block_table, PAGE, True, plain)
+    assert split.causal is None and split.num_tree_reqs == 4 and split.tree.custom_mask.numel() == whole
+    # a request after the last tree that is not causal (the DFlash drafter's block) keeps the mask
+    flags = torch.tensor([True, True, True, False])
+    split = flashinfer_split_plan(qsl, seq_lens, block_table, PAGE, flags, masks)
+    assert split.causal is None and split.tree.custom_mask.numel() == whole
+    # the last request a tree: nothing after it
+    _, seq2, masks2, *_, bt2, qsl2, _, _ = _reordered([0, 1, 2, 3])
+    split = flashinfer_split_plan(qsl2, seq2, bt2, PAGE, True, masks2)
+    assert split.causal is None and split.num_tree_reqs == 4
+
+
+def test_split_plan_needs_no_host_read():
+    query_lens, seq_lens, masks, *_, block_table, qsl, _, _ = _reordered([1, 2, 3, 0])
+    meta = torch.device("meta")
+    on_meta = TreeStepMasks(masks.has_tree.to(meta), masks.num_rows.to(meta), masks.ancestors.to(meta),
+                            has_tree_cpu=masks.has_tree_cpu)
+    split = flashinfer_split_plan(qsl, seq_lens, block_table.to(meta), PAGE, True, on_meta)
+    assert split.tree.custom_mask.device == meta and split.tree.custom_mask.numel() == int((query_lens * seq_lens)[:3].sum())
+    assert split.causal.paged_kv_indices.device == meta and split.causal.paged_kv_indices.numel() == 3
 
 
 def test_compaction_moves_whole_slots_in_flashinfers_cache_layout():

@@ -1,6 +1,6 @@
 """Static compatibility check of a vLLM release against every runtime patch vllm-ddtree applies.
 
-vllm-ddtree wraps and subclasses private vLLM code (:mod:`vllm_ddtree.vllm_patches`, P0–P14, and the
+vllm-ddtree wraps and subclasses private vLLM code (:mod:`vllm_ddtree.vllm_patches`, P0–P15, and the
 classes and helpers the tree proposer, sampler and attention backends build on). A vLLM release is
 safe to patch only where that code is what the patches were written against: vLLM 0.32.0.
 
@@ -51,7 +51,7 @@ def _t(patch: str, file: str, names: str, why: str) -> list[Target]:
     return [Target(patch, file, n.strip(), why) for n in names.split(",")]
 
 
-#: Every target, grouped by the patch that needs it (see vllm_patches' docstring for P0–P14).
+#: Every target, grouped by the patch that needs it (see vllm_patches' docstring for P0–P15).
 TARGETS: tuple[Target, ...] = tuple(
     _t("P1", "config/speculative.py", "SpeculativeMethod, SpeculativeConfig:fields",
        "the method Literal widened with 'ddtree'; the dataclass a 'ddtree' field is added to")
@@ -82,6 +82,8 @@ TARGETS: tuple[Target, ...] = tuple(
          "the drafter's query is 1 + drafter width rows")
     + _t("P13", "v1/worker/gpu_model_runner.py", "GPUModelRunner.take_draft_token_ids",
          "no drafts (not vLLM's zero-filled chain) for a step whose drafter was skipped")
+    + _t("P15", "v1/worker/gpu_model_runner.py", "GPUModelRunner.calculate_reorder_batch_threshold",
+         "tree verifies are ordered before longer prefill chunks")
     + _t("P14", "v1/worker/gpu_worker.py", "Worker.compile_or_warm_up_model",
          "after vLLM's warm-up and graph capture, the automatic budget times its step sizes (GPU)")
     + _t("P14", "v1/worker/cpu_worker.py", "CPUWorker.compile_or_warm_up_model",
@@ -108,8 +110,11 @@ TARGETS: tuple[Target, ...] = tuple(
          "the CPU tree backend subclasses it")
     + _t("attention", "v1/attention/backends/flashinfer.py",
          "FlashInferBackend, FlashInferMetadataBuilder.__init__, FlashInferMetadataBuilder.build, "
-         "FlashInferMetadataBuilder.get_cudagraph_support, FlashInferMetadata, FIPrefill",
+         "FlashInferMetadataBuilder.get_cudagraph_support, FlashInferMetadataBuilder._get_prefill_wrapper, "
+         "FlashInferMetadata, FIPrefill, FIDecode",
          "the GPU tree backend subclasses the builder and plans its own custom-mask prefill")
+    + _t("attention", "v1/attention/backends/flashinfer.py", "FlashInferImpl.forward",
+         "runs the tree plan as the step's first ('decode') part and the causal plan after it")
 )
 
 

@@ -141,7 +141,7 @@ def prepare_tree_step(runner, spec_decode_metadata, total_tokens: int) -> TreeSt
     # compaction, masks) runs there.
     batch = batch.to(dev)
     set_step_tree_masks(TreeStepMasks(has_tree=to_device(drafted_t > 0, dev), num_rows=batch.num_rows,
-                                      ancestors=batch.ancestors))
+                                      ancestors=batch.ancestors, has_tree_cpu=drafted_t > 0))
     slot_mapping = runner.input_batch.block_table[0].slot_mapping.gpu[:total_tokens].clone()
     return TreeStep(batch=batch, row_index=to_device(row_index, dev), slot_mapping=slot_mapping,
                     node_scores=None if node_scores is None else to_device(node_scores, dev),

@@ -89,6 +89,12 @@ P14 ``Worker.compile_or_warm_up_model`` (v1/worker/gpu_worker.py:908; ``CPUWorke
     automatic budget times its step sizes with vLLM's dummy forwards
     (:meth:`vllm_ddtree.proposer.DDTreeProposer.calibrate_at_startup`), so it starts serving
     calibrated instead of exploring tree sizes on users' requests.
+P15 ``GPUModelRunner.calculate_reorder_batch_threshold`` (:6882) — wrapped: for ddtree, the batch
+    order's decode threshold is at least 1 + the verify width, so every tree verify is ordered before
+    the step's longer prefill chunks; the GPU tree attention then plans those chunks with FlashInfer's
+    causal kernel and only the requests up to the last tree with the custom mask
+    (:func:`vllm_ddtree.attention.tree_mask.flashinfer_split_plan`). vLLM's own builders accept any
+    threshold at or above theirs (requests past their split run as prefills).
 """
 
 from __future__ import annotations
@@ -809,6 +815,19 @@ def _patch_model_runner() -> None:
         return out
 
     _set(GPUModelRunner, "take_draft_token_ids", take_draft_token_ids)
+
+    reorder = GPUModelRunner.calculate_reorder_batch_threshold
+
+    @functools.wraps(reorder)
+    def calculate_reorder_batch_threshold(self):
+        reorder(self)
+        if _is_ddtree(self.vllm_config) and self.reorder_batch_threshold is not None:
+            # A tree verify has at most 1 + verify width queries: ordered with the decodes, before any
+            # longer prefill chunk, which then takes the causal attention plan (flashinfer_split_plan).
+            width = 1 + self.vllm_config.speculative_config.num_speculative_tokens
+            self.reorder_batch_threshold = max(self.reorder_batch_threshold, width)
+
+    _set(GPUModelRunner, "calculate_reorder_batch_threshold", calculate_reorder_batch_threshold)
 
 
 # ---- P14: the worker's warm-up -------------------------------------------------------------------

@@ -8,10 +8,15 @@ FlashInfer backend and only FlashInfer's CUDA wrapper replaced (``tests/test_fla
 
 What it replaces, and why (vLLM 0.32, v1/attention/backends/flashinfer.py):
 - ``FlashInferMetadataBuilder.build`` (:1392): on a verify step (the model runner set tree masks
-  for these layers through ``tree_mask.set_step_tree_masks``) every request of the step — trees,
-  prefill chunks and plain decodes alike — goes through one paged prefill ``plan(...,
-  custom_mask=...)`` (the decode wrapper and the XQA/trtllm-gen kernels take no per-request tree
-  mask). Other steps, and the DFlash drafter's layers, keep the stock build.
+  for these layers through ``tree_mask.set_step_tree_masks``) the requests up to the last tree go
+  through a paged prefill ``plan(..., custom_mask=...)`` of our own (the decode wrapper and the
+  XQA/trtllm-gen kernels take no per-request tree mask) and the causal requests after it — the
+  prefill chunks, which P15's batch order puts there — through vLLM's own causal prefill plan
+  (``tree_mask.flashinfer_split_plan``). ``FlashInferImpl.forward`` runs a step's first
+  ``num_decode_tokens`` queries on the metadata's ``decode`` wrapper and the rest on its ``prefill``
+  wrapper, and a prefill wrapper's ``run()`` takes the decode call's arguments: the masked plan is
+  handed over as the "decode" part, so no forward is replaced. Other steps, and the DFlash drafter's
+  layers, keep the stock build.
 - ``FlashInferMetadataBuilder.get_cudagraph_support`` (:1036): capped at single-token decode. A
   step whose trees all fill the budget is a uniform batch of 1 + budget tokens, which the stock
   backend would replay from a FULL CUDA graph captured without the mask; ``plan()`` with a custom
@@ -21,7 +26,7 @@ What it replaces, and why (vLLM 0.32, v1/attention/backends/flashinfer.py):
   between piecewise graphs on every step. Where the stock backend itself reports single-token support
   (its native decode: what vLLM 0.32 reports for this config), vLLM's DFlash chain resolves the same.
 - Start-up (``prebuild_tree_kernels``, called after vLLM's warm-up by P14): one dummy verify step is
-  planned and run, so FlashInfer's JIT build of the custom-mask kernel happens before serving.
+  planned and run, masked and causal, so FlashInfer's JIT builds of both kernels happen before serving.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from __future__ import annotations
 from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata
 from vllm.v1.attention.backends.flashinfer import (
+    FIDecode,
     FIPrefill,
     FlashInferBackend,
     FlashInferMetadata,
@@ -37,8 +43,9 @@ from vllm.v1.attention.backends.flashinfer import (
 from vllm.v1.attention.backends.utils import get_flashinfer_layout_string
 
 from vllm_ddtree.attention.tree_mask import (
-    flashinfer_paged_plan,
+    flashinfer_split_plan,
     flashinfer_tree_wrapper,
+    plan_flashinfer_causal_step,
     plan_flashinfer_tree_step,
     prebuild_tree_kernels,
     step_tree_masks_for,
@@ -48,7 +55,8 @@ __all__ = ["TreeFlashInferBackend", "TreeFlashInferMetadataBuilder"]
 
 
 class TreeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
-    """FlashInfer's builder; verify steps get one custom-mask prefill plan for the whole batch."""
+    """FlashInfer's builder; verify steps get a custom-mask plan for their trees, a causal one for their
+    prefill chunks."""
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
@@ -76,29 +84,35 @@ class TreeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
         else:
             with gpu_sync_allowed():
                 seq_lens_cpu = cm.seq_lens[:r].cpu()
-        plan = flashinfer_paged_plan(cm.query_start_loc_cpu, seq_lens_cpu, cm.block_table_tensor[:r],
-                                     self.page_size, cm.causal, tree)
-        wrapper = self._tree_wrapper()
-        plan_flashinfer_tree_step(  # the layer group's constants as the stock build passes them
-            wrapper, plan, num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim, page_size=self.page_size, sm_scale=self.sm_scale,
-            window_left=self.window_left, logits_soft_cap=self.logits_soft_cap,
-            q_data_type=self.q_data_type_prefill, kv_data_type=self.kv_cache_dtype,
-            o_data_type=self.model_config.dtype,
-        )
+        split = flashinfer_split_plan(cm.query_start_loc_cpu, seq_lens_cpu, cm.block_table_tensor[:r],
+                                      self.page_size, cm.causal, tree)
+        constants = self.tree_kernel_constants()
+        constants.pop("kv_layout")
+        tree_part = causal_part = None
+        if split.tree is not None:
+            wrapper = self._tree_wrapper()
+            plan_flashinfer_tree_step(wrapper, split.tree, **constants)  # as the stock build passes them
+            tree_part = FIDecode(wrapper=wrapper)
+        if split.causal is not None:
+            # the stock causal wrapper, planned as the stock build plans it (FA3 where FlashInfer has it)
+            wrapper = self._get_prefill_wrapper(causal=True)
+            plan_flashinfer_causal_step(wrapper, split.causal, **self._causal_plan_options(), **constants)
+            causal_part = FIPrefill(wrapper=wrapper)
+        # The impl runs its "decode" wrapper on the first num_decode_tokens queries and its prefill
+        # wrapper on the rest; any prefill wrapper's run() takes the decode call's arguments.
         return FlashInferMetadata(
             kv_cache_layout=self.kv_cache_layout,
             num_actual_tokens=cm.num_actual_tokens,
             slot_mapping=cm.slot_mapping,
             q_data_type_prefill=self.q_data_type_prefill,
-            q_data_type_decode=self.q_data_type_decode,
-            num_decodes=0,
-            num_decode_tokens=0,
-            num_prefills=r,
-            num_prefill_tokens=cm.num_actual_tokens,
-            causal=False,  # the impl checks this against the wrapper's plan (custom mask: causal=False)
-            prefill=FIPrefill(wrapper=wrapper),
-            decode=None,
+            q_data_type_decode=self.q_data_type_prefill,  # the tree plan's query type
+            num_decodes=split.num_tree_reqs,
+            num_decode_tokens=split.num_tree_tokens,
+            num_prefills=r - split.num_tree_reqs,
+            num_prefill_tokens=cm.num_actual_tokens - split.num_tree_tokens,
+            causal=True,  # the impl checks this against the prefill wrapper's plan
+            prefill=causal_part,
+            decode=tree_part,
         )
 
     def tree_kernel_constants(self) -> dict:
@@ -111,9 +125,15 @@ class TreeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
                     kv_layout=get_flashinfer_layout_string(self.kv_cache_layout))
 
     def prebuild_tree_kernels(self) -> None:
-        """FlashInfer's JIT build of this layer group's custom-mask kernel, at start-up instead of on
-        the first verify step (`tree_mask.prebuild_tree_kernels`)."""
-        prebuild_tree_kernels(self._tree_wrapper(), device=self.device, **self.tree_kernel_constants())
+        """FlashInfer's JIT build of this layer group's custom-mask kernel, and of the causal kernel its
+        verify steps' prefill chunks run, at start-up instead of on the first verify step
+        (`tree_mask.prebuild_tree_kernels`)."""
+        prebuild_tree_kernels(self._tree_wrapper(), device=self.device, causal_wrapper=self._get_prefill_wrapper(causal=True),
+                              causal_options=self._causal_plan_options(), **self.tree_kernel_constants())
+
+    def _causal_plan_options(self) -> dict:
+        """The split-KV options vLLM's own build gives its causal prefill plan (flashinfer.py:1708)."""
+        return dict(fixed_split_size=self.prefill_fixed_split_size, disable_split_kv=self.disable_split_kv)
 
     def _tree_wrapper(self):
         """A prefill wrapper of our own: the stock causal and DFlash (non-causal) ones stay planned."""

@@ -17,8 +17,11 @@ Layouts:
   custom_mask=...)``: one flat bool vector, request after request, each request's [q, kv] block
   row-major, prefix columns included (docs/design.md §10.3);
 - :func:`flashinfer_paged_plan` — that mask with the paged KV table (page indices, last-page lengths)
-  the same ``plan()`` takes: everything the GPU shim (:mod:`vllm_ddtree.attention.flashinfer_tree`)
-  hands FlashInfer for a verify step;
+  the same ``plan()`` takes, for a whole step;
+- :func:`flashinfer_split_plan` — a verify step as the GPU shim
+  (:mod:`vllm_ddtree.attention.flashinfer_tree`) hands it to FlashInfer: the requests up to the last
+  tree with a custom mask, the causal requests after them (prefill chunks) with FlashInfer's plain
+  causal plan, so a long chunk beside trees neither builds a mask nor runs the masked kernel;
 - :func:`plan_flashinfer_tree_step` — that plan handed to a FlashInfer wrapper
   (:func:`flashinfer_tree_wrapper`), as vLLM's builder and the GPU check (``benchmarks/gpu_check.py``) do;
 - :func:`pack_tree_spec_mask` — the packed per-row bitmask over a request's new tokens that vLLM's
@@ -41,7 +44,7 @@ from vllm_ddtree.tree.compile import to_device
 class TreeStepMasks:
     """Tree masks for one verify step, by request row of the batch.
 
-    has_tree   [R] bool      which requests verify a tree this step
+    has_tree   [R] bool      which requests verify a tree this step (on the step's device)
     num_rows   [R] int64     tree rows (root + nodes) of each such request: its last query tokens
     ancestors  [R, N, N] bool  `TreeBatch.ancestors` (row i may see row j)
     layer_prefix str         only builders whose layer names start with this use the masks
@@ -52,6 +55,7 @@ class TreeStepMasks:
     num_rows: Tensor
     ancestors: Tensor
     layer_prefix: str = ""
+    has_tree_cpu: Tensor | None = None  # [R] bool host copy of has_tree (the GPU split reads it; None: unknown)
 
 
 _step_tree_masks: TreeStepMasks | None = None
@@ -168,15 +172,17 @@ def flashinfer_custom_mask(query_lens: Tensor, seq_lens: Tensor, causal: Tensor,
 @dataclass
 class FlashInferPagedPlan:
     """The step-dependent arguments of FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper.plan()`` for
-    a verify step: the page table of every request and the custom mask (head counts, scale and
-    dtypes come from the attention backend). Host tensors are what plan() reads on the host anyway.
+    some requests of a step: their page table and, for a masked plan, the custom mask (head counts,
+    scale and dtypes come from the attention backend). Host tensors are what plan() reads on the host
+    anyway.
 
     qo_indptr              [R + 1] int32, host    query offsets (vLLM's query_start_loc)
     paged_kv_indptr        [R + 1] int32, host    where each request's pages start in paged_kv_indices
     paged_kv_indices       [P] int32, device      each request's pages, in KV order (from its block table)
     paged_kv_last_page_len [R] int32, host        KV tokens in each request's last page (1..page_size)
     kv_lens                [R] int32, host        KV length of each request after this step's tokens
-    custom_mask            [sum q * kv] bool, device  row-major per request, prefix columns included
+    custom_mask            [sum q * kv] bool, device  row-major per request, prefix columns included;
+                                                  None: a causal plan (every request causal)
     """
 
     qo_indptr: Tensor
@@ -184,29 +190,36 @@ class FlashInferPagedPlan:
     paged_kv_indices: Tensor
     paged_kv_last_page_len: Tensor
     kv_lens: Tensor
-    custom_mask: Tensor
+    custom_mask: Tensor | None
 
     def plan_kwargs(self) -> dict:
-        """Keyword arguments of ``plan()`` this plan fixes (a custom mask, so ``causal=False``)."""
+        """Keyword arguments of ``plan()`` this plan fixes (with a custom mask ``causal=False``)."""
         return dict(qo_indptr=self.qo_indptr, paged_kv_indptr=self.paged_kv_indptr,
                     paged_kv_indices=self.paged_kv_indices, paged_kv_last_page_len=self.paged_kv_last_page_len,
-                    seq_lens=self.kv_lens, custom_mask=self.custom_mask, causal=False)
+                    seq_lens=self.kv_lens, custom_mask=self.custom_mask, causal=self.custom_mask is None)
+
+    def requests(self, start: int, end: int) -> "FlashInferPagedPlan":
+        """The page table of requests [start, end) as a plan of its own, without a mask (views and host
+        arithmetic: no device work)."""
+        qo, ind = self.qo_indptr[start : end + 1], self.paged_kv_indptr[start : end + 1]
+        return FlashInferPagedPlan(qo_indptr=qo - qo[0], paged_kv_indptr=ind - ind[0],
+                                   paged_kv_indices=self.paged_kv_indices[int(ind[0]) : int(ind[-1])],
+                                   paged_kv_last_page_len=self.paged_kv_last_page_len[start:end],
+                                   kv_lens=self.kv_lens[start:end], custom_mask=None)
 
 
-def flashinfer_paged_plan(query_start_loc_cpu: Tensor, seq_lens_cpu: Tensor, block_table: Tensor, page_size: int,
-                          causal: bool | Tensor, tree: TreeStepMasks | None) -> FlashInferPagedPlan:
-    """Page table and custom mask of a whole step for FlashInfer's paged prefill ``plan()``.
+def flashinfer_page_table(query_start_loc_cpu: Tensor, seq_lens_cpu: Tensor, block_table: Tensor,
+                          page_size: int) -> FlashInferPagedPlan:
+    """The page table of a whole step for FlashInfer's paged prefill ``plan()``, as a causal plan.
 
     query_start_loc_cpu [R + 1] and seq_lens_cpu [R] are host copies (vLLM's builders hold them);
-    block_table [R, max_blocks] and the tree masks live on the device, where the page indices and the
-    mask are built (no host synchronisation: every size comes from the host lengths). ``causal`` is
-    the step's flag for requests without a tree (True for the target's layers).
+    block_table [R, max_blocks] lives on the device, where the page indices are gathered (every size
+    comes from the host lengths: no host synchronisation).
     """
     dev = block_table.device
     r = seq_lens_cpu.shape[0]
     qsl = query_start_loc_cpu[: r + 1].long()
     seq = seq_lens_cpu[:r].long()
-    query_lens = qsl[1:] - qsl[:-1]
     num_pages = (seq + page_size - 1) // page_size
     paged_kv_indptr = torch.zeros(r + 1, dtype=torch.int64)
     paged_kv_indptr[1:] = torch.cumsum(num_pages, 0)
@@ -215,13 +228,82 @@ def flashinfer_paged_plan(query_start_loc_cpu: Tensor, seq_lens_cpu: Tensor, blo
     page_col = torch.arange(total_pages) - paged_kv_indptr[page_req]
     indices = block_table[to_device(page_req, dev), to_device(page_col, dev)]
     last_page_len = torch.where(seq > 0, seq - (num_pages - 1) * page_size, 0)
-    causal_t = causal.bool()[:r] if isinstance(causal, Tensor) else torch.full((r,), bool(causal))
-    mask = flashinfer_custom_mask(to_device(query_lens, dev), to_device(seq, dev), to_device(causal_t, dev), tree,
-                                  total=int((query_lens * seq).sum()))
     i32 = torch.int32
     return FlashInferPagedPlan(qo_indptr=qsl.to(i32), paged_kv_indptr=paged_kv_indptr.to(i32),
                                paged_kv_indices=indices.to(i32), paged_kv_last_page_len=last_page_len.to(i32),
-                               kv_lens=seq.to(i32), custom_mask=mask.custom_mask)
+                               kv_lens=seq.to(i32), custom_mask=None)
+
+
+def _with_mask(pages: FlashInferPagedPlan, causal: Tensor, tree: TreeStepMasks | None) -> FlashInferPagedPlan:
+    """`pages` with the custom mask of its requests (``causal`` [R] host bool for requests without a tree)."""
+    dev = pages.paged_kv_indices.device
+    query_lens = (pages.qo_indptr[1:] - pages.qo_indptr[:-1]).long()
+    seq = pages.kv_lens.long()
+    mask = flashinfer_custom_mask(to_device(query_lens, dev), to_device(seq, dev), to_device(causal, dev), tree,
+                                  total=int((query_lens * seq).sum()))
+    return FlashInferPagedPlan(pages.qo_indptr, pages.paged_kv_indptr, pages.paged_kv_indices,
+                               pages.paged_kv_last_page_len, pages.kv_lens, mask.custom_mask)
+
+
+def _causal_flags(causal: bool | Tensor, r: int) -> Tensor:
+    """[R] bool per request (on the flag's own device when it is a tensor)."""
+    return causal.bool()[:r] if isinstance(causal, Tensor) else torch.full((r,), bool(causal))
+
+
+def flashinfer_paged_plan(query_start_loc_cpu: Tensor, seq_lens_cpu: Tensor, block_table: Tensor, page_size: int,
+                          causal: bool | Tensor, tree: TreeStepMasks | None) -> FlashInferPagedPlan:
+    """Page table and custom mask of a whole step for FlashInfer's paged prefill ``plan()``.
+
+    Arguments as :func:`flashinfer_page_table`; the tree masks live on the device, where the mask is
+    built. ``causal`` is the step's flag for requests without a tree (True for the target's layers).
+    """
+    pages = flashinfer_page_table(query_start_loc_cpu, seq_lens_cpu, block_table, page_size)
+    return _with_mask(pages, _causal_flags(causal, seq_lens_cpu.shape[0]), tree)
+
+
+@dataclass
+class FlashInferSplitPlan:
+    """A verify step in two FlashInfer plans: requests [0, num_tree_reqs) — every tree, and whatever
+    the batch order put between them — with a custom mask; the rest, all causal, with a causal plan.
+
+    tree          masked plan of the first num_tree_reqs requests (None when there are none)
+    causal        causal plan of the others (None when there are none)
+    num_tree_reqs, num_tree_tokens  host ints: where the second plan's requests and queries start
+    """
+
+    tree: FlashInferPagedPlan | None
+    causal: FlashInferPagedPlan | None
+    num_tree_reqs: int
+    num_tree_tokens: int
+
+
+def flashinfer_split_plan(query_start_loc_cpu: Tensor, seq_lens_cpu: Tensor, block_table: Tensor, page_size: int,
+                          causal: bool | Tensor, tree: TreeStepMasks) -> FlashInferSplitPlan:
+    """The step's plans (arguments as :func:`flashinfer_paged_plan`): masked up to the last tree
+    request, causal after it.
+
+    The split needs the trees' rows on the host (``tree.has_tree_cpu``): without it, or when a request
+    after the last tree is not causal (the DFlash drafter's block), the whole step is one masked plan.
+    vLLM orders a batch's short queries (up to its reorder threshold, which ddtree raises to 1 + the
+    verify width) before the long ones, so prefill chunks land after the trees.
+    """
+    r = seq_lens_cpu.shape[0]
+    flags = _causal_flags(causal, r)
+    pages = flashinfer_page_table(query_start_loc_cpu, seq_lens_cpu, block_table, page_size)
+    split = r
+    host_flags = not isinstance(causal, Tensor) or causal.device.type == "cpu"  # a device flag is not read back
+    if tree.has_tree_cpu is not None and host_flags:
+        trees = tree.has_tree_cpu[:r].nonzero()
+        split = int(trees[-1]) + 1 if trees.numel() else 0
+        if not bool(flags[split:].all()):
+            split = r
+    head = None
+    if split:
+        front = pages.requests(0, split) if split < r else pages
+        sub = TreeStepMasks(tree.has_tree[:split], tree.num_rows[:split], tree.ancestors[:split], tree.layer_prefix)
+        head = _with_mask(front, flags[:split], sub)
+    return FlashInferSplitPlan(tree=head, causal=pages.requests(split, r) if split < r else None,
+                               num_tree_reqs=split, num_tree_tokens=int(pages.qo_indptr[split]))
 
 
 def flashinfer_tree_wrapper(workspace: Tensor, kv_layout: str, backend: str = "auto"):
@@ -240,23 +322,48 @@ def plan_flashinfer_tree_step(wrapper, plan: FlashInferPagedPlan, *, num_qo_head
                               kv_data_type: torch.dtype, o_data_type: torch.dtype, window_left: int = -1,
                               logits_soft_cap: float | None = None) -> None:
     """``wrapper.plan(...)`` for a verify step: the page table and custom mask of `plan` plus the layer
-    group's constants. The one way a verify step is planned (vLLM's builder and the GPU check alike).
+    group's constants. The one way a verify step's trees are planned (vLLM's builder and the GPU check alike).
 
     plan() copies its host tensors to the device non-blocking; from pageable memory such a copy is
     synchronous, so on a GPU they are staged in pinned memory first.
     """
+    if plan.custom_mask is None:
+        raise ValueError("a tree step's plan needs its custom mask (plan_flashinfer_causal_step plans a causal one)")
+    _plan_step(wrapper, plan, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+               page_size=page_size, sm_scale=sm_scale, q_data_type=q_data_type, kv_data_type=kv_data_type,
+               o_data_type=o_data_type, window_left=window_left, logits_soft_cap=logits_soft_cap)
+
+
+def plan_flashinfer_causal_step(wrapper, plan: FlashInferPagedPlan, *, fixed_split_size: int | None = None,
+                                disable_split_kv: bool = False, **constants) -> None:
+    """``wrapper.plan(...)`` for the causal requests of a verify step (`FlashInferSplitPlan.causal`): the
+    arguments vLLM's own FlashInfer builder gives its causal prefill wrapper (its split-KV options
+    included), so these requests run the kernel they would run without ddtree. ``constants`` are those
+    of :func:`plan_flashinfer_tree_step`."""
+    if plan.custom_mask is not None:
+        raise ValueError("a causal plan takes no custom mask")
+    _plan_step(wrapper, plan, fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv, **constants)
+
+
+def _plan_step(wrapper, plan: FlashInferPagedPlan, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+               page_size: int, sm_scale: float, q_data_type: torch.dtype, kv_data_type: torch.dtype,
+               o_data_type: torch.dtype, window_left: int = -1, logits_soft_cap: float | None = None,
+               **options) -> None:
     kwargs = plan.plan_kwargs()
     if plan.paged_kv_indices.is_cuda:
         kwargs = {k: v.pin_memory() if isinstance(v, Tensor) and v.device.type == "cpu" else v
                   for k, v in kwargs.items()}
     wrapper.plan(**kwargs, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim,
                  page_size=page_size, sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap,
-                 q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type)
+                 q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type, **options)
 
 
-def prebuild_tree_kernels(wrapper, *, kv_layout: str, device: torch.device | str, **constants) -> None:
+def prebuild_tree_kernels(wrapper, *, kv_layout: str, device: torch.device | str, causal_wrapper=None,
+                          causal_options: dict | None = None, **constants) -> None:
     """Plan and run one verify step (a two-row tree after one cached token, one page) on zeros, so that
-    FlashInfer builds and loads the custom-mask prefill kernel of these constants now.
+    FlashInfer builds and loads the custom-mask prefill kernel of these constants now; with
+    ``causal_wrapper``, the same step planned causally on it too (with ``causal_options``, as
+    :func:`plan_flashinfer_causal_step` takes them): the kernel a verify step's prefill chunks run.
 
     FlashInfer compiles its kernels on first use (nvcc, one module per dtype and head shape; a custom
     mask forces its FA2 kernels, which vLLM's own FlashInfer prefill may never have needed): without
@@ -269,12 +376,17 @@ def prebuild_tree_kernels(wrapper, *, kv_layout: str, device: torch.device | str
                           ancestors=torch.tensor([[[True, False], [True, True]]], device=device))
     plan = flashinfer_paged_plan(qsl, torch.tensor([3], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32,
                                  device=device), page, True, masks)
-    plan_flashinfer_tree_step(wrapper, plan, **constants)
     heads, kv_heads, hd = constants["num_qo_heads"], constants["num_kv_heads"], constants["head_dim"]
     q = torch.zeros(2, heads, hd, dtype=constants["q_data_type"], device=device)
     shape = (1, page, kv_heads, hd) if kv_layout == "NHD" else (1, kv_heads, page, hd)
     k = torch.zeros(shape, dtype=constants["kv_data_type"], device=device)
+    plan_flashinfer_tree_step(wrapper, plan, **constants)
     wrapper.run(q, (k, torch.zeros_like(k)))
+    if causal_wrapper is not None:
+        pages = FlashInferPagedPlan(plan.qo_indptr, plan.paged_kv_indptr, plan.paged_kv_indices,
+                                    plan.paged_kv_last_page_len, plan.kv_lens, None)
+        plan_flashinfer_causal_step(causal_wrapper, pages, **(causal_options or {}), **constants)
+        causal_wrapper.run(q, (k, torch.zeros_like(k)))
 
 
 def pack_tree_spec_mask(tree: TreeStepMasks, max_q: int) -> Tensor:
