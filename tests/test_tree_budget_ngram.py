@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from vllm_ddtree.tree.ngram import _pack
 from vllm_ddtree.tree import (
     AcceptanceCalibration,
     AutoBudget,
@@ -615,6 +616,55 @@ def test_continuation_follows_the_most_frequent_next_token_of_the_request_s_own_
     # A slot's counts are its own: slot 1 never saw (5, 6).
     tokens, valid = model.continuation([1], torch.tensor([[5, 6]]), 3)
     assert not valid.any()
+
+
+def _continuation_one_lookup_at_a_time(model: NGramModel, slots: list[int], tail: torch.Tensor, length: int,
+                                       window: int = 16):
+    """The lookup branch as plain per-step table lookups (host Python over the sorted tables): from
+    the last n-1 tokens, the most counted next token among the first `window` keys of that context
+    (the smallest token id among equal counts), until a context was never followed by anything."""
+    counts = model.online
+    m = model.order - 1
+    keys, cnt = counts.ngram_keys[m].tolist(), counts.ngram_counts[m].tolist()
+    tokens, valid = [], []
+    for slot, row in zip(slots, tail.tolist()):
+        hist, toks, ok = list(row), [], []
+        going = all(t >= 0 for t in hist)
+        for _ in range(length):
+            cx = int(_pack(torch.tensor([slot]), torch.tensor([hist[-m:]]), counts.radix))
+            lo, hi = cx * counts.radix + 1, cx * counts.radix + counts.radix
+            first = next((i for i, k in enumerate(keys) if k >= lo), len(keys))
+            cands = [(cnt[i], -i) for i in range(first, min(first + window, len(keys))) if keys[i] < hi]
+            best = max(cands) if cands else None
+            going = going and best is not None
+            token = keys[-best[1]] % counts.radix - 1 if best is not None else 0
+            toks.append(token if going else 0)
+            ok.append(going)
+            hist.append(token)
+        tokens.append(toks)
+        valid.append(ok)
+    return tokens, valid
+
+
+def test_continuation_equals_one_lookup_at_a_time():
+    # Random texts over a small vocabulary (many repeats, ties between next tokens), PAD in short
+    # tails, a slot never seen, a window smaller than some contexts' followers.
+    g = torch.Generator().manual_seed(5)
+    model = NGramModel(12, 3)
+    texts = [torch.randint(0, 12, (n,), generator=g).tolist() for n in (40, 25, 60, 1)]
+    model.observe_batch([0, 1, 2, 3], texts)
+    slots = [0, 1, 2, 3, 4, 0, 2]
+    # tails from inside the texts (seen, and followed), slot 3's (a PAD: it saw one token), any pair
+    # for slot 4 (never seen), and the texts' own ends
+    tail = torch.tensor([texts[0][5:7], texts[1][3:5], texts[2][10:12], [-1, texts[3][0]], [3, 4], texts[0][-2:],
+                         texts[2][-2:]])
+    for window in (16, 2):
+        tokens, valid = model.online.follow(torch.tensor(slots), tail, 7, window=window)
+        want_tokens, want_valid = _continuation_one_lookup_at_a_time(model, slots, tail, 7, window)
+        assert tokens.tolist() == want_tokens and valid.tolist() == want_valid, window
+        assert any(any(v) for v in want_valid) and not all(all(v) for v in want_valid)
+    tokens, valid = model.continuation(slots, tail, 7)
+    assert (tokens.tolist(), valid.tolist()) == _continuation_one_lookup_at_a_time(model, slots, tail, 7)
 
 
 def test_lookup_calibration_scores_each_proposal_against_what_the_step_committed():

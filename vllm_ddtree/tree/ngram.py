@@ -29,6 +29,11 @@ from torch import Tensor
 PAD = -1  # "no token" (before the start of a sequence)
 
 
+def _wrap(x: int) -> int:
+    """A Python int as the int64 it wraps to (torch's int64 arithmetic wraps the same way)."""
+    return (x + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
 def _pack(namespace: Tensor, tokens: Tensor, radix: int) -> Tensor:
     """namespace [...], tokens [..., m] -> int64 keys [...] (mixed radix, wrapping)."""
     key = namespace.long()
@@ -124,32 +129,45 @@ class NGramCounts:
         cx = _find(self.context_keys[m], self.context_counts[m], cx_key)
         return ng, cx
 
-    def most_frequent_next(self, namespace: Tensor, context: Tensor, window: int = 16) -> tuple[Tensor, Tensor]:
-        """The most counted token after each m-token context, and its count (0: none seen).
+    def follow(self, namespace: Tensor, context: Tensor, length: int, window: int = 16) -> tuple[Tensor, Tensor]:
+        """`length` times: the most counted token after the last m tokens, appended to them.
 
-        namespace [R], context [R, m] (m < order; a PAD makes the context unseen) -> token [R], count [R].
-        The (namespace, context, token) keys of one context are contiguous in the sorted table: the
-        first `window` of them (by token id) are compared, a fixed shape, so no host synchronisation.
-        Where keys wrap (see module docstring) the answer is arbitrary, never wrong output: it is a draft.
+        namespace [R], context [R, m] (m < order; a PAD makes the context unseen) -> tokens [R, length]
+        (0 where not valid), valid [R, length]: a step whose context was never seen followed by anything
+        is invalid, and so is every step after it. The (namespace, context, token) keys of one context
+        are contiguous in the sorted table: the first `window` of them (by token id) are compared (ties:
+        the smallest token id), a fixed shape, so no host synchronisation. Where keys wrap (see module
+        docstring) the answer is arbitrary, never wrong output: it is a draft.
+
+        About 23 device ops per step (one `searchsorted` of both ends of each context's key range; the
+        context key updated by a digit shift): this runs on every engine step with a lookup branch.
         """
-        m = context.shape[1]
+        r, m = context.shape
         keys, counts = self.ngram_keys[m], self.ngram_counts[m]
-        r = context.shape[0]
-        if keys.numel() == 0:
-            zero = torch.zeros(r, dtype=torch.int64, device=self.device)
-            return zero, zero
-        cx = _pack(namespace.to(self.device).long(), context.to(self.device).long(), self.radix)  # [R]
-        lo = torch.searchsorted(keys, cx * self.radix + 1)  # token digits are 1..vocab
-        hi = torch.searchsorted(keys, cx * self.radix + self.radix)
-        idx = lo[:, None] + torch.arange(window, device=self.device)  # [R, window]
-        inside = idx < hi[:, None]
-        idx = idx.clamp(max=keys.numel() - 1)
-        cand = torch.where(inside, counts[idx], 0)
-        best = cand.argmax(dim=1, keepdim=True)
-        count = cand.gather(1, best).squeeze(1)
-        token = keys[idx.gather(1, best).squeeze(1)] % self.radix - 1
-        seen = (context >= 0).all(dim=1).to(self.device) & (count > 0)
-        return torch.where(seen, token, 0), torch.where(seen, count, 0)
+        if keys.numel() == 0 or length == 0:
+            return (torch.zeros(r, length, dtype=torch.int64, device=self.device),
+                    torch.zeros(r, length, dtype=torch.bool, device=self.device))
+        radix, last = self.radix, keys.numel() - 1
+        digits = context.to(self.device).long() + 1  # [R, m]; PAD -> digit 0, never in the tables
+        ns_key = namespace.to(self.device).long() * _wrap(radix**m)  # the key's namespace part, as _pack makes it
+        powers = torch.tensor([_wrap(radix**i) for i in range(m - 1, -1, -1)], dtype=torch.int64, device=self.device)
+        ends = torch.tensor([1, radix], dtype=torch.int64, device=self.device)  # token digits are 1..vocab
+        win = torch.arange(window, device=self.device)
+        found, hits = [], []
+        for _ in range(length):
+            cx = ns_key + (digits * powers).sum(dim=1)  # = _pack(namespace, context), wrapping alike
+            bounds = torch.searchsorted(keys, (cx * radix)[:, None] + ends)  # [R, 2]: the context's key range
+            idx = bounds[:, :1] + win  # [R, window]
+            at = idx.clamp(max=last)
+            cand = counts[at] * (idx < bounds[:, 1:])
+            count, best = cand.max(dim=1, keepdim=True)  # first of equal counts: the smallest token id
+            token = keys[at.gather(1, best)] % radix - 1  # [R, 1]
+            found.append(token)
+            hits.append(count > 0)
+            digits = torch.cat([digits[:, 1:], token + 1], dim=1)
+        seen = (context >= 0).all(dim=1).to(self.device)[:, None]
+        valid = (torch.cat(hits, dim=1) & seen).int().cumprod(dim=1).bool()
+        return torch.where(valid, torch.cat(found, dim=1), 0), valid
 
     def save(self, path: str | Path) -> None:
         """Write the tables as safetensors (metadata: order, vocab_size)."""
@@ -343,18 +361,8 @@ class NGramModel:
         Batched on the device, `length` table lookups, no host synchronisation.
         """
         slots = torch.as_tensor(slots, dtype=torch.int64, device=self.device)
-        r, n1 = context_tail.shape[0], self.order - 1
-        history = context_tail.to(self.device).long()
-        tokens = torch.zeros(r, length, dtype=torch.int64, device=self.device)
-        valid = torch.zeros(r, length, dtype=torch.bool, device=self.device)
-        going = torch.ones(r, dtype=torch.bool, device=self.device)
-        for j in range(length):
-            token, count = self.online.most_frequent_next(slots, history[:, history.shape[1] - n1 :])
-            going = going & (count > 0)
-            tokens[:, j] = torch.where(going, token, 0)
-            valid[:, j] = going
-            history = torch.cat([history, token[:, None]], dim=1)
-        return tokens, valid
+        n1 = self.order - 1
+        return self.online.follow(slots, context_tail[:, context_tail.shape[1] - n1 :], length)
 
     def scorer(self, slots: Sequence[int] | Tensor) -> "NGramScorer":
         """The `PrefixScorer` for a build over the requests in `slots` (row r = slots[r])."""
