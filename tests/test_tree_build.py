@@ -262,3 +262,29 @@ def test_topk_rejects_bad_k_and_empty_vocab():
         topk_per_depth(torch.zeros(1, 2, 5), 6)
     with pytest.raises(ValueError, match="empty vocabulary"):
         topk_per_depth(torch.zeros(1, 2, 0), 1)
+
+
+def test_best_score_selection_by_sort_and_by_keys_agree(monkeypatch):
+    # The GPU's stable sort and the CPU's packed keys: the same indices, ties (+0.0 and -0.0
+    # included) in index order, -inf last.
+    import vllm_ddtree.tree.build as build_mod
+    from vllm_ddtree.tree.build import _top_scores_by_keys, _top_scores_by_sort
+
+    g = torch.Generator().manual_seed(0)
+    scores = (torch.randint(-4, 4, (16, 300), generator=g) / 2).float()  # many ties
+    scores[:, ::7] = -math.inf
+    scores[0, :4] = torch.tensor([0.0, -0.0, 0.0, -0.0])
+    scores[1] = -math.inf
+    for k in (1, 17, 300):
+        by_sort, by_keys = _top_scores_by_sort(scores, k), _top_scores_by_keys(scores, k)
+        assert torch.equal(by_sort, by_keys), k
+    stable = torch.sort(scores, dim=1, descending=True, stable=True).indices
+    assert torch.equal(_top_scores_by_keys(scores, 300), stable)
+    # The whole build with either selection (equal-probability candidates: ties across parents and depths).
+    logits = torch.randint(0, 3, (3, 6, 40), generator=g).float()
+    top = topk_per_depth(logits, 8)
+    by_keys = build_tree(*top, 20)
+    monkeypatch.setattr(build_mod, "_top_scores", _top_scores_by_sort)
+    by_sort = build_tree(*top, 20)
+    for name in ("tokens", "parents", "depths", "valid"):
+        assert torch.equal(getattr(by_sort, name), getattr(by_keys, name)), name

@@ -113,7 +113,7 @@ def add_branch(tree: DraftTree, tokens: Tensor, valid: Tensor, max_nodes: int) -
     the path the tree already has is shared; the rest is appended after the tree's nodes (parent
     before child), at most `max_nodes` nodes per request in all, so the path is cut at the end.
     Appended nodes score -inf (the drafter did not rank them: calibrations and truncation see them
-    as the last). Batched on the device, L passes over [R, B], no host synchronisation.
+    as the last). Batched on the device, log2(L) passes over [R, B], no host synchronisation.
     Returns a tree padded to min(B + L, max_nodes) columns (B if the tree is already wider).
     """
     r, b = tree.tokens.shape
@@ -121,16 +121,19 @@ def add_branch(tree: DraftTree, tokens: Tensor, valid: Tensor, max_nodes: int) -
     dev = tree.tokens.device
     width = max(min(b + length, max_nodes), b)
     tokens, valid = tokens.to(dev).long(), valid.to(dev)
-    # Walk the path down the tree: the node at depth d on it, while the tree has it.
-    node = torch.full((r,), NO_PARENT, dtype=torch.int64, device=dev)  # the root
-    shared = torch.zeros(r, dtype=torch.int64, device=dev)  # path depths the tree already has
-    on_tree = torch.ones(r, dtype=torch.bool, device=dev)
-    for d in range(length):
-        hit = tree.valid & (tree.tokens == tokens[:, d : d + 1]) & (tree.parents == node[:, None])
-        found = hit.any(dim=1) & valid[:, d] & on_tree
-        node = torch.where(found, hit.long().argmax(dim=1), node)
-        shared = shared + found.long()
-        on_tree = found
+    # The part of the path the tree has: a node is on it when it and each of its ancestors hold the
+    # path's token at their depth. Ancestors by pointer doubling over [R, B + 1] (column B is the
+    # root, its own parent): ceil(log2 L) passes, not one per path depth (siblings hold distinct
+    # tokens, so the nodes on the path form one chain).
+    at = (tree.depths - 1).clamp(0, max(length - 1, 0))
+    holds = (tree.valid & (tree.depths <= length) & (tokens.gather(1, at) == tree.tokens) & valid.gather(1, at))
+    ok = torch.cat([holds, torch.ones(r, 1, dtype=torch.bool, device=dev)], dim=1)
+    up = torch.cat([torch.where(tree.parents >= 0, tree.parents, b), torch.full((r, 1), b, device=dev)], dim=1)
+    for _ in range(math.ceil(math.log2(length)) if length > 1 else 0):
+        ok = ok & ok.gather(1, up)
+        up = up.gather(1, up)
+    shared, node = torch.where(ok[:, :b], tree.depths, 0).max(dim=1)  # path depths the tree has; its deepest node
+    node = torch.where(shared > 0, node, NO_PARENT)
     # New nodes: path depths shared+1.. (while valid), at slots num_nodes.., each the previous one's child.
     depth = torch.arange(1, length + 1, device=dev)[None, :]  # [1, L]
     slot = tree.num_nodes[:, None] + depth - 1 - shared[:, None]  # [R, L]
@@ -359,11 +362,12 @@ def build_tree(
         score = cand_score.gather(1, order)
         q = cand_q.gather(1, order)
         parent = pf.take(order)
-        rank = pk.take(order)
-        token = top_ids[:, d, :].gather(1, rank)
-        per_depth.append((score, q, token, parent))
+        # The candidate's column in top_ids flattened over depths; its token is gathered once, at the end.
+        cand_col = pk.take(order) + d * k
+        per_depth.append((score, q, cand_col, parent))
         front_score, front_q = score, q
         if scorer is not None and hist_len > 0:
+            token = top_ids.reshape(r, depth * k).gather(1, cand_col)
             parent_hist = front_hist.gather(1, parent[:, :, None].expand(r, keep, hist_len))
             front_hist = torch.cat([parent_hist[:, :, 1:], token[:, :, None]], dim=2)
 
@@ -371,16 +375,11 @@ def build_tree(
     # resolves equal scores by depth, then by within-depth order).
     all_score = torch.cat([s for s, _, _, _ in per_depth], dim=1)
     all_q = torch.cat([q for _, q, _, _ in per_depth], dim=1)
-    all_token = torch.cat([t for _, _, t, _ in per_depth], dim=1)
-    offsets, parent_cols, depth_cols = [], [], []
-    off = 0
-    for d, (s, _, _, p) in enumerate(per_depth):
-        offsets.append(off)
-        parent_cols.append(torch.full_like(p, NO_PARENT) if d == 0 else p + offsets[d - 1])
-        depth_cols.append(torch.full_like(p, d + 1))
-        off += s.shape[1]
-    all_parent = torch.cat(parent_cols, dim=1)  # index into the concatenation, -1 = root
-    all_depth = torch.cat(depth_cols, dim=1)
+    all_col = torch.cat([c for _, _, c, _ in per_depth], dim=1)
+    # Parents index the previous depth's frontier: the concatenation's offset of that depth makes
+    # them indices into the concatenation (depth 0's parent is the root, index 0: offset -1 = none).
+    parent_offset, depth_of = _depth_layout(tuple(s.shape[1] for s, _, _, _ in per_depth), device)
+    all_parent = torch.cat([p for _, _, _, p in per_depth], dim=1) + parent_offset
     total = all_score.shape[1]
     width = min(b, total)
     sel = _top_scores(all_score, width)
@@ -392,9 +391,9 @@ def build_tree(
     scores = all_score.gather(1, sel)
     valid = torch.isfinite(scores) & (torch.arange(width, device=device)[None, :] < budgets_t[:, None])
     tree = DraftTree(
-        tokens=torch.where(valid, all_token.gather(1, sel), 0),
+        tokens=torch.where(valid, top_ids.reshape(r, depth * k).gather(1, all_col.gather(1, sel)), 0),
         parents=torch.where(valid, parents, NO_PARENT),
-        depths=torch.where(valid, all_depth.gather(1, sel), 0),
+        depths=torch.where(valid, depth_of.take(sel), 0),
         scores=torch.where(valid, scores, -math.inf),
         draft_logp=torch.where(valid, all_q.gather(1, sel), -math.inf),
         valid=valid,
@@ -409,9 +408,24 @@ def build_tree(
 def _top_scores(scores: Tensor, k: int) -> Tensor:
     """Indices of the k best scores per row, best first; equal scores in index order.
 
-    Same result as a stable descending sort, ~5x faster on CPU: the float32 score is mapped to an
-    order-preserving integer and packed with the (reversed) index into one unique int64 key, so
-    `topk` has no ties to break arbitrarily. NaN never reaches here (inputs are validated).
+    Two exact ways, chosen by device (as `compile.ancestor_mask`): on a GPU, where each op is a
+    kernel launch, a stable descending sort (`_top_scores_by_sort`: one op; ~10 for the packed keys);
+    elsewhere packed keys and `topk` (`_top_scores_by_keys`), ~5x faster than the sort on a CPU.
+    """
+    if scores.device.type == "cuda":
+        return _top_scores_by_sort(scores, k)
+    return _top_scores_by_keys(scores, k)
+
+
+def _top_scores_by_sort(scores: Tensor, k: int) -> Tensor:
+    """`_top_scores` as a stable descending sort of the rows, cut to k."""
+    return torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
+
+
+def _top_scores_by_keys(scores: Tensor, k: int) -> Tensor:
+    """`_top_scores` as one `topk` over unique keys: the float32 score is mapped to an order-preserving
+    integer and packed with the (reversed) index into one int64, so `topk` has no ties to break
+    arbitrarily. NaN never reaches here (inputs are validated).
     """
     bits = scores.float().contiguous().view(torch.int32).long()
     mag = bits & 0x7FFFFFFF
@@ -432,6 +446,17 @@ class _LazyChildren:
 
     def __getitem__(self, j: int) -> tuple:
         return self.score + self.logp[j], self.q + self.logp[j], j
+
+
+@functools.lru_cache(maxsize=64)
+def _depth_layout(sizes: tuple[int, ...], device: torch.device) -> tuple[Tensor, Tensor]:
+    """For frontiers of `sizes` nodes per depth, concatenated: [total] the offset of each node's
+    parent depth in the concatenation (-1 at depth 1, whose parent is the root) and [total] its
+    depth (1-based). Host-known shapes, made once per layout."""
+    offsets = [-1] + [sum(sizes[:d]) for d in range(len(sizes) - 1)]
+    parent_offset = torch.cat([torch.full((n,), o, dtype=torch.int64) for n, o in zip(sizes, offsets)])
+    depth_of = torch.cat([torch.full((n,), d + 1, dtype=torch.int64) for d, n in enumerate(sizes)])
+    return parent_offset.to(device), depth_of.to(device)
 
 
 @functools.lru_cache(maxsize=64)
