@@ -8,6 +8,8 @@ batch: weights are read once per step, FLOPs and activations grow with the step'
 
 from __future__ import annotations
 
+import functools
+
 import itertools
 import math
 import statistics
@@ -88,22 +90,38 @@ def roofline_seconds(shape: ModelShape, profile: DeviceProfile, tokens, attn_pai
 
     tokens: total new tokens S in the step; attn_pairs: sum over requests of s_r * (c_r + s_r);
     context_total: sum of cached context lengths; num_requests only enters through these sums.
-    At batch 1 this is BASTION's appendix F, eqs. (8) and (9).
+    At batch 1 this is BASTION's appendix F, eqs. (8) and (9). Both are linear in the totals: the
+    coefficients (`_roofline_terms`) are computed once per model and device, so a step evaluates
+    the roofline in ten tensor ops.
     """
-    L, h, V = shape.layers, shape.hidden, shape.vocab
-    hq, hkv, hf, nq = shape.q_heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.ffn, shape.q_heads
-    S, P, Ctot = tokens, attn_pairs, context_total
-    flops = L * (4 * S * h * hq + 4 * S * h * hkv + 4 * P * hq + 6 * S * h * hf) + 2 * S * h * V
-    bytes_ = shape.bytes_per_param * (
-        2 * V * h
-        + S * (h + V)
-        + L * (2 * h * (hq + hkv) + 3 * h * hf + 2 * hkv * (Ctot + 2 * S) + 4 * S * (h + hq + hf) + 2 * nq * P)
-    )
-    t_flops = flops / profile.peak_flops
-    t_bytes = bytes_ / profile.bandwidth
+    f_tok, f_pair, b_const, b_tok, b_ctx, b_pair = _roofline_terms(shape, profile)
+    t_flops = tokens * f_tok + attn_pairs * f_pair
+    t_bytes = tokens * b_tok + context_total * b_ctx + attn_pairs * b_pair + b_const
     if isinstance(t_flops, Tensor) or isinstance(t_bytes, Tensor):
         return torch.maximum(torch.as_tensor(t_flops), torch.as_tensor(t_bytes))
     return max(t_flops, t_bytes)
+
+
+@functools.lru_cache(maxsize=32)
+def _roofline_terms(shape: ModelShape, profile: DeviceProfile) -> tuple[float, ...]:
+    """Seconds per unit of each step total, from the roofline's FLOPs and bytes:
+
+        FLOPs = L (4 S h hq + 4 S h hkv + 4 P hq + 6 S h hf) + 2 S h V
+        bytes = bpp (2 V h + S (h + V) + L (2 h (hq + hkv) + 3 h hf + 2 hkv (C + 2 S) + 4 S (h + hq + hf) + 2 nq P))
+
+    -> (FLOP seconds per token, per attention pair; byte seconds constant, per token, per context
+    token, per attention pair)."""
+    L, h, V = shape.layers, shape.hidden, shape.vocab
+    hq, hkv, hf, nq = shape.q_heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.ffn, shape.q_heads
+    bpp, peak, bw = shape.bytes_per_param, profile.peak_flops, profile.bandwidth
+    return (
+        (L * (4 * h * hq + 4 * h * hkv + 6 * h * hf) + 2 * h * V) / peak,
+        L * 4 * hq / peak,
+        bpp * (2 * V * h + L * (2 * h * (hq + hkv) + 3 * h * hf)) / bw,
+        bpp * ((h + V) + L * (4 * hkv + 4 * (h + hq + hf))) / bw,
+        bpp * L * 2 * hkv / bw,
+        bpp * L * 2 * nq / bw,
+    )
 
 
 @dataclass
