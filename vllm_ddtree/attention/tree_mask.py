@@ -132,41 +132,52 @@ class FlashInferMask:
     kv_lens: Tensor
 
 
-#: Mask elements built per pass of :func:`flashinfer_custom_mask`: its index arithmetic takes ~40
-#: bytes per element, so a step with a long prefill chunk (an 8K chunk after a 32K context is 268 M
-#: elements) would otherwise need ~10 GB of temporaries next to the 268 MB mask.
+#: New-token block elements built per pass of :func:`flashinfer_custom_mask`: its index arithmetic
+#: takes ~40 bytes per element, so a long prefill chunk's block (8K queries: 67 M elements) would
+#: otherwise need GBs of temporaries next to the mask.
 MASK_CHUNK_ELEMENTS = 1 << 22
 
 
 def flashinfer_custom_mask(query_lens: Tensor, seq_lens: Tensor, causal: Tensor,
                            tree: TreeStepMasks | None = None, total: int | None = None,
-                           chunk: int = MASK_CHUNK_ELEMENTS) -> FlashInferMask:
+                           chunk: int = MASK_CHUNK_ELEMENTS, block_total: int | None = None) -> FlashInferMask:
     """The flat custom mask for a whole step (tree, causal and non-causal requests alike), on device.
 
-    Built element by element from :func:`may_attend` (no dense [R, max_q, max_kv] intermediate),
-    ``chunk`` elements per pass, so its size is the sum over requests of q * kv; pass that sum as
-    ``total`` when the caller knows it on the host (on a GPU it is otherwise read back from the device).
-    Pass it unpacked: with ``packed_custom_mask`` FlashInfer's plan() keeps an element-count indptr
-    and later requests read garbage (docs/design.md §10.3).
+    Every query sees every position cached before the step's tokens (`may_attend`: the prefix is
+    visible to causal, non-causal and tree rows alike), so the mask is filled True and only each
+    request's block over its own new tokens, [q, q] at columns kv - q.., is computed by
+    :func:`may_attend`: sum q^2 elements (a tree's rows squared), not sum q * kv, in a fixed
+    number of ops per ``chunk`` block elements. Its size is the sum over requests of q * kv; pass
+    that sum as ``total`` and sum q^2 as ``block_total`` when the caller knows them on the host (on
+    a GPU they are otherwise read back from the device). Pass it unpacked: with
+    ``packed_custom_mask`` FlashInfer's plan() keeps an element-count indptr and later requests
+    read garbage (docs/design.md §10.3).
     """
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1 mask elements, got {chunk}")
     dev = query_lens.device
+    query_lens, seq_lens = query_lens.long(), seq_lens.long()
     sizes = query_lens * seq_lens
     mask_indptr = torch.zeros(sizes.shape[0] + 1, dtype=torch.int64, device=dev)
     mask_indptr[1:] = torch.cumsum(sizes, 0)
+    block_indptr = torch.zeros_like(mask_indptr)
+    block_indptr[1:] = torch.cumsum(query_lens * query_lens, 0)
     if total is None:
         total = int(mask_indptr[-1])
-    mask = torch.empty(total, dtype=torch.bool, device=dev)
-    for start in range(0, total, chunk):
-        e = torch.arange(start, min(start + chunk, total), device=dev)
-        req = torch.searchsorted(mask_indptr, e, right=True) - 1  # right: requests of size 0 own nothing
-        local = e - mask_indptr[req]
-        kv = seq_lens[req]
-        mask[start : start + e.shape[0]] = may_attend(req, local // kv, local % kv, query_lens, seq_lens, causal, tree)
+    if block_total is None:
+        block_total = int(block_indptr[-1])
+    mask = torch.ones(total, dtype=torch.bool, device=dev)
+    for start in range(0, block_total, chunk):
+        e = torch.arange(start, min(start + chunk, block_total), device=dev)
+        req = torch.searchsorted(block_indptr, e, right=True) - 1  # right: requests of size 0 own nothing
+        local = e - block_indptr[req]
+        q, kv = query_lens[req], seq_lens[req]
+        i, j = local // q, local % q  # query i, new token j (KV position kv - q + j)
+        p = kv - q + j
+        mask[mask_indptr[req] + i * kv + p] = may_attend(req, i, p, query_lens, seq_lens, causal, tree)
     qo_indptr = torch.zeros_like(mask_indptr)
     qo_indptr[1:] = torch.cumsum(query_lens, 0)
-    return FlashInferMask(mask, mask_indptr, qo_indptr, seq_lens.long())
+    return FlashInferMask(mask, mask_indptr, qo_indptr, seq_lens)
 
 
 @dataclass
@@ -240,7 +251,7 @@ def _with_mask(pages: FlashInferPagedPlan, causal: Tensor, tree: TreeStepMasks |
     query_lens = (pages.qo_indptr[1:] - pages.qo_indptr[:-1]).long()
     seq = pages.kv_lens.long()
     mask = flashinfer_custom_mask(to_device(query_lens, dev), to_device(seq, dev), to_device(causal, dev), tree,
-                                  total=int((query_lens * seq).sum()))
+                                  total=int((query_lens * seq).sum()), block_total=int((query_lens * query_lens).sum()))
     return FlashInferPagedPlan(pages.qo_indptr, pages.paged_kv_indptr, pages.paged_kv_indices,
                                pages.paged_kv_last_page_len, pages.kv_lens, mask.custom_mask)
 
