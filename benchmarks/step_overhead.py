@@ -104,8 +104,8 @@ def device(t: torch.Tensor) -> torch.Tensor:
 
 
 #: tree/ngram.py functions that work on host tensors in an engine too (the step's new tokens, from
-#: host lists, cut into windows before one copy to the tables' device)
-NGRAM_HOST_SIDE = {"windows_of", "observe_batch"}
+#: host lists, cut into windows before one copy to the tables' device; constant digit weights)
+NGRAM_HOST_SIDE = {"windows_of", "observe_batch", "_context_powers"}  # the last: made once per shape, then moved
 
 
 def in_ngram_tables() -> bool:

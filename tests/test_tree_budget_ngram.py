@@ -158,6 +158,20 @@ def test_ngram_backoff_floor_and_release():
     assert torch.allclose(rho, torch.full_like(rho, 1e-3))
 
 
+def test_ngram_scores_follow_the_tables_after_each_change():
+    # The orders' tables are stacked for one search and kept until the tables change.
+    model = NGramModel(10, order=3, floor=1e-3)
+    hist, toks = torch.tensor([[[1, 2]]]), torch.tensor([[[3, 4]]])
+    model.observe(0, [1, 2, 3])
+    before = model.log_rho(torch.tensor([0]), hist, toks).exp()
+    assert before[0, 0].tolist() == pytest.approx([1.0, 1e-3])
+    model.observe(0, [1, 2, 4])  # "1 2" now followed by 3 once and 4 once
+    after = model.log_rho(torch.tensor([0]), hist, toks).exp()
+    assert after[0, 0].tolist() == pytest.approx([0.5, 0.5])
+    model.release(0)
+    assert model.log_rho(torch.tensor([0]), hist, toks).exp()[0, 0].tolist() == pytest.approx([1e-3, 1e-3])
+
+
 def test_ngram_scores_equal_a_plain_python_backoff_over_a_frontier_block():
     """log rho over an [R, F, K] block (several frontier histories, some reaching before the sequence
     start, K tokens each) equals stupid backoff computed from plain counts of each slot's sequence."""

@@ -32,7 +32,7 @@ from vllm_ddtree.tree import (
     walk_tree,
 )
 from vllm_ddtree.compaction import accepted_path_moves
-from vllm_ddtree.tree import add_branch, build_tree, compaction_plan
+from vllm_ddtree.tree import add_branch, build_tree
 
 META = torch.device("meta")
 R, DEPTH, VOCAB, WIDTH = 3, 6, 50, 8

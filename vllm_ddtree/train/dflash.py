@@ -29,7 +29,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from vllm_ddtree.drafter.model import DFlashDrafter, DrafterConfig
 

@@ -4,7 +4,7 @@ The drafter's marginals q_d are blind to which tokens precede a node; rho(t | pr
 is not. Token score = log q_d(t) + lambda_d * log rho(t | c), lambda default 0.2, n default 3.
 
 Counts live on the device as sorted int64 keys, so a lookup for a whole [R, F, K] candidate block is
-one `searchsorted` per order with no host synchronisation. Keys pack (namespace, context tokens,
+one `searchsorted` (all orders' tables stacked) with no host synchronisation. Keys pack (namespace, context tokens,
 token) in mixed radix (vocab + 1); when that exceeds 63 bits (n >= 4 with a large vocabulary) it
 wraps and acts as a hash, which only perturbs scores, never the target's output.
 
@@ -19,6 +19,7 @@ finite (log(floor)) so the rescoring never removes a candidate outright.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -32,6 +33,19 @@ PAD = -1  # "no token" (before the start of a sequence)
 def _wrap(x: int) -> int:
     """A Python int as the int64 it wraps to (torch's int64 arithmetic wraps the same way)."""
     return (x + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
+@functools.lru_cache(maxsize=16)
+def _context_powers(radix: int, orders: int, history: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The digit weights of `_pack` for contexts of 0..orders-1 tokens taken from the end of a
+    `history`-token window: [orders, history] (radix^(m-1-i) on order m's i-th context token, 0 on
+    the tokens before it) and [orders] the namespace's weight radix^m; int64, wrapped as _pack wraps."""
+    powers = torch.zeros(orders, history, dtype=torch.int64)
+    for m in range(orders):
+        for i in range(m):
+            powers[m, history - m + i] = _wrap(radix ** (m - 1 - i))
+    ns_powers = torch.tensor([_wrap(radix**m) for m in range(orders)], dtype=torch.int64)
+    return powers.to(device), ns_powers.to(device)
 
 
 def _pack(namespace: Tensor, tokens: Tensor, radix: int) -> Tensor:
@@ -57,6 +71,8 @@ class NGramCounts:
     ngram_counts: list[Tensor] = field(default_factory=list)
     context_keys: list[Tensor] = field(default_factory=list)
     context_counts: list[Tensor] = field(default_factory=list)
+    # the tables of orders 0..k-1 stacked for one search (`_stacked`), until the next change
+    _stack: tuple[int, Tensor, Tensor] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.order < 1:
@@ -91,6 +107,7 @@ class NGramCounts:
             cx = _pack(namespace, ctx, self.radix)[real]
             self.ngram_keys[m], self.ngram_counts[m] = _merge(self.ngram_keys[m], self.ngram_counts[m], ng)
             self.context_keys[m], self.context_counts[m] = _merge(self.context_keys[m], self.context_counts[m], cx)
+        self._stack = None
 
     def drop_namespace(self, namespace: int) -> None:
         """Forget every count of one namespace (a finished request's slot). Exact while keys don't wrap."""
@@ -106,28 +123,45 @@ class NGramCounts:
             self.context_keys[m], self.context_counts[m] = _drop(
                 self.context_keys[m], self.context_counts[m], drop, span_cx
             )
+        self._stack = None
 
-    def lookup(self, namespace: Tensor, history: Tensor, tokens: Tensor, m: int) -> tuple[Tensor, Tensor]:
-        """count(c_m, t) [R, F, K] and count(c_m) [R, F] for the last m tokens of history [R, F, n-1].
+    def lookup_orders(self, namespace: Tensor, history: Tensor, tokens: Tensor, orders: int) -> tuple[Tensor, Tensor]:
+        """count(c_m, t) and count(c_m) for m = 0 .. orders-1, each [orders, R, F, K] (the context's
+        count repeated over its K tokens), c_m the last m tokens of history [R, F, h] (h >= orders - 1).
 
-        A context reaching before the sequence start (a PAD digit, 0) is never counted at its order
-        (`add` skips it and real tokens pack as digits >= 1), so its keys simply miss: no mask needed.
+        One `searchsorted` over the 2 * orders tables stacked (`_stacked`), whatever the order: this
+        runs at every depth of a rescored build. A context reaching before the sequence start (a PAD
+        digit, 0) is never counted at its order (`add` skips it and real tokens pack as digits >= 1),
+        so its keys simply miss: no mask needed.
         """
-        r, f, _ = tokens.shape
-        if m == 0 and f > 1 and tokens.stride(1) == 0:
-            # Unigram counts do not depend on the history: when every frontier node has the same
-            # candidates (the tree build passes them expanded), look them up once per request.
-            ng, cx = self.lookup(namespace, history[:, :1], tokens[:, :1], 0)
-            return ng.expand(r, f, -1), cx.expand(r, f)
-        ns = namespace.to(self.device).long().view(r, 1).expand(r, f)
-        ctx = history[:, :, history.shape[2] - m :] if m > 0 else history[:, :, :0]
-        # The context part of a key is shared by a frontier node's K candidates: pack and look it up
-        # once per node; the n-gram key appends the token (the same mixed-radix arithmetic as _pack).
-        cx_key = _pack(ns, ctx, self.radix)  # [R, F]
-        ng_key = cx_key[:, :, None] * self.radix + (tokens.long() + 1)  # [R, F, K]
-        ng = _find(self.ngram_keys[m], self.ngram_counts[m], ng_key)
-        cx = _find(self.context_keys[m], self.context_counts[m], cx_key)
-        return ng, cx
+        r, f, k = tokens.shape
+        keys, counts = self._stacked(orders)  # [2 * orders, longest table]
+        if keys.shape[1] == 0:
+            zero = torch.zeros(orders, r, f, k, dtype=torch.int64, device=self.device)
+            return zero, zero
+        powers, ns_powers = _context_powers(self.radix, orders, history.shape[2], self.device)
+        digits = history.to(self.device).long() + 1  # [R, F, h]
+        ns = namespace.to(self.device).long().view(1, r, 1)
+        # order m's context key: the same mixed-radix arithmetic as _pack, on the last m digits
+        cx = (digits[None] * powers[:, None, None, :]).sum(dim=3) + ns * ns_powers[:, None, None]  # [orders, R, F]
+        ng = cx[..., None] * self.radix + (tokens.to(self.device).long()[None] + 1)  # [orders, R, F, K]
+        query = torch.cat([ng, cx[..., None].expand_as(ng)]).view(2 * orders, -1)
+        idx = torch.searchsorted(keys, query).clamp_(max=keys.shape[1] - 1)
+        found = torch.where(keys.gather(1, idx) == query, counts.gather(1, idx), 0).view(2, orders, r, f, k)
+        return found[0], found[1]
+
+    def _stacked(self, orders: int) -> tuple[Tensor, Tensor]:
+        """[2 * orders, L] keys and counts: the n-gram tables of orders 0..orders-1, then their context
+        tables, each padded to the longest with keys past any query (count 0). Made once per change."""
+        if self._stack is None or self._stack[0] != orders:
+            tables = [*self.ngram_keys[:orders], *self.context_keys[:orders]]
+            table_counts = [*self.ngram_counts[:orders], *self.context_counts[:orders]]
+            width = max(t.numel() for t in tables)
+            last = torch.iinfo(torch.int64).max
+            keys = torch.stack([torch.cat([t, t.new_full((width - t.numel(),), last)]) for t in tables])
+            counts = torch.stack([torch.cat([c, c.new_zeros(width - c.numel())]) for c in table_counts])
+            self._stack = (orders, keys, counts)
+        return self._stack[1], self._stack[2]
 
     def follow(self, namespace: Tensor, context: Tensor, length: int, window: int = 16) -> tuple[Tensor, Tensor]:
         """`length` times: the most counted token after the last m tokens, appended to them.
@@ -344,11 +378,11 @@ class NGramModel:
     def _backoff(self, counts: NGramCounts, slots: Tensor, history: Tensor, tokens: Tensor) -> Tensor:
         # The longest context with count(c, t) > 0 decides; each step down costs a factor `backoff`.
         # Shortest context first, so a longer context's hit overwrites (few ops: this runs per depth).
+        ng, cx = counts.lookup_orders(slots, history, tokens, self.order)  # [order, R, F, K]
+        ratio = ng.float() / cx.clamp(min=1).float()
         rho = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
         for m in range(self.order):
-            ng, cx = counts.lookup(slots, history, tokens, m)
-            ratio = ng.float() / cx.clamp(min=1).float()[:, :, None]
-            rho = torch.where(ng > 0, ratio * self.backoff ** (self.order - 1 - m), rho)
+            rho = torch.where(ng[m] > 0, ratio[m] * self.backoff ** (self.order - 1 - m), rho)
         return rho
 
     def continuation(self, slots: Sequence[int] | Tensor, context_tail: Tensor, length: int) -> tuple[Tensor, Tensor]:
