@@ -141,7 +141,7 @@ def test_budget_bad_input():
         CostModel(cost.shape, cost.profile, slope=0.0)
 
 
-def test_ngram_backoff_floor_and_release():
+def test_ngram_backoff_floor_and_release(orders_search):
     model = NGramModel(10, order=3, floor=1e-3)
     model.observe(0, [1, 2, 3, 1, 2, 3])
     model.observe(1, [5, 5])
@@ -158,7 +158,16 @@ def test_ngram_backoff_floor_and_release():
     assert torch.allclose(rho, torch.full_like(rho, 1e-3))
 
 
-def test_ngram_scores_follow_the_tables_after_each_change():
+@pytest.fixture(params=["per order", "stacked"])
+def orders_search(request, monkeypatch):
+    """Both ways the n-gram orders are looked up: per order (CPU) and in one stacked search (GPU)."""
+    import vllm_ddtree.tree.ngram as ngram_mod
+
+    monkeypatch.setattr(ngram_mod, "_search_orders_at_once", lambda device: request.param == "stacked")
+    return request.param
+
+
+def test_ngram_scores_follow_the_tables_after_each_change(orders_search):
     # The orders' tables are stacked for one search and kept until the tables change.
     model = NGramModel(10, order=3, floor=1e-3)
     hist, toks = torch.tensor([[[1, 2]]]), torch.tensor([[[3, 4]]])
@@ -172,7 +181,7 @@ def test_ngram_scores_follow_the_tables_after_each_change():
     assert model.log_rho(torch.tensor([0]), hist, toks).exp()[0, 0].tolist() == pytest.approx([1e-3, 1e-3])
 
 
-def test_ngram_scores_equal_a_plain_python_backoff_over_a_frontier_block():
+def test_ngram_scores_equal_a_plain_python_backoff_over_a_frontier_block(orders_search):
     """log rho over an [R, F, K] block (several frontier histories, some reaching before the sequence
     start, K tokens each) equals stupid backoff computed from plain counts of each slot's sequence."""
     from collections import Counter
@@ -214,7 +223,7 @@ def test_ngram_scores_equal_a_plain_python_backoff_over_a_frontier_block():
                 assert got[r, f, k].item() == pytest.approx(want, rel=1e-5), (r, f, k)
 
 
-def test_corpus_table_roundtrip_and_mixing(tmp_path):
+def test_corpus_table_roundtrip_and_mixing(tmp_path, orders_search):
     class CharTokenizer:
         def __len__(self):
             return 128
