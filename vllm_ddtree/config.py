@@ -89,10 +89,11 @@ class DDTreeConfig:
     """Weight λ of the prefix-aligned n-gram score added to the drafter's log-probabilities
     (PRESTO). ``0`` disables n-gram rescoring. ``None`` (default): 0.2 on a CPU or with an
     ``ngram_corpus``, 0 on a GPU, where the engine runs the tree step op by op: the rescoring's
-    table lookups (1,100-2,100 more device ops per step, ``benchmarks/results/step_overhead.json``)
-    took the step's device work from 13.5 to 41.0 ms on an H100 (8.4 to 24.5 ms on an H200,
-    ``benchmarks/results/gpu/``), more than the whole Qwen3-8B verify forward (11.7 ms), for 11-14%
-    more τ at budget 64 in the exact replays (the drafter's model card)."""
+    table lookups (700-1,200 more device ops per step, ``benchmarks/results/step_overhead.json``;
+    1,100-2,100 when the GPU runs below were made) took the step's device work from 13.5 to 41.0 ms
+    on an H100 (8.4 to 24.5 ms on an H200, ``benchmarks/results/gpu/``), more than the whole Qwen3-8B
+    verify forward (11.7 ms), for 11-14% more τ at budget 64 in the exact replays (the drafter's
+    model card)."""
 
     ngram_order: int = 3
     """Order of the n-gram model (3 = two tokens of context). At least 2."""
