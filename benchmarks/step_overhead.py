@@ -103,9 +103,10 @@ def device(t: torch.Tensor) -> torch.Tensor:
     return t.as_subclass(DeviceData) if MARK[0] else t
 
 
-#: tree/ngram.py functions that work on host tensors in an engine too (the step's new tokens, from
-#: host lists, cut into windows before one copy to the tables' device; constant digit weights)
-NGRAM_HOST_SIDE = {"windows_of", "observe_batch", "_context_powers"}  # the last: made once per shape, then moved
+#: tree/ngram.py functions that are not per-step table work: the step's new tokens, from host lists,
+#: cut into windows on the host before one copy to the tables' device; constants made once per
+#: shape (digit weights), then cached
+NGRAM_HOST_SIDE = {"windows_of", "observe_batch", "_context_powers", "_device_ints"}
 
 
 def in_ngram_tables() -> bool:

@@ -454,9 +454,10 @@ def _depth_layout(sizes: tuple[int, ...], device: torch.device) -> tuple[Tensor,
     parent depth in the concatenation (-1 at depth 1, whose parent is the root) and [total] its
     depth (1-based). Host-known shapes, made once per layout."""
     offsets = [-1] + [sum(sizes[:d]) for d in range(len(sizes) - 1)]
-    parent_offset = torch.cat([torch.full((n,), o, dtype=torch.int64) for n, o in zip(sizes, offsets)])
-    depth_of = torch.cat([torch.full((n,), d + 1, dtype=torch.int64) for d, n in enumerate(sizes)])
-    return parent_offset.to(device), depth_of.to(device)
+    # made on the device by fills: a host-to-device copy from pageable memory would wait for the device
+    parent_offset = torch.cat([torch.full((n,), o, dtype=torch.int64, device=device) for n, o in zip(sizes, offsets)])
+    depth_of = torch.cat([torch.full((n,), d + 1, dtype=torch.int64, device=device) for d, n in enumerate(sizes)])
+    return parent_offset, depth_of
 
 
 @functools.lru_cache(maxsize=64)

@@ -48,12 +48,22 @@ def _context_powers(radix: int, orders: int, history: int, device: torch.device)
     """The digit weights of `_pack` for contexts of 0..orders-1 tokens taken from the end of a
     `history`-token window: [orders, history] (radix^(m-1-i) on order m's i-th context token, 0 on
     the tokens before it) and [orders] the namespace's weight radix^m; int64, wrapped as _pack wraps."""
-    powers = torch.zeros(orders, history, dtype=torch.int64)
+    powers = [[0] * history for _ in range(orders)]
     for m in range(orders):
         for i in range(m):
-            powers[m, history - m + i] = _wrap(radix ** (m - 1 - i))
-    ns_powers = torch.tensor([_wrap(radix**m) for m in range(orders)], dtype=torch.int64)
-    return powers.to(device), ns_powers.to(device)
+            powers[m][history - m + i] = _wrap(radix ** (m - 1 - i))
+    flat = _device_ints(tuple(v for row in powers for v in row), device).view(orders, history)
+    return flat, _device_ints(tuple(_wrap(radix**m) for m in range(orders)), device)
+
+
+@functools.lru_cache(maxsize=64)
+def _device_ints(values: tuple[int, ...], device: torch.device) -> Tensor:
+    """[len(values)] int64 constants made on `device` by fills: no host-to-device copy, which from
+    pageable memory would wait for the device (a host sync in the middle of a step). Made once."""
+    out = torch.empty(len(values), dtype=torch.int64, device=device)
+    for i, v in enumerate(values):
+        out[i : i + 1].fill_(v)
+    return out
 
 
 def _pack(namespace: Tensor, tokens: Tensor, radix: int) -> Tensor:
@@ -211,8 +221,8 @@ class NGramCounts:
         radix, last = self.radix, keys.numel() - 1
         digits = context.to(self.device).long() + 1  # [R, m]; PAD -> digit 0, never in the tables
         ns_key = namespace.to(self.device).long() * _wrap(radix**m)  # the key's namespace part, as _pack makes it
-        powers = torch.tensor([_wrap(radix**i) for i in range(m - 1, -1, -1)], dtype=torch.int64, device=self.device)
-        ends = torch.tensor([1, radix], dtype=torch.int64, device=self.device)  # token digits are 1..vocab
+        powers = _device_ints(tuple(_wrap(radix**i) for i in range(m - 1, -1, -1)), self.device)
+        ends = _device_ints((1, radix), self.device)  # token digits are 1..vocab
         win = torch.arange(window, device=self.device)
         found, hits = [], []
         for _ in range(length):
