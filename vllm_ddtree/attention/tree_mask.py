@@ -246,7 +246,7 @@ def flashinfer_page_table(query_start_loc_cpu: Tensor, seq_lens_cpu: Tensor, blo
 
 
 def _with_mask(pages: FlashInferPagedPlan, causal: Tensor, tree: TreeStepMasks | None) -> FlashInferPagedPlan:
-    """`pages` with the custom mask of its requests (``causal`` [R] host bool for requests without a tree)."""
+    """`pages` with the custom mask of its requests (``causal`` [R] bool for requests without a tree)."""
     dev = pages.paged_kv_indices.device
     query_lens = (pages.qo_indptr[1:] - pages.qo_indptr[:-1]).long()
     seq = pages.kv_lens.long()

@@ -9,7 +9,6 @@ batch: weights are read once per step, FLOPs and activations grow with the step'
 from __future__ import annotations
 
 import functools
-
 import itertools
 import math
 import statistics

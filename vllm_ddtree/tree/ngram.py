@@ -4,9 +4,10 @@ The drafter's marginals q_d are blind to which tokens precede a node; rho(t | pr
 is not. Token score = log q_d(t) + lambda_d * log rho(t | c), lambda default 0.2, n default 3.
 
 Counts live on the device as sorted int64 keys, so a lookup for a whole [R, F, K] candidate block is
-one `searchsorted` (all orders' tables stacked) with no host synchronisation. Keys pack (namespace, context tokens,
-token) in mixed radix (vocab + 1); when that exceeds 63 bits (n >= 4 with a large vocabulary) it
-wraps and acts as a hash, which only perturbs scores, never the target's output.
+two `searchsorted` per order (on a GPU, two for all orders' tables stacked) with no host
+synchronisation. Keys pack (namespace, context tokens, token) in mixed radix (vocab + 1); when that
+exceeds 63 bits (n >= 4 with a large vocabulary) it wraps and acts as a hash, which only perturbs
+scores, never the target's output.
 
 Two sources, mixed: an online table per request (namespace = the request's slot), fed with the
 prompt and every committed token, which catches the repetition typical of code and quoting; and an
@@ -37,9 +38,11 @@ def _wrap(x: int) -> int:
 
 def _search_orders_at_once(device: torch.device) -> bool:
     """Two exact ways to look the orders up, chosen by device (as `compile.ancestor_mask`): on a GPU,
-    where each op is a kernel launch, all orders in one stacked search (`lookup_orders`, a fixed ~30
-    ops); elsewhere order by order (`lookup`, ~30 ops each), which looks unigrams up once per request
-    and each context once per node: on 2 vCPUs the stacked search took 1.4-2.1x its host time."""
+    where each op is a kernel launch, all orders in one stacked search (`lookup_orders`, a fixed op
+    count); elsewhere order by order (`lookup`, about as many ops per order), which looks unigrams up
+    once per request and so does less work: `benchmarks/results/step_overhead.json`, which times the
+    GPU's paths on 2 vCPUs, has the step with rescoring at 1.7-2.0x the per-order search's host time
+    at batch 64 and 256."""
     return device.type == "cuda"
 
 
@@ -169,10 +172,11 @@ class NGramCounts:
         """`lookup` for m = 0 .. orders-1 at once: count(c_m, t) [orders, R, F, K] and count(c_m)
         [orders, R, F], c_m the last m tokens of history [R, F, h] (h >= orders - 1).
 
-        Two `searchsorted` whatever the order (a fixed ~30 ops, where `lookup` takes ~30 per order): the n-gram tables of all orders stacked, then their
-        context tables (`_stacked`); this runs at every depth of a rescored build. A context reaching
-        before the sequence start (a PAD digit, 0) is never counted at its order (`add` skips it and
-        real tokens pack as digits >= 1), so its keys simply miss: no mask needed.
+        Two `searchsorted` whatever the order (a fixed op count; `lookup` takes about as many per
+        order): the n-gram tables of all orders stacked, then their context tables (`_stacked`); this
+        runs at every depth of a rescored build. A context reaching before the sequence start (a PAD
+        digit, 0) is never counted at its order (`add` skips it and real tokens pack as digits >= 1),
+        so its keys simply miss: no mask needed.
         """
         r, f, k = tokens.shape
         powers, ns_powers = _context_powers(self.radix, orders, history.shape[2], self.device)
@@ -293,12 +297,8 @@ def _drop(keys: Tensor, counts: Tensor, namespaces: Tensor, span: int) -> tuple[
 
 
 def _find(keys: Tensor, counts: Tensor, query: Tensor) -> Tensor:
-    if keys.numel() == 0:
-        return torch.zeros_like(query)
-    query = query.contiguous()
-    idx = torch.searchsorted(keys, query.reshape(-1)).clamp(max=keys.numel() - 1)
-    hit = keys[idx] == query.reshape(-1)
-    return torch.where(hit, counts[idx], 0).view_as(query)
+    """Counts [...] of the keys `query` [...] in one sorted table keys/counts [L] (0 where absent)."""
+    return _find_rows(keys[None], counts[None], query[None])[0]
 
 
 def _find_rows(keys: Tensor, counts: Tensor, query: Tensor) -> Tensor:
