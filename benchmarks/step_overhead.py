@@ -256,7 +256,7 @@ def verify_inputs(code, proposer, drafts: list[list[int]], ctx: int, vocab: int,
     sampling = SimpleNamespace(all_greedy=True, no_penalties=True, allowed_token_ids_mask=None, bad_words_token_ids={},
                                logitsprocs=SimpleNamespace(non_argmax_invariant=[]), max_num_logprobs=None)
     slots = device(torch.arange(total + 8))
-    caches = [device(torch.zeros(total // 16 + 2, 1, 16, 8)) for _ in range(layers)]  # "cpu" layout, tiny heads
+    caches = [device(torch.zeros(total // 16 + 2, 1, 16, 8)) for _ in range(layers)]  # "rows" layout, tiny heads
     runner = proposer.runner
     runner.input_batch.prev_sampled_token_ids = None
     runner.input_batch.block_table = [SimpleNamespace(slot_mapping=SimpleNamespace(gpu=slots))]
@@ -267,7 +267,9 @@ def verify_inputs(code, proposer, drafts: list[list[int]], ctx: int, vocab: int,
     runner.positions = device(torch.zeros(total + 8, dtype=torch.int64))
     runner.positions[:total] = positions
     runner.drafter = proposer
-    runner._ddtree_target_caches = (caches, "cpu")
+    from vllm_ddtree import compaction  # the row layout is named "cpu" in code before the CPU_ATTN layout existed
+
+    runner._ddtree_target_caches = (caches, "rows" if "rows" in getattr(compaction, "LAYOUTS", ()) else "cpu")
     spec = SimpleNamespace(num_draft_tokens=n, draft_token_ids=device(torch.tensor([t for d in drafts for t in d])))
     return spec, total, device(logits)
 

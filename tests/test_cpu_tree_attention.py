@@ -2,7 +2,8 @@
 
 Builds vLLM's own CommonAttentionMetadata for a mixed batch (a prefill chunk, a decode row, a
 tree verify with an off-spine tree) over shuffled physical blocks, runs the backend's cache update
-and forward, and compares with attention computed directly on the unpaged K/V.
+and forward, and compares with attention computed directly on the unpaged K/V. Both cache layouts:
+vLLM CPU_ATTN's (written by its own kernel) and the backend's fallback.
 """
 
 from types import SimpleNamespace
@@ -21,19 +22,36 @@ from vllm_ddtree.tree import build_tree, compile_tree, dense_attention_mask, top
 HEADS, KV_HEADS, HD, BS = 4, 2, 16, 8
 
 
+def force_layout(layout: str, block_size: int, head_dim: int, monkeypatch) -> None:
+    """Make the backend use `layout`; "cpu_attn" must be what the probe finds for these sizes."""
+    from vllm_ddtree.attention import cpu_tree
+
+    if layout == "cpu_attn":
+        isa = cpu_tree.cache_isa(torch.float32, block_size, head_dim)
+        assert cpu_tree.kv_layout(torch.float32, block_size, head_dim, isa) == "cpu_attn"
+    else:
+        monkeypatch.setattr(cpu_tree, "kv_layout", lambda *args: "rows")
+
+
+def spec(block_size: int = BS, head_dim: int = HD) -> SimpleNamespace:
+    return SimpleNamespace(block_size=block_size, num_kv_heads=KV_HEADS, dtype=torch.float32, head_size=head_dim)
+
+
 def make_tree(num_nodes, ctx):
     lp, ids = topk_per_depth(torch.randn(1, 4, 6, generator=torch.Generator().manual_seed(1)) * 2, 6)
     return compile_tree(build_tree(lp, ids, num_nodes), torch.tensor([1]), torch.tensor([ctx]))
 
 
+@pytest.mark.parametrize("layout, BS, HD", [("cpu_attn", 16, 32), ("rows", BS, HD)])
 @pytest.mark.parametrize("separate", [128, 4, 1])
 @pytest.mark.parametrize("causal", [True, False])
-def test_backend_matches_dense_attention(causal, separate, monkeypatch):
+def test_backend_matches_dense_attention(causal, separate, layout, BS, HD, monkeypatch):
     """`separate`: requests with more queries are attended on their own (128: none here, one padded
     batch; 4: the 5-query chunk and the 10-row tree apart, the decode row alone; 1: all apart)."""
     from vllm_ddtree.attention import cpu_tree
 
     monkeypatch.setattr(cpu_tree, "SEPARATE_QUERY_LEN", separate)
+    force_layout(layout, BS, HD, monkeypatch)
     g = torch.Generator().manual_seed(0)
     # request 0: prefill chunk of 5 after 7 cached; request 1: one decode row after 20;
     # request 2: tree verify of 1 + 9 rows after 11 cached tokens.
@@ -72,7 +90,8 @@ def test_backend_matches_dense_attention(causal, separate, monkeypatch):
         has_tree=torch.tensor([False, False, True]), num_rows=torch.tensor([0, 0, qlen[2]]),
         ancestors=torch.cat([torch.zeros(2, n, n, dtype=torch.bool), tree.ancestors]),
     )
-    builder = TreeAttentionMetadataBuilder(SimpleNamespace(block_size=BS, num_kv_heads=KV_HEADS), ["model.layers.0.attn"], None, "cpu")
+    builder = TreeAttentionMetadataBuilder(spec(BS, HD), ["model.layers.0.attn"], None, "cpu")
+    assert builder.layout == layout
     set_step_tree_masks(masks)
     try:
         md = builder.build(0, cm)
@@ -99,7 +118,7 @@ def test_backend_matches_dense_attention(causal, separate, monkeypatch):
 
 
 def test_tree_masks_are_not_applied_to_other_layers():
-    builder = TreeAttentionMetadataBuilder(SimpleNamespace(block_size=BS, num_kv_heads=KV_HEADS), ["draft_model.layers.0.attn"], None, "cpu")
+    builder = TreeAttentionMetadataBuilder(spec(), ["draft_model.layers.0.attn"], None, "cpu")
     qsl = torch.tensor([0, 3])
     cm = CommonAttentionMetadata(
         query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=torch.tensor([5]), num_reqs=1, num_actual_tokens=3,
@@ -112,7 +131,7 @@ def test_tree_masks_are_not_applied_to_other_layers():
         md = builder.build(0, cm)
     finally:
         set_step_tree_masks(None)
-    causal = torch.arange(5)[None, :] <= 2 + torch.arange(3)[:, None]
+    causal = torch.arange(md.max_seq_len)[None, :] <= 2 + torch.arange(3)[:, None]
     assert torch.equal(md.mask[0, 0], causal)
 
 
@@ -121,9 +140,10 @@ def test_unsupported_features_fail_clearly():
         TreeAttentionImpl(HEADS, HD, 1.0, KV_HEADS, None, 128, "auto")
 
 
-def test_cache_update_follows_a_reused_slot_buffer():
-    """The update's rows are computed once per step and shared by the layers; a runner that rewrites
-    the same slot buffer in place for the next step must still get its new slots written."""
+def test_cache_update_follows_a_reused_slot_buffer(monkeypatch):
+    """The update's rows ("rows" layout) are computed once per step and shared by the layers; a runner
+    that rewrites the same slot buffer in place for the next step must still get its new slots written."""
+    force_layout("rows", BS, HD, monkeypatch)
     impl = TreeAttentionImpl(HEADS, HD, HD**-0.5, KV_HEADS, None, None, "auto")
     g = torch.Generator().manual_seed(3)
     caches = [torch.zeros(4, KV_HEADS, BS, 2 * HD) for _ in range(2)]
@@ -139,3 +159,19 @@ def test_cache_update_follows_a_reused_slot_buffer():
                     assert torch.equal(kv[s // BS, :, 0, s % BS], k[t]) and torch.equal(kv[s // BS, :, 1, s % BS], v[t])
     written = (caches[0].view(4, KV_HEADS, 2, BS, HD).abs().sum((1, 2, 4)) > 0).nonzero().tolist()
     assert written == [[0, 3], [0, 4], [1, 1], [2, 1], [3, 6]]  # slots 3, 4, 9, 17, 30; nothing for -1
+
+
+def test_layout_probe_reads_back_the_kernels_writes(monkeypatch):
+    """CPU_ATTN's layout is used only where what its kernel writes reads back through our views."""
+    from vllm_ddtree.attention import cpu_tree
+
+    isa = cpu_tree.cache_isa(torch.float32, 32, 64)
+    assert cpu_tree.kv_layout.__wrapped__(torch.float32, 32, 64, isa) == "cpu_attn"
+
+    def token_major(key, value, key_cache, value_cache, slots, isa, **kwargs):  # K not transposed
+        b, o = slots // key_cache.shape[2], slots % key_cache.shape[2]
+        key_cache[b, :, o] = key
+        value_cache[b, :, o] = value
+
+    monkeypatch.setattr(cpu_tree.ops, "cpu_attn_reshape_and_cache", token_major)
+    assert cpu_tree.kv_layout.__wrapped__(torch.float32, 32, 64, isa) == "rows"

@@ -47,7 +47,7 @@ def stand_in_runner(device: torch.device):
     sampling = SimpleNamespace(all_greedy=True, no_penalties=True, allowed_token_ids_mask=None, bad_words_token_ids={},
                                logitsprocs=SimpleNamespace(non_argmax_invariant=[]), max_num_logprobs=None)
     slot_mapping = SimpleNamespace(gpu=torch.arange(64).to(device))
-    cache = torch.zeros(8, 1, 16, 4).to(device)  # [blocks, kv heads, block size, 2 * head dim] ("cpu" layout)
+    cache = torch.zeros(8, 1, 16, 4).to(device)  # [blocks, kv heads, block size, 2 * head dim] ("rows" layout)
     runner = SimpleNamespace(
         input_batch=SimpleNamespace(req_ids=["a", "b", "c"], prev_sampled_token_ids=None,
                                     block_table=[SimpleNamespace(slot_mapping=slot_mapping)], sampling_metadata=sampling),
@@ -55,7 +55,7 @@ def stand_in_runner(device: torch.device):
         query_start_loc=SimpleNamespace(cpu=qsl, gpu=qsl.to(device)),
         optimistic_seq_lens_cpu=seq_lens, seq_lens=seq_lens.to(device),
         positions=torch.zeros(64, dtype=torch.int64).to(device),
-        drafter=proposer, _ddtree_target_caches=([cache], "cpu"))
+        drafter=proposer, _ddtree_target_caches=([cache], "rows"))
     runner.positions[:total] = positions.to(device)
     spec = SimpleNamespace(num_draft_tokens=n, draft_token_ids=torch.tensor([t for d in DRAFTS for t in d]).to(device))
     return runner, spec, total

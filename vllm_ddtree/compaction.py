@@ -24,19 +24,17 @@ def positions_to_slots(block_table: Tensor, positions: Tensor, block_size: int) 
     return blocks * block_size + positions % block_size
 
 
-def compact_paged_kv_(kv_caches: list[Tensor], block_table: Tensor, plan: KVCompaction, block_size: int) -> None:
-    """Apply `plan` to every layer cache [blocks, kv_heads, block_size, 2 * head_dim] (CPU layout).
-
-    Per (block, head) the storage reads as [2 * block_size, head_dim]: K rows, then V rows — the
-    layout `vllm_ddtree.attention.cpu_tree` reads and writes. No host synchronisation.
-    """
+def compact_paged_kv_(kv_caches: list[Tensor], block_table: Tensor, plan: KVCompaction, block_size: int,
+                      layout: str = "rows") -> None:
+    """Apply `plan` to every layer cache [blocks, kv_heads, block_size, 2 * head_dim] in `layout`
+    (see `move_slots_`). No host synchronisation."""
     src = positions_to_slots(block_table, plan.src, block_size).reshape(-1)
     dst = positions_to_slots(block_table, plan.dst, block_size).reshape(-1)
-    move_slots_(kv_caches, src, dst)
+    move_slots_(kv_caches, src, dst, layout)
 
 
 def cache_rows(blocks: Tensor, offsets: Tensor, num_kv_heads: int, block_size: int) -> Tensor:
-    """Rows of a "cpu"-layout layer cache read as one [blocks * kv_heads * 2 * block_size, head_dim]
+    """Rows of a "rows"-layout layer cache read as one [blocks * kv_heads * 2 * block_size, head_dim]
     matrix that hold K (index 0 of the last dim) and V (1) of each (block, offset):
     [*blocks.shape, kv_heads, 2]. Per (block, head) the storage is [2 * block_size, head_dim], K rows
     first (:mod:`vllm_ddtree.attention.cpu_tree`).
@@ -46,32 +44,51 @@ def cache_rows(blocks: Tensor, offsets: Tensor, num_kv_heads: int, block_size: i
     return ((blocks[..., None, None] * num_kv_heads + heads) * 2 + k_or_v) * block_size + offsets[..., None, None]
 
 
-def move_slots_(kv_caches: list[Tensor], src_slots: Tensor, dst_slots: Tensor, layout: str = "cpu") -> None:
+def cpu_attn_elements(blocks: Tensor, offsets: Tensor, num_kv_heads: int, block_size: int, head_dim: int) -> Tensor:
+    """Elements of a "cpu_attn"-layout layer cache (vLLM's CPU_ATTN storage, flattened) that hold K
+    (index 0 of dim -2) and V (1) of each (block, offset): [*blocks.shape, kv_heads, 2, head_dim].
+    Per (block, head): K as [head_dim, block_size] (transposed), then V as [block_size, head_dim]."""
+    heads = torch.arange(num_kv_heads, device=blocks.device).view(-1, 1, 1)
+    k_or_v = torch.arange(2, device=blocks.device).view(-1, 1)
+    d = torch.arange(head_dim, device=blocks.device)
+    base = ((blocks[..., None, None, None] * num_kv_heads + heads) * 2 + k_or_v) * (block_size * head_dim)
+    o = offsets[..., None, None, None]
+    return base + torch.where(k_or_v == 0, d * block_size + o, o * head_dim + d)
+
+
+LAYOUTS = ("rows", "cpu_attn", "flashinfer")
+
+
+def move_slots_(kv_caches: list[Tensor], src_slots: Tensor, dst_slots: Tensor, layout: str = "rows") -> None:
     """cache[dst] = cache[src] for physical slots in every layer cache, gather first.
 
-    Both backends' layer caches are [blocks, kv_heads, block_size, 2 * head_dim]; they differ inside:
-    "cpu" (:mod:`vllm_ddtree.attention.cpu_tree`) stores per (block, head) K rows then V rows,
-    "flashinfer" (vLLM's FlashInfer backend, ``do_kv_cache_update``) K then V in the last dimension of
-    each token. The logical view is indexed, so FlashInfer's physical layouts (NHD, HND) need nothing.
-    The indices are computed once for all layers (layers of one model share the cache's shape).
+    The backends' layer caches are all [blocks, kv_heads, block_size, 2 * head_dim]; they differ inside
+    (:mod:`vllm_ddtree.attention.cpu_tree` on the CPU): "cpu_attn" (vLLM's CPU_ATTN storage) holds per
+    (block, head) K transposed then V, "rows" per (block, head) K rows then V rows, "flashinfer"
+    (vLLM's FlashInfer backend, ``do_kv_cache_update``) K then V in the last dimension of each token.
+    The logical view is indexed, so FlashInfer's physical layouts (NHD, HND) need nothing. The indices
+    are computed once for all layers (layers of one model share the cache's shape).
     """
-    if layout not in ("cpu", "flashinfer"):
-        raise ValueError(f"unknown KV cache layout {layout!r}; expected 'cpu' or 'flashinfer'")
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown KV cache layout {layout!r}; expected one of {LAYOUTS}")
     if not kv_caches:
         return
     nb, h, bs, two_hd = kv_caches[0].shape
     sb, so = torch.div(src_slots, bs, rounding_mode="floor"), src_slots % bs
     db, do = torch.div(dst_slots, bs, rounding_mode="floor"), dst_slots % bs
-    if layout == "cpu":  # whole K and V rows of the cache read as a [rows, head_dim] matrix
-        src_rows, dst_rows = cache_rows(sb, so, h, bs).reshape(-1), cache_rows(db, do, h, bs).reshape(-1)
+    if layout == "rows":  # whole K and V rows of the cache read as a [rows, head_dim] matrix
+        src_idx, dst_idx = cache_rows(sb, so, h, bs).reshape(-1), cache_rows(db, do, h, bs).reshape(-1)
+    elif layout == "cpu_attn":  # K is transposed in a block: single elements of the flat cache
+        src_idx = cpu_attn_elements(sb, so, h, bs, two_hd // 2).reshape(-1)
+        dst_idx = cpu_attn_elements(db, do, h, bs, two_hd // 2).reshape(-1)
     for cache in kv_caches:
         if cache.shape != (nb, h, bs, two_hd):
             raise ValueError(f"layer caches differ in shape: {tuple(cache.shape)} vs {(nb, h, bs, two_hd)}")
         if layout == "flashinfer":
             cache[db, :, do] = cache[sb, :, so]  # [moves, heads, 2 * hd], gathered before the write
             continue
-        rows = cache.view(-1, two_hd // 2)
-        rows.index_copy_(0, dst_rows, rows.index_select(0, src_rows))  # gather first, then write
+        flat = cache.view(-1, two_hd // 2) if layout == "rows" else cache.view(-1)
+        flat.index_copy_(0, dst_idx, flat.index_select(0, src_idx))  # gather first, then write
 
 
 @dataclass

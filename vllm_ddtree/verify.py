@@ -226,10 +226,16 @@ def _compact_target_caches(runner, src_slots: Tensor, dst_slots: Tensor) -> None
         from vllm.platforms import current_platform
 
         drafter_layers = getattr(runner.drafter, "_draft_attn_layer_names", set())
-        layers = get_layers_from_vllm_config(runner.vllm_config, Attention)
-        caches = [layer.kv_cache[0] if isinstance(layer.kv_cache, list) else layer.kv_cache
-                  for name, layer in layers.items() if name not in drafter_layers]
-        # P9 decides the backend the same way: ours on the CPU, vLLM's FlashInfer on a GPU.
-        found = runner._ddtree_target_caches = (caches, "cpu" if current_platform.is_cpu() else "flashinfer")
+        layers = {name: layer for name, layer in get_layers_from_vllm_config(runner.vllm_config, Attention).items()
+                  if name not in drafter_layers}
+        caches = [layer.kv_cache[0] if isinstance(layer.kv_cache, list) else layer.kv_cache for layer in layers.values()]
+        # P9 decides the backend the same way: ours on the CPU (in CPU_ATTN's layout where its probe
+        # reads it back), vLLM's FlashInfer on a GPU.
+        layout = "flashinfer"
+        if current_platform.is_cpu():
+            from vllm_ddtree.attention.cpu_tree import cache_layout
+
+            layout = cache_layout(caches[0], next(iter(layers.values()))) if caches else "rows"
+        found = runner._ddtree_target_caches = (caches, layout)
     caches, layout = found
     move_slots_(caches, src_slots, dst_slots, layout)

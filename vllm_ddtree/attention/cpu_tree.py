@@ -1,22 +1,32 @@
-"""A PyTorch (SDPA) attention backend for vLLM's CPU platform that also takes per-request tree masks.
+"""vLLM's CPU attention for a ddtree engine: CPU_ATTN's kernel where no tree is verified, SDPA with
+per-request tree masks where one is.
 
-Why: vLLM 0.32's CPU_ATTN kernel takes no mask (only causal / per-request causal), returns no
-log-sum-exp and stores K in an ISA-dependent layout with no read-back helper (docs/design.md §10.2), so
-a draft tree cannot be verified with it. This backend replaces it — registered over CPU_ATTN by
-`register()`, since the CPU platform always resolves CPU_ATTN — and serves every attention on the
-CPU: the target's prefill and decode rows (causal), the DFlash drafter's block (non-causal, its
-context K/V written through `do_kv_cache_update`), and the target's verify rows of a draft tree.
+Why: vLLM 0.32's CPU_ATTN kernel takes no mask (only causal / per-request causal) and returns no
+log-sum-exp (docs/design.md §10.2), so a draft tree cannot be verified with it. This backend is
+registered over CPU_ATTN for ddtree engines (the CPU platform always resolves CPU_ATTN) and serves
+every attention on the CPU: the target's prefill and decode rows (causal), the DFlash drafter's block
+(non-causal, its context K/V written through `do_kv_cache_update`), and the target's verify rows of
+a draft tree.
 
-Cache layout (the same logical LBHNC shape CPU_ATTN uses, plain contents): a layer's cache is
-[num_blocks, kv_heads, block_size, 2 * head_dim]; per (block, head) the storage is read as
-[2 * block_size, head_dim] with K in rows 0..block_size-1 and V in the rest, token-major.
+Two paths, one cache. A step whose layers have no tree masks (prefill, plain decode, a step in which
+no request drafted, every drafter step) is vLLM's own: `CPUAttentionMetadataBuilder.build` and
+`CPUAttentionBackendImpl.forward`, unchanged, on a cache CPU_ATTN wrote itself. A verify step is
+attended with PyTorch SDPA and the tree mask, reading the same cache back.
 
-Per step the builder does everything that is the same for all layers once: the rows of the cache
-(read as one [rows, head_dim] matrix, :func:`cache_rows`) holding each request's K and V, the
-padded query index, and the boolean mask [R, max_q, max_kv]. Each layer's forward is then one row
-gather of K and V together (already in SDPA's [R, kv_heads, kv, head_dim] order, no permute copy),
-one SDPA with the query heads of a KV head folded into its query rows (no K/V repeat for GQA), and
-one row scatter of the output; a cache update is one row scatter of K and V together.
+Cache layouts (a layer's cache is [num_blocks, kv_heads, block_size, 2 * head_dim], LBHNC; per
+(block, KV head) the storage is 2 * block_size * head_dim values):
+- "cpu_attn": CPU_ATTN's own, written by its `cpu_attn_reshape_and_cache`: K as [head_dim,
+  block_size] (transposed), then V as [block_size, head_dim]. The kernel does not document it, so
+  it is probed (:func:`kv_layout`): written by the kernel and read back, once per dtype, block size,
+  head size and ISA. Used where the probe reads back what was written.
+- "rows": ours, where the probe fails (an ISA storing K otherwise): K rows then V rows, both
+  token-major, every step through SDPA.
+
+Per verify step the builder does everything that is the same for all layers once: which cache
+blocks ("cpu_attn") or rows ("rows", :func:`cache_rows`) hold each request's K and V, the padded
+query index, and the boolean mask [R, max_q, max_kv]. Each layer's forward is then one gather of K
+and V together, one SDPA with the query heads of a KV head folded into its query rows (no K/V
+repeat for GQA), and one row scatter of the output.
 
 Tree masks: the model runner hands them over through `tree_mask.set_step_tree_masks` before it
 builds attention metadata for a verify step; the builder of the layers named by
@@ -26,23 +36,100 @@ builds attention metadata for a verify step; the builder of the layers named by
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from vllm import _custom_ops as ops
 from vllm.logger import init_logger
 from vllm.v1.attention.backend import AttentionImpl, AttentionMetadataBuilder, AttentionType, CommonAttentionMetadata
-from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadata,
+    CPUAttentionMetadataBuilder,
+    _get_attn_isa,
+)
 
 from vllm_ddtree.attention.tree_mask import TreeStepMasks, build_attention_mask, step_tree_masks_for
 from vllm_ddtree.compaction import cache_rows
 
-__all__ = ["TreeAttentionBackend", "TreeStepMasks", "build_attention_mask", "register"]
+__all__ = ["TreeAttentionBackend", "TreeStepMasks", "build_attention_mask", "cache_layout", "kv_layout", "register"]
 
 # Under the "vllm" namespace so vLLM's log configuration (format, level) applies to our lines.
 logger = init_logger("vllm.ddtree.attention")
+
+KV_LAYOUT_CPU_ATTN = "cpu_attn"  # CPU_ATTN's: per (block, KV head) K as [head_dim, block_size], then V token-major
+KV_LAYOUT_ROWS = "rows"  # ours: per (block, KV head) K rows, then V rows, token-major
+
+#: Steps without tree masks run CPU_ATTN's kernel where the cache is in its layout. False sends every
+#: step through SDPA (a check of that path on plain steps; it is what the "rows" layout always does).
+STOCK_KERNEL_FOR_PLAIN_STEPS = True
+
+
+def cpu_attn_kv(kv_cache: Tensor) -> tuple[Tensor, Tensor]:
+    """Views of a "cpu_attn"-layout cache [blocks, kv_heads, block_size, 2 * head_dim]:
+    K [blocks, kv_heads, head_dim, block_size] (transposed) and V [blocks, kv_heads, block_size, head_dim]."""
+    nb, kvh, bs, two_hd = kv_cache.shape
+    hd = two_hd // 2
+    return kv_cache.view(nb, kvh, 2, hd, bs)[:, :, 0], kv_cache.view(nb, kvh, 2, bs, hd)[:, :, 1]
+
+
+def write_cpu_attn_kv(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor, isa: str,
+                      kv_cache_dtype: str = "auto", k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """CPU_ATTN's cache write (`CPUAttentionBackendImpl.do_kv_cache_update`, which needs a layer for
+    its ISA and scales): key/value [n, kv_heads, head_dim] at `slot_mapping` [n] (-1: not written)."""
+    nb, kvh, bs, _ = kv_cache.shape
+    key_cache, value_cache = kv_cache.view(nb, kvh, 2 * bs, -1).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, isa,
+                                   k_scale=k_scale, v_scale=v_scale, kv_cache_dtype=kv_cache_dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def kv_layout(dtype: torch.dtype, block_size: int, head_size: int, isa: str) -> str:
+    """The layout the caches of this dtype, block size, head size and CPU_ATTN ISA get: "cpu_attn"
+    if what CPU_ATTN's kernel writes reads back through :func:`cpu_attn_kv`, else "rows".
+
+    Probed, not assumed: the kernel's storage depends on the ISA and is not part of vLLM's API (the
+    AMX ISA, for one, was not available to check). A probe writes distinct values into every slot of
+    a small cache in a shuffled order and compares what the views read with what was written.
+    """
+    g = torch.Generator().manual_seed(0)
+    nb, kvh = 3, 2
+    n = nb * block_size
+    key = torch.randn(n, kvh, head_size, generator=g).to(dtype)
+    value = torch.randn(n, kvh, head_size, generator=g).to(dtype)
+    slots = torch.randperm(n, generator=g)
+    cache = torch.zeros(nb, kvh, block_size, 2 * head_size, dtype=dtype)
+    try:
+        write_cpu_attn_kv(key, value, cache, slots, isa)
+    except (RuntimeError, NotImplementedError) as e:  # an ISA this build of vLLM lacks
+        logger.warning("vllm-ddtree: CPU_ATTN's cache write failed for ISA %s (%s); KV kept in vllm-ddtree's layout", isa, e)
+        return KV_LAYOUT_ROWS
+    k, v = cpu_attn_kv(cache)
+    blocks, offsets = slots // block_size, slots % block_size
+    read_k, read_v = k[blocks, :, :, offsets], v[blocks, :, offsets]  # [n, kv_heads, head_dim]
+    if torch.equal(read_k, key) and torch.equal(read_v, value):
+        return KV_LAYOUT_CPU_ATTN
+    logger.warning("vllm-ddtree: CPU_ATTN's cache layout for ISA %s (%s, block %d, head size %d) is not the one "
+                   "its tree steps read back; every step uses SDPA and vllm-ddtree's layout", isa, dtype, block_size,
+                   head_size)
+    return KV_LAYOUT_ROWS
+
+
+def cache_isa(dtype: torch.dtype, block_size: int, head_size: int, layer=None) -> str:
+    """The CPU_ATTN ISA of a layer: what vLLM's builder set on it, else what it would choose."""
+    return getattr(layer, "isa", None) or _get_attn_isa(dtype, block_size, head_size)
+
+
+def cache_layout(kv_cache: Tensor, layer=None) -> str:
+    """The layout (:func:`kv_layout`) of a layer cache [blocks, kv_heads, block_size, 2 * head_dim]."""
+    _, _, bs, two_hd = kv_cache.shape
+    return kv_layout(kv_cache.dtype, bs, two_hd // 2, cache_isa(kv_cache.dtype, bs, two_hd // 2, layer))
+
 
 
 @dataclass
@@ -53,7 +140,7 @@ class TreeAttentionMetadata:
     query_start_loc: Tensor  # [R + 1]
     seq_lens: Tensor  # [R] kv length after this step's tokens
     slot_mapping: Tensor  # [T] where each new token's K/V is written
-    kv_rows: Tensor  # [R * kv_heads * 2 * max_kv] cache rows of (request, kv head, K|V, kv position)
+    kv_rows: Tensor | None  # "rows" layout: [R * kv_heads * 2 * max_kv] cache rows of (request, kv head, K|V, position)
     query_index: Tensor  # [R, max_q] flat token index of query i of request r (0 where padding)
     query_valid: Tensor  # [R, max_q]
     valid_queries: Tensor  # [n] flat indices into [R * max_q] of the real queries (not padding)
@@ -61,7 +148,8 @@ class TreeAttentionMetadata:
     mask: Tensor  # [R, 1, max_q, max_kv] bool, True = may attend
     causal: bool | Tensor = True  # what the caller asked for (the DFlash drafter checks `causal is False`)
     max_query_len: int = 0
-    max_seq_len: int = 0
+    max_seq_len: int = 0  # the KV length attended: max_kv ("rows"), whole blocks ("cpu_attn")
+    kv_blocks: Tensor | None = None  # "cpu_attn" layout: [R * blocks] the cache blocks of each request, in order
     _folded: dict = field(default_factory=dict)  # query-heads-per-KV-head G -> [R, 1, G * max_q, max_kv]
     # A step that mixes long query runs (prefill chunks) with short ones (decodes, tree rows) is
     # attended in parts, each padded to its own longest query (see `SEPARATE_QUERY_LEN`); empty: one part.
@@ -83,25 +171,35 @@ class TreeAttentionMetadata:
 SEPARATE_QUERY_LEN = 128
 
 
-class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadata]):
-    """Builds the gather indices and masks once per step for all layers of a KV-cache group."""
+class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadata | CPUAttentionMetadata]):
+    """Per step, for all layers of a KV-cache group: vLLM's CPU_ATTN metadata when the step has no tree
+    masks for these layers and the cache is in CPU_ATTN's layout, else the gather indices and masks."""
 
     def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.block_size = kv_cache_spec.block_size
         self.num_kv_heads = kv_cache_spec.num_kv_heads
+        # vLLM's builder (it also sets each layer's `isa`, which its kernel and cache writes read)
+        self.stock = CPUAttentionMetadataBuilder(kv_cache_spec, layer_names, vllm_config, device) if vllm_config else None
+        dtype, head_size = getattr(kv_cache_spec, "dtype", None), getattr(kv_cache_spec, "head_size", None)
+        self.layout = KV_LAYOUT_ROWS
+        if dtype is not None and head_size is not None:
+            isa = self.stock.isa if self.stock is not None else _get_attn_isa(dtype, self.block_size, head_size)
+            self.layout = kv_layout(dtype, self.block_size, head_size, isa)
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
-    ) -> TreeAttentionMetadata:
+    ) -> TreeAttentionMetadata | CPUAttentionMetadata:
         cm = common_attn_metadata
         r = cm.num_reqs
+        tree = step_tree_masks_for(self.layer_names, r)
+        if tree is None and self.stock is not None and self.layout == KV_LAYOUT_CPU_ATTN and STOCK_KERNEL_FOR_PLAIN_STEPS:
+            return self.stock.build(common_prefix_len, cm, fast_build)
         qsl = cm.query_start_loc[: r + 1].long()
         seq_lens = cm.seq_lens[:r].long()
         query_lens = qsl[1:] - qsl[:-1]
         causal = cm.causal
         causal_t = causal.bool()[:r] if isinstance(causal, Tensor) else torch.full((r,), bool(causal))
-        tree = step_tree_masks_for(self.layer_names, r)
         blocks = cm.block_table_tensor[:r].long()
         long_runs = (query_lens > SEPARATE_QUERY_LEN).nonzero().flatten().tolist()  # host tensors on a CPU
         if not long_runs or len(long_runs) == r == 1:
@@ -115,7 +213,7 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
         whole = parts[0]
         return TreeAttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens, query_start_loc=qsl, seq_lens=seq_lens,
-            slot_mapping=cm.slot_mapping, kv_rows=whole.kv_rows, query_index=whole.query_index,
+            slot_mapping=cm.slot_mapping, kv_rows=whole.kv_rows, kv_blocks=whole.kv_blocks, query_index=whole.query_index,
             query_valid=whole.query_valid, valid_queries=whole.valid_queries, valid_tokens=whole.valid_tokens,
             mask=whole.mask, causal=causal, max_query_len=int(cm.max_query_len), max_seq_len=int(cm.max_seq_len),
             parts=parts)
@@ -134,10 +232,17 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
             starts = qsl[:-1]
             max_q, max_kv = max(int(cm.max_query_len), 1), max(int(cm.max_seq_len), 1)
         r = query_lens.shape[0]
-        p = torch.arange(max_kv)
-        kv_block = blocks.gather(1, (p // self.block_size).clamp(max=blocks.shape[1] - 1).expand(r, max_kv))
-        kv_offset = (p % self.block_size).expand(r, max_kv)
-        rows = cache_rows(kv_block, kv_offset, self.num_kv_heads, self.block_size)  # [R, max_kv, kv_heads, 2]
+        kv_rows = kv_blocks = None
+        if self.layout == KV_LAYOUT_CPU_ATTN:  # whole blocks are gathered: K is stored transposed in each
+            num_blocks = -(-max_kv // self.block_size)
+            max_kv = num_blocks * self.block_size
+            kv_blocks = blocks[:, :num_blocks].reshape(-1)
+        else:
+            p = torch.arange(max_kv)
+            kv_block = blocks.gather(1, (p // self.block_size).clamp(max=blocks.shape[1] - 1).expand(r, max_kv))
+            kv_offset = (p % self.block_size).expand(r, max_kv)
+            rows = cache_rows(kv_block, kv_offset, self.num_kv_heads, self.block_size)  # [R, max_kv, kv_heads, 2]
+            kv_rows = rows.permute(0, 2, 3, 1).reshape(-1)
         i = torch.arange(max_q)
         query_valid = i.view(1, -1) < query_lens.view(-1, 1)
         query_index = torch.where(query_valid, starts.view(-1, 1) + i.view(1, -1), 0)
@@ -148,7 +253,8 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
             query_start_loc=qsl,
             seq_lens=seq_lens,
             slot_mapping=cm.slot_mapping,
-            kv_rows=rows.permute(0, 2, 3, 1).reshape(-1),
+            kv_rows=kv_rows,
+            kv_blocks=kv_blocks,
             query_index=query_index,
             query_valid=query_valid,
             valid_queries=valid,
@@ -161,7 +267,8 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
 
 
 class TreeAttentionImpl(AttentionImpl):
-    """SDPA over the paged cache with the builder's mask; same constructor as CPU_ATTN's impl."""
+    """CPU_ATTN's forward for its metadata, SDPA over the paged cache with the builder's mask for
+    ours; same constructor as CPU_ATTN's impl."""
 
     layers_served = 0  # attention layers built in this process (observability, tests)
     # The last cache update's rows, shared by all layers (_update_rows): (slots, (kv heads, block size), valid, rows).
@@ -192,12 +299,23 @@ class TreeAttentionImpl(AttentionImpl):
         missing = [name for name, bad in unsupported.items() if bad]
         if missing:
             raise NotImplementedError(
-                f"vllm-ddtree's CPU tree attention does not support {', '.join(missing)}; "
-                "uninstall vllm-ddtree or set VLLM_DDTREE_CPU_ATTENTION=0 to use vLLM's CPU_ATTN for this model"
+                f"vllm-ddtree's CPU tree attention does not support {', '.join(missing)}, so speculative "
+                "method 'ddtree' cannot run this model on the CPU; use another speculative method or none"
             )
         TreeAttentionImpl.layers_served += 1
         if TreeAttentionImpl.layers_served == 1:
-            logger.info("vllm-ddtree: CPU tree attention (PyTorch SDPA with per-request tree masks) in use")
+            logger.info("vllm-ddtree: CPU tree attention in use (vLLM's CPU_ATTN kernel for steps without trees, "
+                        "PyTorch SDPA with per-request tree masks for verify steps)")
+        # vLLM's own impl for the steps its metadata describes; it reads the current vLLM config,
+        # which exists inside an engine (not in a bare unit test, which never builds its metadata)
+        from vllm.config import get_current_vllm_config_or_none
+
+        self.stock = None
+        if get_current_vllm_config_or_none() is not None:
+            self.stock = CPUAttentionBackendImpl(num_heads, head_size, scale, num_kv_heads, alibi_slopes,
+                                                 sliding_window, kv_cache_dtype, logits_soft_cap, attn_type,
+                                                 kv_sharing_target_layer_name, sinks)
+        self.kv_cache_dtype = kv_cache_dtype
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
@@ -209,6 +327,10 @@ class TreeAttentionImpl(AttentionImpl):
         """Write new tokens' K/V [n, kv_heads, hd] at `slot_mapping` (block * block_size + offset)."""
         _, num_kv_heads, bs, two_hd = kv_cache.shape
         n = min(slot_mapping.shape[0], key.shape[0])
+        if cache_layout(kv_cache, layer) == KV_LAYOUT_CPU_ATTN:
+            write_cpu_attn_kv(key[:n], value[:n], kv_cache, slot_mapping[:n], cache_isa(kv_cache.dtype, bs, two_hd // 2, layer),
+                              self.kv_cache_dtype, getattr(layer, "_k_scale_float", 1.0), getattr(layer, "_v_scale_float", 1.0))
+            return
         kv = torch.stack([key[:n], value[:n]], dim=2).to(kv_cache.dtype)  # [n, kv_heads, 2, hd]
         valid, rows = self._update_rows(slot_mapping, n, num_kv_heads, bs)
         if valid is not None:
@@ -253,6 +375,8 @@ class TreeAttentionImpl(AttentionImpl):
             raise NotImplementedError("fused output quantization is not supported by the CPU tree attention")
         if attn_metadata is None:  # profiling / warm-up run
             return output
+        if isinstance(attn_metadata, CPUAttentionMetadata):  # no tree in this step: vLLM's kernel
+            return self.stock.forward(layer, query, key, value, kv_cache, attn_metadata, output)
         for md in attn_metadata.parts or [attn_metadata]:
             self._attend(md, query, kv_cache, output)
         return output
@@ -261,13 +385,20 @@ class TreeAttentionImpl(AttentionImpl):
         """One part's attention: its queries' outputs written into `output`."""
         r, max_q = md.query_index.shape
         kvh, hd, group = self.num_kv_heads, self.head_size, self.num_heads // self.num_kv_heads
-        kv = kv_cache.view(-1, hd).index_select(0, md.kv_rows).view(r, kvh, 2, md.max_seq_len, hd)
+        if md.kv_blocks is not None:  # "cpu_attn" layout: whole blocks, K and V together, then SDPA's order
+            nb, _, bs, _ = kv_cache.shape
+            blocks = kv_cache.view(nb, kvh, 2, bs * hd).index_select(0, md.kv_blocks).view(r, -1, kvh, 2, bs * hd)
+            k = blocks[:, :, :, 0].unflatten(-1, (hd, bs)).permute(0, 2, 1, 4, 3).reshape(r, kvh, md.max_seq_len, hd)
+            v = blocks[:, :, :, 1].unflatten(-1, (bs, hd)).permute(0, 2, 1, 3, 4).reshape(r, kvh, md.max_seq_len, hd)
+        else:
+            kv = kv_cache.view(-1, hd).index_select(0, md.kv_rows).view(r, kvh, 2, md.max_seq_len, hd)
+            k, v = kv[:, :, 0], kv[:, :, 1]
         # [R, max_q, heads, hd] -> [R, kv_heads, group * max_q, hd]: a KV head's query heads become
         # query rows of one attention (GQA without repeating K/V; the mask is repeated instead).
         q = query.index_select(0, md.query_index.reshape(-1)).view(r, max_q, self.num_heads, hd)
         q = q.permute(0, 2, 1, 3).reshape(r, kvh, group * max_q, hd)
         out = F.scaled_dot_product_attention(
-            q, kv[:, :, 0].to(q.dtype), kv[:, :, 1].to(q.dtype), attn_mask=md.folded_mask(group), scale=self.scale
+            q, k.to(q.dtype), v.to(q.dtype), attn_mask=md.folded_mask(group), scale=self.scale
         )  # [R, kv_heads, group * max_q, hd]
         out = out.view(r, self.num_heads, max_q, hd).transpose(1, 2).reshape(r * max_q, self.num_heads, hd)
         flat = output.view(output.shape[0], self.num_heads, hd)
