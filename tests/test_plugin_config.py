@@ -112,7 +112,7 @@ def test_engine_config_ddtree_widths(dirs):
     assert spec.ddtree.drafter_width == 15  # block_size 16 - 1
     assert spec.ddtree.tree_budget == 32 and spec.ddtree.device_profile == "cpu"
     assert spec.max_num_new_slots_for_drafting == 15  # drafter's mask queries, not the tree
-    assert vc.num_lookahead_tokens == 41  # max(40, 15) + 1 KV slots ahead of the context
+    assert vc.num_lookahead_tokens == 16  # the drafter's block, 15 + 1 KV slots past the scheduled tokens
     # The DFlash branch of __post_init__ ran: DFlash draft model config and parallel drafting.
     assert spec.parallel_drafting
     assert "DFlashDraftModel" in spec.draft_model_config.architectures

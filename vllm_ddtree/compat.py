@@ -63,7 +63,7 @@ TARGETS: tuple[Target, ...] = tuple(
          "answer True for ddtree")
     + _t("P5", "config/speculative.py", "SpeculativeConfig.max_num_new_slots_for_drafting",
          "the drafter width for ddtree")
-    + _t("P6", "config/vllm.py", "VllmConfig.num_lookahead_tokens", "KV slots for max(verify, drafter width) + 1")
+    + _t("P6", "config/vllm.py", "VllmConfig.num_lookahead_tokens", "KV slots for the drafter's block, W + 1")
     + _t("P6b", "config/vllm.py", "VllmConfig.use_v2_model_runner, VllmConfig._get_v2_model_runner_unsupported_features",
          "ddtree always runs on the V1 runner P10-P13 patch")
     + _t("P7", "config/speculative.py", "SpeculativeConfig.compute_hash", "adds ddtree's options")

@@ -37,8 +37,9 @@ P4  ``SpeculativeConfig.use_eagle`` (:1944) and ``use_dflash`` (:1954) — True 
 P5  ``SpeculativeConfig.max_num_new_slots_for_drafting`` (:1888, property) — for ddtree, the drafter
     width (block_size − 1 mask queries per request), not ``num_speculative_tokens`` (= tree budget).
 P6  ``VllmConfig.num_lookahead_tokens`` (config/vllm.py:615, property) — for ddtree, KV slots past
-    the context for ``max(verify width, drafter width) + 1``: the target writes 1 + B tree rows, the
-    drafter 1 + W block rows, into the same positions ahead of the context.
+    the scheduled tokens for the drafter's block, ``drafter width + 1``, not ``verify width + 1``:
+    the target's 1 + B tree rows are scheduled tokens (allocated as such), and after the walk the
+    drafter writes its 1 + W block rows from the new context end, at most the scheduled end.
 P6b ``VllmConfig.use_v2_model_runner`` (config/vllm.py:703, property) — for ddtree, always the V1
     runner, which P10-P13 patch: ``VLLM_USE_V2_MODEL_RUNNER=1``, or a feature that forces the V2
     runner (watermarking, HiSparse), is a start-up error naming it. vLLM alone would pick V1 for
@@ -144,7 +145,7 @@ CHAIN_ONLY_OPTIONS: dict[str, tuple[Callable[[Any], bool], str]] = {
 #: "P4" = follows from use_eagle()/use_dflash() returning True; "name" = compares the method string.
 CALL_SITES: tuple[tuple[str, str], ...] = (
     # -- configuration (reached by create_engine_config; decided and tested now) --
-    ("config/vllm.py:631 num_lookahead_tokens use_dflash()", "patched (P6): max(B, W) + 1"),
+    ("config/vllm.py:631 num_lookahead_tokens use_dflash()", "patched (P6): W + 1"),
     ("config/vllm.py:656 num_prefill_lookahead_tokens use_eagle()", "P4 True: like DFlash (0 extra for DFlash)"),
     ("config/vllm.py:745,759 _is_dflash_candidate_draft/_dflash_needs_multi_kv_group method!='dflash'",
      "name: False for ddtree — right, our drafters are plain DFlashDraftModel without sliding layers"),
@@ -581,7 +582,7 @@ def _patch_vllm_config() -> None:
     def num_lookahead_tokens(self) -> int:
         spec = self.speculative_config
         if spec is not None and spec.method == METHOD:
-            return max(spec.ddtree.verify_width, spec.ddtree.drafter_width) + 1
+            return spec.ddtree.drafter_width + 1
         return lookahead(self)
 
     _set(VllmConfig, "num_lookahead_tokens", property(num_lookahead_tokens, doc=lookahead.__doc__))
