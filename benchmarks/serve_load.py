@@ -663,7 +663,9 @@ def main(argv: list[str] | None = None) -> int:
     shown_args = ["$(vllm-ddtree prepare-target)", *base_args[1:]]  # the target's local path means nothing elsewhere
     out = {
         "meta": {
-            "title": "Serving under load: no speculation vs {\"method\": \"ddtree\"}" + (" (quick)" if quick else ""),
+            "title": ("Serving under load: no speculation vs {\"method\": \"ddtree\"}"
+                      + ("" if args.max_num_batched_tokens == MAX_NUM_BATCHED_TOKENS
+                         else f", step token budget {args.max_num_batched_tokens}") + (" (quick)" if quick else "")),
             "group": "vllm", "kind": "serve_load",
             "what": ("Two `vllm serve` processes on the toy target, one without speculation and one with "
                      "{\"method\": \"ddtree\"} at its defaults, driven by the same streamed OpenAI-client "

@@ -70,7 +70,7 @@ TARGETS: tuple[Target, ...] = tuple(
     + _t("P8", "sampling_params.py", "SamplingParams._validate_spec_decode",
          "refuses structured outputs and sampling parameters the tree sampler does not apply")
     + _t("P9", "v1/attention/selector.py", "_cached_get_attn_backend",
-         "CPU_ATTN -> the tree SDPA backend; FLASHINFER -> its tree subclass")
+         "CPU_ATTN -> the CPU tree backend (its kernel, SDPA for trees); FLASHINFER -> its tree subclass")
     + _t("P10", "v1/spec_decode/dflash.py", "DFlashProposer.__init__", "built as DFlash of the drafter width")
     + _t("P10", "v1/worker/gpu_model_runner.py", "GPUModelRunner.__init__",
          "the drafter becomes DDTreeProposer after the DFlash branch")

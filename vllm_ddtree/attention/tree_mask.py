@@ -12,7 +12,7 @@ ctx = kv - q the tokens cached before them): query i sits at position ctx + i.
   committed context (positions < kv - num_rows) and the tree rows b with ``ancestors[a, b]``.
 
 Layouts:
-- :func:`build_attention_mask` — dense [R, max_q, max_kv] (the CPU SDPA backend);
+- :func:`build_attention_mask` — dense [R, max_q, max_kv] (the CPU backend's SDPA path);
 - :func:`flashinfer_custom_mask` — FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper.plan(...,
   custom_mask=...)``: one flat bool vector, request after request, each request's [q, kv] block
   row-major, prefix columns included (docs/design.md §10.3);
