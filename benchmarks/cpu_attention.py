@@ -44,8 +44,8 @@ def layer_time(batch: int, context: int, rows: int, repeats: int) -> float:
     )
     chain = torch.tril(torch.ones(rows, rows, dtype=torch.bool))  # row i sees rows 0..i (a chain tree)
     masks = TreeStepMasks(torch.ones(batch, dtype=torch.bool), torch.full((batch,), rows), chain.expand(batch, rows, rows))
-    builder = TreeAttentionMetadataBuilder(SimpleNamespace(block_size=BS, num_kv_heads=KV_HEADS),
-                                           ["model.layers.0.attn"], None, "cpu")
+    spec = SimpleNamespace(block_size=BS, num_kv_heads=KV_HEADS, dtype=torch.float32, head_size=HD)
+    builder = TreeAttentionMetadataBuilder(spec, ["model.layers.0.attn"], None, "cpu")
     set_step_tree_masks(masks)
     try:
         md = builder.build(0, cm)

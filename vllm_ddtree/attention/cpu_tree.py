@@ -184,11 +184,10 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
         self.num_kv_heads = kv_cache_spec.num_kv_heads
         # vLLM's builder (it also sets each layer's `isa`, which its kernel and cache writes read)
         self.stock = CPUAttentionMetadataBuilder(kv_cache_spec, layer_names, vllm_config, device) if vllm_config else None
-        dtype, head_size = getattr(kv_cache_spec, "dtype", None), getattr(kv_cache_spec, "head_size", None)
-        self.layout = KV_LAYOUT_ROWS
-        if dtype is not None and head_size is not None:
-            isa = self.stock.isa if self.stock is not None else _get_attn_isa(dtype, self.block_size, head_size)
-            self.layout = kv_layout(dtype, self.block_size, head_size, isa)
+        # the layout the impl's cache writes use (`cache_layout`): decided by the same probe
+        dtype, head_size = kv_cache_spec.dtype, kv_cache_spec.head_size
+        isa = self.stock.isa if self.stock is not None else _get_attn_isa(dtype, self.block_size, head_size)
+        self.layout = kv_layout(dtype, self.block_size, head_size, isa)
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
