@@ -117,6 +117,22 @@ def test_ddtree_keeps_outputs_under_preemption_chunked_prefill_and_prefix_cachin
         assert cfg["enable_chunked_prefill"] and max(uncached) > cfg["max_num_batched_tokens"], (cfg, uncached)
 
 
+def test_prefill_chunks_beside_trees_take_cpu_attn_s_kernel_and_keep_outputs(tmp_path, drafter):
+    # 8 HumanEval prompts (100-200 tokens) with a 128-token step budget: later prompts are prefilled
+    # in chunks while earlier requests verify trees, so those steps are split: the trees by SDPA, the
+    # chunks by CPU_ATTN's kernel as a batch of their own.
+    from vllm_ddtree.data.humaneval import load_humaneval
+
+    path, _ = drafter
+    engine = {"max_num_batched_tokens": 128, "max_num_seqs": 8}
+    specs = [None, {"method": "ddtree", "model": str(path), "tree_budget": 4, "prompt_lookup_tokens": 0}]
+    prompts = [p["prompt"] for p in load_humaneval(8)]
+    res = run(tmp_path / "out.json", specs, "--engine", json.dumps(engine), "--prompts", json.dumps(prompts),
+              "--sampling", json.dumps({"temperature": 0, "max_tokens": 32}), helper=INSTRUMENTED)
+    assert res["split_steps"][0] == 0 and res["split_steps"][1] > 0, res["split_steps"]
+    assert res["outputs"][1] == res["outputs"][0]
+
+
 def test_prompt_lookup_branch_keeps_outputs_and_finds_the_request_s_repetitions(tmp_path, drafter):
     # The branch continues each request's own text from the n-gram counts, which must include the
     # tokens sampled in the step being drafted from (vLLM drafts before its bookkeeping writes them):

@@ -13,7 +13,8 @@ distribution sharpened as by temperature T (p ** (1 / T), renormalised) where a 
 draws from p itself. Writes {"outputs": [[token ids per prompt] per spec], "prompt_tokens": [per
 spec: prompt length per prompt], "cached_tokens": [per spec: prompt tokens read from the prefix
 cache per prompt], "metrics": [per spec: {name: value} of every engine counter and gauge, labelled
-series summed, histograms as {"count", "sum"}], "ddtree": [per spec: the tree proposer's summary
+series summed, histograms as {"count", "sum"}], "split_steps": [per spec: CPU verify steps whose requests
+without a tree ran CPU_ATTN's kernel], "ddtree": [per spec: the tree proposer's summary
 (with the automatic budget: its acceptance fit, "acceptance_fit"), or null], "config": [per spec:
 the scheduler and cache settings the engine resolved]}.
 """
@@ -110,7 +111,9 @@ if __name__ == "__main__":
         distort_index, distort_t = int(args.distort.split(":")[0]), float(args.distort.split(":")[1])
     sampling = SamplingParams(**json.loads(args.sampling))
     engine = generate_spec.engine_kwargs(args)
-    result = {k: [] for k in ("outputs", "prompt_tokens", "cached_tokens", "metrics", "ddtree", "config")}
+    from vllm_ddtree.attention.cpu_tree import TreeAttentionMetadataBuilder
+
+    result = {k: [] for k in ("outputs", "prompt_tokens", "cached_tokens", "metrics", "ddtree", "config", "split_steps")}
     for i, arg in enumerate(args.specs):
         spec = None if arg == "none" else json.loads(arg)
         undo = distort_tree_sampler(distort_t) if i == distort_index else None
@@ -118,7 +121,9 @@ if __name__ == "__main__":
         drafter = getattr(llm.llm_engine.model_executor.driver_worker.worker.model_runner, "drafter", None)
         auto = getattr(drafter, "auto", None)
         totals = record_acceptance_fit(drafter) if auto is not None else None
+        split_before = TreeAttentionMetadataBuilder.split_steps
         outs = llm.generate(prompts, sampling)
+        result["split_steps"].append(TreeAttentionMetadataBuilder.split_steps - split_before)
         if undo is not None:
             undo()
         cfg = llm.llm_engine.vllm_config

@@ -131,7 +131,6 @@ def cache_layout(kv_cache: Tensor, layer=None) -> str:
     return kv_layout(kv_cache.dtype, bs, two_hd // 2, cache_isa(kv_cache.dtype, bs, two_hd // 2, layer))
 
 
-
 @dataclass
 class TreeAttentionMetadata:
     """Per-step metadata shared by every layer of a KV-cache group."""
@@ -178,6 +177,8 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
     """Per step, for all layers of a KV-cache group: vLLM's CPU_ATTN metadata when the step has no tree
     masks for these layers and the cache is in CPU_ATTN's layout, else the gather indices and masks."""
 
+    split_steps = 0  # verify steps built in this process whose requests without a tree go to the kernel
+
     def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.block_size = kv_cache_spec.block_size
@@ -213,6 +214,7 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
             groups = [trees]
             if plain.numel():
                 kernel_part = self._kernel_part(plain, qsl, query_lens, seq_lens, cm)
+                TreeAttentionMetadataBuilder.split_steps += 1
         else:
             long_runs = (query_lens > SEPARATE_QUERY_LEN).nonzero().flatten().tolist()  # host tensors on a CPU
             if not long_runs or len(long_runs) == r == 1:
