@@ -928,7 +928,7 @@ def part_b_sync(ctx: "Check") -> dict:
 
 def state_tensors(st: StepState) -> list[torch.Tensor]:
     """The step's mutable device state (the automatic budget's rate), to restore between two runs."""
-    return [t for t in (st.auto.planned_tokens, st.auto.planned_seconds) if t is not None]
+    return [*st.auto.planned_tokens.values(), *st.auto.planned_seconds.values()]
 
 
 def part_b_graphs(ctx: "Check") -> dict:

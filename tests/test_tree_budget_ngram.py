@@ -584,7 +584,7 @@ def test_auto_budget_rate_beats_per_step_ratio_over_a_mix_of_steps():
 
     optimum = max((accepted(0.9, b1) + accepted(0.3, b2)) / (secs_of(b1) + secs_of(b2))
                   for b1 in range(1, 65) for b2 in range(1, 65))
-    assert auto.rate is not None and per_step < with_rate <= optimum * (1 + 1e-9)
+    assert auto.rate_at(1) is not None and per_step < with_rate <= optimum * (1 + 1e-9)
     assert optimum - with_rate < with_rate - per_step, (per_step, with_rate, optimum)
     best_fixed = max(throughput(lambda lp, b=b: b) for b in range(1, 65))
     assert with_rate > best_fixed
@@ -792,7 +792,7 @@ def _drafted(gate: SpeculationGate, tokens_per_second: float, num_requests: int 
 
 
 def test_speculation_gate_measures_the_target_alone_then_drafts_only_while_trees_beat_it():
-    gate = SpeculationGate(probe_every=4, alpha=0.5)
+    gate = SpeculationGate(probe_every=4, max_probe_every=64, alpha=0.5)
     # A request count never decoded without drafting is measured first; until a measurement comes
     # (a step with prefills in it measures nothing), every 4th step tries again and the rest draft.
     assert [gate.speculate(1) for _ in range(6)] == [False, True, True, True, False, True]
@@ -801,27 +801,57 @@ def test_speculation_gate_measures_the_target_alone_then_drafts_only_while_trees
     # That step: 0.8x the target alone, measured (the plan's own 10 ms prediction, 200 tokens/s, is
     # not what the gate goes by).
     _drafted(gate, 20.0)
-    # advantage 0.5 + 0.5 * 0.8 = 0.9: the steps decode alone, every 4th still drafts (a probe)
+    # advantage 0.5 + 0.5 * 0.8 = 0.9: the steps decode alone, the 4th drafts (a probe)
     assert [gate.speculate(1) for _ in range(4)] == [False, False, False, True]
-    _drafted(gate, 20.0)  # the probe: 0.8x again
-    assert [gate.speculate(1) for _ in range(4)] == [False, False, False, True]
-    assert gate.advantage == pytest.approx(0.85)
+    _drafted(gate, 20.0)  # the probe: 0.8x again, so the next probe waits twice as long
+    assert [gate.speculate(1) for _ in range(8)] == [False] * 7 + [True]
+    assert gate.advantage_at(1) == pytest.approx(0.85)
     gate.observe_plan(BudgetPlan(torch.tensor([4]), torch.tensor(9.0), torch.tensor(0.01), torch.tensor(900.0)), 1)
-    assert gate.speculate(1) is False and gate.advantage == pytest.approx(0.85)  # a step not timed: nothing learnt
-    gate._since_probe = 3
-    assert gate.speculate(1) is True  # the next probe
-    _drafted(gate, 50.0)  # worth 2x: the gate opens again
-    assert gate.speculate(1) is True and gate.advantage == pytest.approx(1.425)
-    # Another batch size has its own measured baseline; a step is compared at its own size.
+    assert gate.speculate(1) is False and gate.advantage_at(1) == pytest.approx(0.85)  # a step not timed: nothing learnt
+    assert [gate.speculate(1) for _ in range(15)] == [False] * 14 + [True]  # the next probe, 16 steps on
+    _drafted(gate, 50.0)  # worth 2x: the probe reopens the gate at once (an EMA would have said 1.425)
+    assert gate.speculate(1) is True and gate.advantage_at(1) == pytest.approx(2.0)
+    # Another batch size has its own measured baseline and its own advantage; a step is compared at
+    # its own size.
     assert gate.speculate(4) is False
     gate.observe_ar_step(4, 0.050)  # 80 tokens/s
     gate.observe_ar_step(4, 0.900)  # a stall (over 4x the median): dropped
     assert gate.ar_rate(4) == pytest.approx(80.0)
-    _drafted(gate, 160.0, 4)
-    assert gate.speculate(4) is True and gate.advantage == pytest.approx(0.5 * 1.425 + 0.5 * 2.0)
-    assert (gate.drafted, gate.undrafted) == (10, 10)
+    _drafted(gate, 40.0, 4)  # 0.5x at 4 requests: that size class closes, the lone request's stays open
+    assert gate.speculate(4) is False and gate.advantage_at(4) == pytest.approx(0.75)
+    assert gate.advantage_at(5) == gate.advantage_at(7) == gate.advantage_at(4)  # one class: 4-7 requests
+    assert gate.speculate(1) is True and gate.advantage_at(1) == pytest.approx(2.0)
+    assert (gate.drafted, gate.undrafted) == (10, 29)
+    _drafted(gate, 10.0)  # open, drafted steps at 0.4x move the EMA (0.5 * 2 + 0.5 * 0.4) and close it
+    assert gate.speculate(1) is True and gate.advantage_at(1) == pytest.approx(1.2)
+    _drafted(gate, 10.0)
+    assert gate.speculate(1) is False and gate.advantage_at(1) == pytest.approx(0.8)
     with pytest.raises(ValueError, match="probe_every"):
         SpeculationGate(probe_every=0)
+    with pytest.raises(ValueError, match="max_probe_every"):
+        SpeculationGate(probe_every=8, max_probe_every=4)
+
+
+def test_speculation_gate_backs_off_its_probes_while_trees_stay_behind_and_resets_when_they_pay():
+    gate = SpeculationGate(probe_every=2, max_probe_every=8, alpha=1.0)
+    gate.observe_ar_step(32, 0.050)  # 640 tokens/s
+    gaps, since = [], 0
+    for _ in range(40):
+        if gate.speculate(32):
+            gaps.append(since)
+            since = 0
+            _drafted(gate, 320.0, 32)  # every probe: half the target alone's rate
+        else:
+            since += 1
+    # the open gate's first drafted step closes it, then the waits double up to the cap
+    assert gaps[:5] == [0, 1, 3, 7, 7] and set(gaps[5:]) == {7}
+    # a batch size class never seen is open, whatever this one found
+    gate.observe_ar_step(1, 0.040)
+    assert gate.speculate(1) is True
+    _drafted(gate, 1280.0, 32)  # a probe at 32 finds trees paying (2x): open at once, waits reset
+    assert gate.speculate(32) is True and gate.advantage_at(32) == pytest.approx(2.0)
+    _drafted(gate, 320.0, 32)
+    assert [gate.speculate(32) for _ in range(2)] == [False, True]
 
 
 def test_auto_budget_consults_its_gate_only_once_the_cost_is_calibrated():
@@ -842,5 +872,5 @@ def test_auto_budget_consults_its_gate_only_once_the_cost_is_calibrated():
     fitted = len(auto.calibration.recent)
     auto.observe_step(9, 9 * 109, 100, 0.05, fit=False)  # with that step's time (not for the cost fit)
     assert len(auto.calibration.recent) == fitted
-    assert not auto.speculate(1) and auto.gate.advantage < 1
+    assert not auto.speculate(1) and auto.gate.advantage_at(1) < 1
     assert "gate_advantage" in auto.summary() and auto.summary()["gate_undrafted_step_ms"] == {1: 1.0}

