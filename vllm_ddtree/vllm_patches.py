@@ -22,6 +22,8 @@ P2  ``SpeculativeConfig.__init__`` (pydantic-generated) — wrapped: for ``metho
     argument". This is the only place vLLM's ``extra="forbid"`` meets our keys, and it serves every
     construction path (``EngineArgs.create_speculative_config`` at engine/arg_utils.py:2099,
     ``LLM(...)``, ``vllm serve``/``bench`` via ``--speculative-config``, direct construction).
+    It also defaults vLLM's ``disable_eagle_block_drop`` to True for ddtree: the prefix cache keeps
+    the trailing block that DFlash drops (the drafter's K/V of a cached block is complete).
 P3  ``SpeculativeConfig.__post_init__`` (config/speculative.py:1121) — wrapped: for ddtree, reject
     chain-only options, set ``num_speculative_tokens`` to the verify width (max tree budget), run
     vLLM's own DFlash branch with ``method="dflash"`` (draft ModelConfig, ``EAGLEConfig`` wrapping with
@@ -166,7 +168,9 @@ CALL_SITES: tuple[tuple[str, str], ...] = (
     ("transformers_utils/configs/eagle.py:65 EAGLEConfig(method='dflash')", "P3 runs it as 'dflash'"),
     # -- engine / scheduler / KV manager (reached at engine start) --
     ("v1/core/sched/scheduler.py:315-316 use_eagle()/use_eagle_block_drop()",
-     "P4 True: drop the volatile trailing prefix-cache block, as DFlash (drafter KV lags the target)"),
+     "P2 sets disable_eagle_block_drop by default: the trailing prefix-cache block is kept (the drafter's "
+     "K/V of a full block is complete; tests/engine/prefix_cache_drafter.py), unlike DFlash; vLLM then "
+     "logs that dropping is disabled"),
     ("v1/core/sched/scheduler.py:613 max_num_new_slots_for_drafting", "P5: W"),
     ("v1/core/kv_cache_utils.py:2005,2066,2099 use_eagle()/use_eagle_block_drop()",
      "P4 True: draft KV-cache group handling as DFlash"),
@@ -373,6 +377,12 @@ def _wrap_init(init: Callable, cls: type) -> Callable:
                     "the rest are vLLM's SpeculativeConfig fields"
                 )
             kwargs["ddtree"] = given if given is not None else DDTreeConfig.from_mapping(options)
+            # The drafter's K/V of a full block is written in the step that computes the block's
+            # target K/V (every step takes in its context, undrafted ones too), so a cached block is
+            # complete for the drafter and the trailing one need not be recomputed as EAGLE's must
+            # (its K/V at t needs token t + 1). vLLM's DFlash still drops it; a user's value wins.
+            if "disable_eagle_block_drop" in spec_fields:  # a vLLM without the field drops it, as for DFlash
+                kwargs.setdefault("disable_eagle_block_drop", True)
         else:
             misplaced = [k for k in kwargs if k in ddtree_keys and k not in spec_fields] + (
                 ["ddtree"] if kwargs.get("ddtree") is not None else []
