@@ -854,6 +854,20 @@ def test_speculation_gate_backs_off_its_probes_while_trees_stay_behind_and_reset
     assert [gate.speculate(32) for _ in range(2)] == [False, True]
 
 
+def test_speculation_gate_judges_a_step_by_the_tokens_it_committed_not_the_plans_estimate():
+    gate = SpeculationGate(probe_every=2, max_probe_every=8, alpha=1.0)
+    gate.observe_ar_step(1, 0.040)  # the target alone: 25 tokens/s
+    assert gate.speculate(1)
+    # the plan expected 2 tokens (a calibration that underrates this request), the step committed 6 in
+    # 0.1 s: 60 tokens/s, 2.4x the target alone (the estimate alone would say 0.8x and close the gate)
+    gate.observe_plan(BudgetPlan(torch.tensor([4]), torch.tensor(2.0), torch.tensor(0.01), torch.tensor(200.0)), 1)
+    gate.observe_tokens(torch.tensor(6))
+    gate.observe_drafted_step(0.1)
+    assert gate.speculate(1) and gate.advantage_at(1) == pytest.approx(2.4)
+    gate.observe_tokens(torch.tensor(1))  # no plan pending (the step drafted nothing): nothing to replace
+    assert gate._pending is None
+
+
 def test_auto_budget_consults_its_gate_only_once_the_cost_is_calibrated():
     auto = AutoBudget(cost_model("cpu", t_draft=0.0), 1, 8, gate=SpeculationGate())
     scores = torch.log(torch.full((1, 8), 0.5))

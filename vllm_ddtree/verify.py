@@ -189,6 +189,8 @@ def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadat
     proposer.stats.record(batch.num_rows - 1, batch.depths.max(dim=1).values, walk.num_accepted)
     if proposer.auto is not None:
         _calibrate(proposer, step, walk.path_rows)
+        if proposer.auto.gate is not None:  # what the step committed, for the gate's next decision
+            proposer.auto.gate.observe_tokens(walk.num_accepted.sum() + walk.num_accepted.shape[0])
     logprobs = None
     if md.max_num_logprobs is not None:
         path_rows = rows.gather(1, path_rows.clamp(min=0).to(rows.device))

