@@ -30,7 +30,8 @@ def close_gate(llm) -> None:
     so every decode step after this is undrafted (vLLM's K = 0 path)."""
     drafter = llm.llm_engine.model_executor.driver_worker.worker.model_runner.drafter
     drafter.auto.calibration.explored = [(2, 2, 1, 0.05)] * 100  # explored: straight to the gate
-    drafter.auto.gate.probe_every = 10**6
+    drafter.auto.gate.probe_every = drafter.auto.gate.max_probe_every = 10**6
+    drafter.auto.gate.stale_s = float("inf")
     drafter.auto.gate.ar_seconds = {r: [1e-6] for r in range(1, 257)}
 
 

@@ -854,6 +854,24 @@ def test_speculation_gate_backs_off_its_probes_while_trees_stay_behind_and_reset
     assert [gate.speculate(32) for _ in range(2)] == [False, True]
 
 
+def test_a_size_class_left_alone_for_stale_s_starts_open_again():
+    now = [0.0]
+    gate = SpeculationGate(probe_every=2, max_probe_every=8, alpha=1.0, stale_s=5.0, clock=lambda: now[0])
+    gate.observe_ar_step(1, 0.040)
+    gate.observe_ar_step(32, 0.050)
+    for r in (1, 32):  # both classes close: trees at half the target alone's rate
+        assert gate.speculate(r)
+        _drafted(gate, 0.5 * r / (0.040 if r == 1 else 0.050), r)
+    assert not gate.speculate(32) and not gate.speculate(1)
+    for _ in range(50):  # a loaded phase: 32 requests for 10 s, the lone request's class not seen
+        now[0] += 0.2
+        gate.speculate(32)
+    assert gate.advantage_at(32) < 1 and gate.advantage_at(1) < 1
+    assert gate.speculate(1) is True and gate.advantage_at(1) == 1.0  # stale: open, as on a fresh server
+    now[0] += 1.0
+    assert gate.speculate(32) is False  # seen a second ago: still closed
+
+
 def test_speculation_gate_judges_a_step_by_the_tokens_it_committed_not_the_plans_estimate():
     gate = SpeculationGate(probe_every=2, max_probe_every=8, alpha=1.0)
     gate.observe_ar_step(1, 0.040)  # the target alone: 25 tokens/s

@@ -93,6 +93,7 @@ if __name__ == "__main__":
         if i == args.gate_closed:
             gate = llm.llm_engine.model_executor.driver_worker.worker.model_runner.drafter.auto.gate
             gate.probe_every = gate.max_probe_every = 3  # probe often: exactness across drafted and undrafted steps
+            gate.stale_s = float("inf")
             gate.ar_seconds = {r: [1e-6] for r in range(1, engine.get("max_num_seqs", 256) + 1)}
         if i == args.vllm_k0:
             llm.llm_engine.model_executor.driver_worker.worker.model_runner.drafter.vllm_k0_pass = True

