@@ -854,7 +854,7 @@ def test_speculation_gate_backs_off_its_probes_while_trees_stay_behind_and_reset
     assert [gate.speculate(32) for _ in range(2)] == [False, True]
 
 
-def test_a_size_class_left_alone_for_stale_s_starts_open_again():
+def test_a_closed_size_class_left_alone_for_stale_s_probes_at_once():
     now = [0.0]
     gate = SpeculationGate(probe_every=2, max_probe_every=8, alpha=1.0, stale_s=5.0, clock=lambda: now[0])
     gate.observe_ar_step(1, 0.040)
@@ -867,9 +867,11 @@ def test_a_size_class_left_alone_for_stale_s_starts_open_again():
         now[0] += 0.2
         gate.speculate(32)
     assert gate.advantage_at(32) < 1 and gate.advantage_at(1) < 1
-    assert gate.speculate(1) is True and gate.advantage_at(1) == 1.0  # stale: open, as on a fresh server
+    assert gate.speculate(1) is True and gate.advantage_at(1) < 1  # stale: a probe, the verdict kept
+    _drafted(gate, 50.0)  # the probe finds trees paying now (2x): open at once
+    assert gate.speculate(1) is True and gate.advantage_at(1) == pytest.approx(2.0)
     now[0] += 1.0
-    assert gate.speculate(32) is False  # seen a second ago: still closed
+    assert gate.speculate(32) is False  # seen a second ago: still closed, no probe due
 
 
 def test_speculation_gate_judges_a_step_by_the_tokens_it_committed_not_the_plans_estimate():
