@@ -61,6 +61,30 @@ def make_tree(num_nodes, ctx):
     return compile_tree(build_tree(lp, ids, num_nodes), torch.tensor([1]), torch.tensor([ctx]))
 
 
+def paged_batch(ctx: list[int], qlen: list[int], bs: int, hd: int, g: torch.Generator, spare: int) -> SimpleNamespace:
+    """Requests with `ctx` cached and `qlen` new tokens over shuffled physical blocks (`spare` unused):
+    their full K/V and this step's queries at random, and the slot of (request, position)."""
+    seq = [c + q for c, q in zip(ctx, qlen)]
+    r = len(seq)
+    max_blocks = (max(seq) + bs - 1) // bs
+    num_blocks = r * max_blocks + spare
+    perm = torch.randperm(num_blocks, generator=g)[: r * max_blocks].view(r, max_blocks)
+    return SimpleNamespace(
+        seq=seq, total=sum(qlen), perm=perm, kv_cache=torch.zeros(num_blocks, KV_HEADS, bs, 2 * hd),
+        keys=[torch.randn(s, KV_HEADS, hd, generator=g) for s in seq],
+        vals=[torch.randn(s, KV_HEADS, hd, generator=g) for s in seq],
+        query=torch.randn(sum(qlen), HEADS, hd, generator=g),
+        qsl=torch.tensor([0, *torch.cumsum(torch.tensor(qlen), 0).tolist()]),
+        slots=lambda rr, pos: perm[rr, pos // bs] * bs + pos % bs)
+
+
+def tree_backend(bs: int, hd: int) -> tuple[TreeAttentionImpl, TreeAttentionMetadataBuilder, SimpleNamespace]:
+    """The backend's impl and builder (no vLLM config: no CPU_ATTN at hand) and the layer vLLM's impl reads."""
+    impl = TreeAttentionImpl(HEADS, hd, hd**-0.5, KV_HEADS, None, None, "auto")
+    builder = TreeAttentionMetadataBuilder(spec(bs, hd), ["model.layers.0.attn"], None, "cpu")
+    return impl, builder, SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0)
+
+
 @pytest.mark.parametrize("layout, BS, HD, kernel", [("cpu_attn", 16, 32, True), ("cpu_attn", 16, 32, False),
                                                     ("rows", BS, HD, False)])
 @pytest.mark.parametrize("separate", [128, 4, 1])
@@ -80,20 +104,11 @@ def test_backend_matches_dense_attention(causal, separate, layout, BS, HD, kerne
     tree = make_tree(9, 11)
     ctx = [7, 20, 11]
     qlen = [5, 1, int(tree.num_rows[0])]
-    seq = [c + q for c, q in zip(ctx, qlen)]
-    r, total = 3, sum(qlen)
-    max_blocks = (max(seq) + BS - 1) // BS
-    num_blocks = r * max_blocks + 3
-    perm = torch.randperm(num_blocks, generator=g)[: r * max_blocks].view(r, max_blocks)
-    kv_cache = torch.zeros(num_blocks, KV_HEADS, BS, 2 * HD)
-    keys = [torch.randn(s, KV_HEADS, HD, generator=g) for s in seq]
-    vals = [torch.randn(s, KV_HEADS, HD, generator=g) for s in seq]
-    query = torch.randn(total, HEADS, HD, generator=g)
-    qsl = torch.tensor([0, *torch.cumsum(torch.tensor(qlen), 0).tolist()])
-    slots = lambda rr, pos: perm[rr, pos // BS] * BS + pos % BS  # noqa: E731
-    impl = TreeAttentionImpl(HEADS, HD, HD**-0.5, KV_HEADS, None, None, "auto")
-    builder = TreeAttentionMetadataBuilder(spec(BS, HD), ["model.layers.0.attn"], None, "cpu")
-    layer = SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0)  # what vLLM's impl reads from its layer
+    b = paged_batch(ctx, qlen, BS, HD, g, spare=3)
+    seq, total, perm, kv_cache, keys, vals, query, qsl, slots = (b.seq, b.total, b.perm, b.kv_cache, b.keys, b.vals,
+                                                                 b.query, b.qsl, b.slots)
+    r = 3
+    impl, builder, layer = tree_backend(BS, HD)
     if kernel:
         builder.stock, impl.stock = vllm_cpu_attention(BS, HD, monkeypatch)
     # the cached context first, then this step's tokens (what vLLM does before forward)
@@ -231,21 +246,12 @@ def test_one_path_trees_take_the_kernel_branching_trees_sdpa(as_chain, monkeypat
     assert chain_trees(TreeStepMasks(torch.tensor([True]), branching.num_rows, branching.ancestors)).tolist() == [False]
     ctx = [20, 13, 11]
     qlen = [1, int(chain.num_rows[0]), int(branching.num_rows[0])]
-    seq = [c + q for c, q in zip(ctx, qlen)]
-    r, total = 3, sum(qlen)
-    max_blocks = (max(seq) + bs - 1) // bs
-    num_blocks = r * max_blocks + 2
-    perm = torch.randperm(num_blocks, generator=g)[: r * max_blocks].view(r, max_blocks)
-    kv_cache = torch.zeros(num_blocks, KV_HEADS, bs, 2 * hd)
-    keys = [torch.randn(s, KV_HEADS, hd, generator=g) for s in seq]
-    vals = [torch.randn(s, KV_HEADS, hd, generator=g) for s in seq]
-    query = torch.randn(total, HEADS, hd, generator=g)
-    qsl = torch.tensor([0, *torch.cumsum(torch.tensor(qlen), 0).tolist()])
-    slots = lambda rr, pos: perm[rr, pos // bs] * bs + pos % bs  # noqa: E731
-    impl = TreeAttentionImpl(HEADS, hd, hd**-0.5, KV_HEADS, None, None, "auto")
-    builder = TreeAttentionMetadataBuilder(spec(bs, hd), ["model.layers.0.attn"], None, "cpu")
+    b = paged_batch(ctx, qlen, bs, hd, g, spare=2)
+    seq, total, perm, kv_cache, keys, vals, query, qsl, slots = (b.seq, b.total, b.perm, b.kv_cache, b.keys, b.vals,
+                                                                 b.query, b.qsl, b.slots)
+    r = 3
+    impl, builder, layer = tree_backend(bs, hd)
     builder.stock, impl.stock = vllm_cpu_attention(bs, hd, monkeypatch)
-    layer = SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0)
     all_slots = torch.cat([slots(rr, torch.arange(seq[rr])) for rr in range(r)])
     impl.do_kv_cache_update(layer, torch.cat(keys), torch.cat(vals), kv_cache, all_slots)
     new_slots = torch.cat([slots(rr, torch.arange(ctx[rr], seq[rr])) for rr in range(r)])
