@@ -55,8 +55,7 @@ class AutoBudget:
 
     Each step buys the nodes worth more than the throughput the controller's own plans have reached
     (`rate_at`: EMA of planned tokens over EMA of planned seconds, per batch size class; see
-    `allocate_batch`), not the nodes
-    that maximise that one step's tokens per second.
+    `allocate_batch`), not the nodes that maximise that one step's tokens per second.
     """
 
     cost: CostModel
