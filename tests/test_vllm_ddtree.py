@@ -368,7 +368,8 @@ def test_the_budget_may_choose_no_tree_and_the_undrafted_steps_stay_exact(tmp_pa
     free, closed = res["ddtree"][1], res["ddtree"][2]
     assert free["cost_calibrated"] and free["gate_undrafted_steps"] >= 1
     assert free["gate_undrafted_step_ms"] and all(ms > 0 for ms in free["gate_undrafted_step_ms"].values())
-    assert closed["gate_undrafted_steps"] > closed["gate_drafted_steps"] > 0 and all(a < 1 for a in closed["gate_advantage"].values())
+    assert closed["gate_undrafted_steps"] > closed["gate_drafted_steps"] > 0 and closed["gate_advantage"]
+    assert all(a < 1 for a in closed["gate_advantage"].values())  # every size class it measured: closed
     assert res["metrics"][2].get("vllm:spec_decode_num_drafts", 0) > 0  # the probes verified trees
 
 
