@@ -19,6 +19,9 @@ run in the order of `PARTS`):
              walk and host moves; on CUDA also equal to the same step run on the CPU. Eager step time.
   b.sync     That step under torch.cuda.set_sync_debug_mode("error") after one warm-up step; on a
              failure, every host sync site (file:line) from one pass in "warn" mode. CUDA only.
+  b.profile  One eager step under torch.profiler at the smallest and largest batch: dispatched ops, and on
+             CUDA kernels and kernel time, per stage (top-k, build, lookup, budget, compile, walk,
+             compaction); the step's kernels by device time. Any device.
   c.compaction `move_slots_` over 36 layers of a paged cache in vLLM's FlashInfer layout against a
              per-slot reference, timed. Any device.
   d.verify_cost The verify forward of a Qwen3-8B-shaped transformers decoder (random bf16 weights) for
@@ -744,6 +747,15 @@ def stand_in_target(batch: TreeBatch, coin: torch.Tensor, noise: torch.Tensor) -
     return torch.where(coin[:, :n] & (first[:, :n] < n), child_tok, noise[:, :n])
 
 
+#: The step's stages as `b.profile` reports them, in step order (each a `torch.profiler.record_function` range).
+STAGES = ("topk", "build", "lookup", "budget", "compile", "walk", "compaction")
+
+
+def stage(name: str) -> torch.profiler.record_function:
+    """A profiler range around one stage of the tree step (no device work, nothing when no profiler runs)."""
+    return torch.profiler.record_function(f"ddtree.{name}")
+
+
 def tree_step(x: StepInputs, st: StepState, variant: str,
               topk: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The step's device work, called as the vLLM proposer and runner call it: top-k, build (n-gram
@@ -751,26 +763,35 @@ def tree_step(x: StepInputs, st: StepState, variant: str,
     walk, compaction plan. Returns every result tensor by name. `topk` ([R, DEPTHS, BUILD] log-probs
     and ids) replaces the top-k's output: the host run of a GPU step starts from the GPU's."""
     r = x.logits.shape[0]
-    top_logp, top_ids = topk if topk is not None else topk_per_depth(x.logits, BUILD)
-    scorer = st.ngram.scorer(x.slots) if variant == "ngram" else None
-    built = build_tree(top_logp, top_ids, BUILD, max_budget=BUILD, scorer=scorer,
-                       context_tail=x.tail if scorer is not None else None, lam=NGRAM_WEIGHT, validate=False)
+    with stage("topk"):
+        top_logp, top_ids = topk if topk is not None else topk_per_depth(x.logits, BUILD)
+    with stage("build"):
+        scorer = st.ngram.scorer(x.slots) if variant == "ngram" else None
+        built = build_tree(top_logp, top_ids, BUILD, max_budget=BUILD, scorer=scorer,
+                           context_tail=x.tail if scorer is not None else None, lam=NGRAM_WEIGHT, validate=False)
     branch = valid = None
     if variant == "lookup":
-        branch, valid = st.ngram.continuation(x.slots, x.tail, LOOKUP)
-    plan = st.auto.choose_plan(built.scores, x.ctx_lens, valid)
-    tree = built.truncate(plan.budgets.clamp(max=BUILD))
+        with stage("lookup"):
+            branch, valid = st.ngram.continuation(x.slots, x.tail, LOOKUP)
+    with stage("budget"):
+        plan = st.auto.choose_plan(built.scores, x.ctx_lens, valid)
+        tree = built.truncate(plan.budgets.clamp(max=BUILD))
+        extra = plan.extra if plan.extra is not None else torch.zeros_like(plan.budgets)
     if valid is not None:
-        valid = valid & (torch.arange(LOOKUP, device=valid.device)[None, :] < plan.extra[:, None])
-        tree = add_branch(tree, branch, valid, max_nodes=BUILD + LOOKUP)
-    batch = compile_tree(tree, x.roots, x.ctx_lens)
+        with stage("lookup"):
+            valid = valid & (torch.arange(LOOKUP, device=valid.device)[None, :] < plan.extra[:, None])
+            tree = add_branch(tree, branch, valid, max_nodes=BUILD + LOOKUP)
+    with stage("compile"):
+        batch = compile_tree(tree, x.roots, x.ctx_lens)
     n = batch.max_rows
-    walk = walk_tree(batch, torch.where(batch.valid, stand_in_target(batch, x.coin, x.noise), -1))
-    row_index = torch.where(batch.valid, torch.arange(r, device=x.roots.device)[:, None] * n
-                            + torch.arange(n, device=x.roots.device), 0)
-    moves = accepted_path_moves(batch, walk.path_rows, row_index, x.slot_mapping[: r * n])
+    with stage("walk"):
+        walk = walk_tree(batch, torch.where(batch.valid, stand_in_target(batch, x.coin, x.noise), -1))
+    with stage("compaction"):
+        row_index = torch.where(batch.valid, torch.arange(r, device=x.roots.device)[:, None] * n
+                                + torch.arange(n, device=x.roots.device), 0)
+        moves = accepted_path_moves(batch, walk.path_rows, row_index, x.slot_mapping[: r * n])
     return {"top_logp": top_logp, "top_ids": top_ids, "built_tokens": built.tokens, "built_parents": built.parents, "budgets": plan.budgets,
-            "extra": plan.extra if plan.extra is not None else plan.budgets * 0, "tokens": batch.tokens,
+            "extra": extra, "tokens": batch.tokens,
             "parents": batch.parents, "valid": batch.valid, "row_tokens": walk.output_tokens,
             "num_emitted": walk.num_emitted, "path_rows": walk.path_rows, "src_slots": moves.src_slots,
             "dst_slots": moves.dst_slots, "context_order": moves.context_order, "row_index": row_index}
@@ -924,6 +945,88 @@ def part_b_sync(ctx: "Check") -> dict:
         rows.append(rec)
     return {"passed": not bad, "variants": rows, "failed": bad,
             "summary": "no host sync" if not bad else f"syncs in {', '.join(bad)}: first at {rows[VARIANTS.index(bad[0])]['where']}"}
+
+
+def profile_counts(event, inside_op: bool = False) -> tuple[int, int, float]:
+    """(dispatched ops, device kernels, kernel microseconds) under one profiler event: an op is an
+    ``aten::`` event with no ``aten::`` ancestor (what our code dispatched, not an op's internals); a
+    kernel is any device activity (kernel, memcpy, memset) the profiler linked to a CPU event."""
+    is_op = event.name.startswith("aten::")
+    ops = int(is_op and not inside_op)
+    kernels, us = len(event.kernels), float(sum(k.duration for k in event.kernels))
+    for child in event.cpu_children:
+        o, k, t = profile_counts(child, inside_op or is_op)
+        ops, kernels, us = ops + o, kernels + k, us + t
+    return ops, kernels, us
+
+
+def profile_step(fn: Callable[[], object], device: torch.device) -> dict:
+    """One eager step under torch.profiler: ops, kernels and kernel time per stage (`STAGES`), what ran
+    outside every stage, and on CUDA the step's kernels by total device time."""
+    from torch.autograd import DeviceType
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        fn()
+        sync(device)
+    events = prof.events()
+    per_stage = {name: {"ops": 0, "kernels": 0, "kernel_us": 0.0} for name in STAGES}
+    outside = {"ops": 0, "kernels": 0, "kernel_us": 0.0}
+    for ev in events:
+        if ev.cpu_parent is not None or ev.device_type != DeviceType.CPU:
+            continue
+        target = per_stage.get(ev.name.removeprefix("ddtree.")) if ev.name.startswith("ddtree.") else outside
+        if target is None:
+            continue
+        o, k, t = profile_counts(ev)
+        target["ops"] += o
+        target["kernels"] += k
+        target["kernel_us"] += t
+    device_events = [ev for ev in events if ev.device_type != DeviceType.CPU]
+    by_name: dict[str, list[float]] = {}
+    for ev in device_events:
+        by_name.setdefault(ev.name[:90], []).append(ev.time_range.elapsed_us())
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:10]
+    out = {"stages": {k: {**v, "kernel_us": round(v["kernel_us"], 1)} for k, v in per_stage.items()},
+           "outside_stages": {**outside, "kernel_us": round(outside["kernel_us"], 1)},
+           "ops": sum(v["ops"] for v in per_stage.values()) + outside["ops"],
+           "kernels": len(device_events),
+           "kernel_ms": round(sum(ev.time_range.elapsed_us() for ev in device_events) / 1000, 3),
+           "top_kernels": [{"name": name, "count": len(ts), "us": round(sum(ts), 1)} for name, ts in top]}
+    if device_events:
+        out["kernels_attributed"] = sum(v["kernels"] for v in per_stage.values()) + outside["kernels"]
+    return out
+
+
+def part_b_profile(ctx: "Check") -> dict:
+    """Each variant at the smallest and largest batch: one eager step under the profiler (after two
+    warm-up steps). Passes when every dispatched op falls inside a stage, so the stage table is the whole
+    step. On CUDA the kernel time per stage is the floor a CUDA-graph replay of that stage cannot beat."""
+    rows, bad = [], []
+    for r in sorted({min(ctx.sizes.batches), max(ctx.sizes.batches)}):
+        for variant in VARIANTS:
+            if ctx.deadline.left() < 30:
+                rows.append({"batch": r, "variant": variant, "skipped": "wall-clock budget"})
+                continue
+            dt = torch.bfloat16 if ctx.device.type == "cuda" else torch.float32
+            state, tail = step_state(r, ctx.sizes.vocab, ctx.device, seed=7)
+            x = step_inputs(r, ctx.sizes.vocab, tail, seed=r, dtype=dt, device=ctx.device)
+            for _ in range(2):
+                tree_step(x, state, variant)
+            sync(ctx.device)
+            rec = {"batch": r, "variant": variant, **profile_step(lambda: tree_step(x, state, variant), ctx.device)}
+            rows.append(rec)
+            if rec["outside_stages"]["ops"]:
+                bad.append(f"{variant}@{r}")
+            per = ", ".join(f"{k} {v['ops']}" + (f"/{v['kernel_us'] / 1000:.2f} ms" if rec["kernels"] else "")
+                            for k, v in rec["stages"].items() if v["ops"])
+            log(f"  b.profile batch {r} {variant}: {rec['ops']} ops, {rec['kernels']} kernels, "
+                f"{rec['kernel_ms']:.2f} ms of kernels; {per}")
+    return {"passed": not bad, "profiles": rows, "failed": bad,
+            "summary": (f"{len(rows)} steps profiled, every op inside a stage" if not bad
+                        else f"ops outside every stage in {', '.join(bad)}")}
 
 
 def state_tensors(st: StepState) -> list[torch.Tensor]:
@@ -1278,6 +1381,7 @@ PARTS: list[tuple[str, Callable[[Check], dict], bool]] = [
     ("a.plan", part_a_plan, False),
     ("b.pipeline", part_b_pipeline, False),
     ("b.sync", part_b_sync, True),
+    ("b.profile", part_b_profile, False),
     ("c.compaction", part_c_compaction, False),
     ("d.verify_cost", part_d_verify_cost, False),
     ("a.kernel", part_a_kernel, True),

@@ -16,7 +16,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 FLASHINFER_DIR = Path(sys.prefix) / "flashinfer"
-CPU_PARTS = {"a.plan", "b.pipeline", "c.compaction", "d.verify_cost"}
+CPU_PARTS = {"a.plan", "b.pipeline", "b.profile", "c.compaction", "d.verify_cost"}
 CUDA_PARTS = {"a.kernel", "b.sync", "b.graphs"}
 
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -64,6 +64,12 @@ def test_cpu_parts_checked_what_they_claim(report):
     steps = parts["b.pipeline"]["steps"]
     assert {s["variant"] for s in steps} == set(gpu_check.VARIANTS) and all(not s["problems"] for s in steps)
     assert all(b["equal"] and b["real_moves"] > 0 and b["layers"] == 36 for b in parts["c.compaction"]["batches"])
+    profiles = parts["b.profile"]["profiles"]
+    assert {(p["batch"], p["variant"]) for p in profiles} == {(b, v) for b in (1, 4) for v in gpu_check.VARIANTS}
+    for p in profiles:  # every stage dispatched work, the lookup stage only with the lookup branch
+        assert p["outside_stages"]["ops"] == 0
+        assert all((p["stages"][s]["ops"] > 0) == (s != "lookup" or p["variant"] == "lookup") for s in gpu_check.STAGES)
+        assert p["ops"] == sum(s["ops"] for s in p["stages"].values())
     d = parts["d.verify_cost"]
     assert len(d["points"]) == 8 and d["fitted"]["slope"] > 0 and set(d["knee_n"]) == {"1", "4"}
     # the timed static forward (CUDA-graph replayed on a GPU) computes what transformers computes
@@ -87,6 +93,21 @@ def test_static_verify_forward_equals_transformers_and_the_check_has_teeth():
         assert (static.forward() - want).abs().max() <= 1e-4 * scale  # again: the rows' cache slots are reused
         static.mask[:] = True  # the rows see each other's future: a different computation
         assert (static.forward() - want).abs().max() > 1e-2 * scale
+
+
+def test_the_step_profile_counts_ops_by_stage_and_finds_ops_outside_them():
+    def step():
+        x = torch.ones(8)
+        with gpu_check.stage("build"):
+            y = (x * 2).sum()  # two ops, each with internals that are not counted again
+        with gpu_check.stage("walk"):
+            y = y + 1
+        return torch.stack([y, y])  # outside every stage
+
+    prof = gpu_check.profile_step(step, torch.device("cpu"))
+    assert prof["stages"]["build"]["ops"] == 2 and prof["stages"]["walk"]["ops"] == 1
+    assert prof["outside_stages"]["ops"] == 2  # ones, stack
+    assert prof["ops"] == 5 and prof["kernels"] == 0
 
 
 def test_the_report_redraws_as_a_png(report, tmp_path):
