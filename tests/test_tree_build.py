@@ -276,10 +276,11 @@ def test_best_score_selection_by_sort_and_by_keys_agree(monkeypatch):
     scores[0, :4] = torch.tensor([0.0, -0.0, 0.0, -0.0])
     scores[1] = -math.inf
     for k in (1, 17, 300):
-        by_sort, by_keys = _top_scores_by_sort(scores, k), _top_scores_by_keys(scores, k)
-        assert torch.equal(by_sort, by_keys), k
+        (sort_values, by_sort), (key_values, by_keys) = _top_scores_by_sort(scores, k), _top_scores_by_keys(scores, k)
+        assert torch.equal(by_sort, by_keys) and torch.equal(sort_values, key_values), k
+        assert torch.equal(key_values, scores.gather(1, by_keys))
     stable = torch.sort(scores, dim=1, descending=True, stable=True).indices
-    assert torch.equal(_top_scores_by_keys(scores, 300), stable)
+    assert torch.equal(_top_scores_by_keys(scores, 300)[1], stable)
     # The whole build with either selection (equal-probability candidates: ties across parents and depths).
     logits = torch.randint(0, 3, (3, 6, 40), generator=g).float()
     top = topk_per_depth(logits, 8)

@@ -221,10 +221,8 @@ def topk_per_depth(logits: Tensor, k: int, temperature: float = 1.0) -> tuple[Te
         raise ValueError(f"top-k must be in [1, vocab={vocab}], got {k}")
     if temperature <= 0:
         raise ValueError(f"drafter temperature must be > 0, got {temperature}")
-    x = logits.float()
-    if temperature != 1.0:  # the division is another full [R, L, V] copy: skip it when it changes nothing
-        x = x / temperature
-    logp = torch.log_softmax(x, dim=-1)
+    x = logits if temperature == 1.0 else logits.float() / temperature  # a division is a full [R, L, V] copy
+    logp = torch.log_softmax(x, dim=-1, dtype=torch.float32)  # the cast happens inside the kernel: no float copy
     top_logp, top_ids = torch.topk(logp, k, dim=-1, sorted=True)
     return top_logp, top_ids
 
@@ -335,18 +333,20 @@ def build_tree(
     front_score = torch.zeros(r, 1, device=device)
     front_q = torch.zeros(r, 1, device=device)
     front_hist = context_tail.long()[:, None, :] if scorer is not None else None  # [R, F, n-1]
+    flat_logp = top_logp.reshape(r, depth * k)  # column d * k + rank: depth d's candidate of that rank
 
-    per_depth = []  # (score, q, token, parent-within-previous-depth), each [R, F_d]
+    # Per depth, each kept node's (parent within the previous depth, column in flat_logp) packed into
+    # one code (parent * depth * k + column), decoded once for all depths after the loop.
+    per_depth = []  # (score, q, code), each [R, F_d]; without a scorer q is the score itself
     for d in range(depth):
         f = front_score.shape[1]
         if scorer is None:
             # Frontier scores and candidate log-probs are both sorted, so child (f, k) is preceded
             # (ties included) by the (f+1)(k+1) - 1 children (f' <= f, k' <= k): only the
             # "staircase" (f+1)(k+1) <= B can reach the top B. ~B ln B candidates instead of F*K.
-            pf, pk = _staircase(f, k, b, device)
-            cand_logp = top_logp[:, d].index_select(1, pk)
-            cand_score = front_score.index_select(1, pf) + cand_logp
-            cand_q = front_q.index_select(1, pf) + cand_logp
+            pf, col, code = _staircase(f, k, b, d, depth, device)
+            cand_score = front_score.index_select(1, pf) + flat_logp.index_select(1, col)
+            cand_q = None
         else:
             # Rescored children are no longer sorted per parent: expand the full F x K block.
             tok_score = top_logp[:, d, None, :].expand(r, f, k)
@@ -355,47 +355,45 @@ def build_tree(
             tok_score = tok_score + lam_t[:, d, None, None] * rho
             cand_score = (front_score[:, :, None] + tok_score).reshape(r, f * k)
             cand_q = (front_q[:, :, None] + top_logp[:, d, None, :]).reshape(r, f * k)
-            pf, pk = _staircase(f, k, f * k, device)  # all pairs, in the same (parent, rank) order
+            pf, col, code = _staircase(f, k, f * k, d, depth, device)  # all pairs, in (parent, rank) order
         keep = min(b, cand_score.shape[1])
         # Equal scores keep (parent order, candidate rank) order -> the documented tie-breaking.
-        order = _top_scores(cand_score, keep)
-        score = cand_score.gather(1, order)
-        q = cand_q.gather(1, order)
-        parent = pf.take(order)
-        # The candidate's column in top_ids flattened over depths; its token is gathered once, at the end.
-        cand_col = pk.take(order) + d * k
-        per_depth.append((score, q, cand_col, parent))
+        score, order = _top_scores(cand_score, keep)
+        kept = code.take(order)
+        q = score if cand_q is None else cand_q.gather(1, order)
+        per_depth.append((score, q, kept))
         front_score, front_q = score, q
         if scorer is not None and hist_len > 0:
-            token = top_ids.reshape(r, depth * k).gather(1, cand_col)
+            token = top_ids.reshape(r, depth * k).gather(1, kept % (depth * k))
+            parent = kept // (depth * k)
             parent_hist = front_hist.gather(1, parent[:, :, None].expand(r, keep, hist_len))
             front_hist = torch.cat([parent_hist[:, :, 1:], token[:, :, None]], dim=2)
 
     # Global best-first selection over all depths (concatenated in depth order; the stable sort
     # resolves equal scores by depth, then by within-depth order).
-    all_score = torch.cat([s for s, _, _, _ in per_depth], dim=1)
-    all_q = torch.cat([q for _, q, _, _ in per_depth], dim=1)
-    all_col = torch.cat([c for _, _, c, _ in per_depth], dim=1)
+    all_score = torch.cat([s for s, _, _ in per_depth], dim=1)
+    all_code = torch.cat([c for _, _, c in per_depth], dim=1)
     # Parents index the previous depth's frontier: the concatenation's offset of that depth makes
     # them indices into the concatenation (depth 0's parent is the root, index 0: offset -1 = none).
-    parent_offset, depth_of = _depth_layout(tuple(s.shape[1] for s, _, _, _ in per_depth), device)
-    all_parent = torch.cat([p for _, _, _, p in per_depth], dim=1) + parent_offset
+    parent_offset, depth_of = _depth_layout(tuple(s.shape[1] for s, _, _ in per_depth), device)
     total = all_score.shape[1]
     width = min(b, total)
-    sel = _top_scores(all_score, width)
+    scores, sel = _top_scores(all_score, width)
+    all_q = all_score if scorer is None else torch.cat([q for _, q, _ in per_depth], dim=1)
+    all_parent = all_code // (depth * k) + parent_offset
+    all_col = all_code % (depth * k)
 
     final_pos = torch.full((r, total), NO_PARENT, dtype=torch.int64, device=device)
     final_pos.scatter_(1, sel, torch.arange(width, device=device).expand(r, width))
     sel_parent = all_parent.gather(1, sel)
     parents = torch.where(sel_parent >= 0, final_pos.gather(1, sel_parent.clamp(min=0)), NO_PARENT)
-    scores = all_score.gather(1, sel)
     valid = torch.isfinite(scores) & (torch.arange(width, device=device)[None, :] < budgets_t[:, None])
     tree = DraftTree(
         tokens=torch.where(valid, top_ids.reshape(r, depth * k).gather(1, all_col.gather(1, sel)), 0),
         parents=torch.where(valid, parents, NO_PARENT),
         depths=torch.where(valid, depth_of.take(sel), 0),
         scores=torch.where(valid, scores, -math.inf),
-        draft_logp=torch.where(valid, all_q.gather(1, sel), -math.inf),
+        draft_logp=torch.where(valid, scores if scorer is None else all_q.gather(1, sel), -math.inf),
         valid=valid,
         num_nodes=valid.sum(dim=1),
         max_depth=depth,
@@ -405,11 +403,11 @@ def build_tree(
     return tree
 
 
-def _top_scores(scores: Tensor, k: int) -> Tensor:
-    """Indices of the k best scores per row, best first; equal scores in index order.
+def _top_scores(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The k best scores per row, best first, and their indices; equal scores in index order.
 
     Two exact ways, chosen by device (as `compile.ancestor_mask`): on a GPU, where each op is a
-    kernel launch, a stable descending sort (`_top_scores_by_sort`: one op; ~10 for the packed keys);
+    kernel launch, a stable descending sort (`_top_scores_by_sort`: one op, its values come with it);
     elsewhere packed keys and `topk` (`_top_scores_by_keys`), ~5x faster than the sort on a CPU.
     """
     if scores.device.type == "cuda":
@@ -417,12 +415,13 @@ def _top_scores(scores: Tensor, k: int) -> Tensor:
     return _top_scores_by_keys(scores, k)
 
 
-def _top_scores_by_sort(scores: Tensor, k: int) -> Tensor:
+def _top_scores_by_sort(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """`_top_scores` as a stable descending sort of the rows, cut to k."""
-    return torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
+    values, indices = torch.sort(scores, dim=1, descending=True, stable=True)
+    return values[:, :k], indices[:, :k]
 
 
-def _top_scores_by_keys(scores: Tensor, k: int) -> Tensor:
+def _top_scores_by_keys(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """`_top_scores` as one `topk` over unique keys: the float32 score is mapped to an order-preserving
     integer and packed with the (reversed) index into one int64, so `topk` has no ties to break
     arbitrarily. NaN never reaches here (inputs are validated).
@@ -432,7 +431,8 @@ def _top_scores_by_keys(scores: Tensor, k: int) -> Tensor:
     key = torch.where(bits < 0, -mag, mag)  # -0.0 and +0.0 share key 0, as they compare equal
     idx = torch.arange(scores.shape[1], device=scores.device)
     packed = key * (1 << 32) + ((1 << 32) - 1 - idx)
-    return torch.topk(packed, k, dim=1, sorted=True).indices
+    indices = torch.topk(packed, k, dim=1, sorted=True).indices
+    return scores.gather(1, indices), indices
 
 
 class _LazyChildren:
@@ -460,9 +460,11 @@ def _depth_layout(sizes: tuple[int, ...], device: torch.device) -> tuple[Tensor,
     return parent_offset, depth_of
 
 
-@functools.lru_cache(maxsize=64)
-def _staircase(f: int, k: int, b: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """(parent, rank) pairs with (parent+1)(rank+1) <= b, parent < f, rank < k, in (parent, rank) order."""
+@functools.lru_cache(maxsize=1024)
+def _staircase(f: int, k: int, b: int, d: int, depth: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """(parent, rank) pairs with (parent+1)(rank+1) <= b, parent < f, rank < k, in (parent, rank) order,
+    at depth d of `depth`: [n] parent, [n] column d * k + rank of the [R, depth * k] candidates, and
+    [n] their packed code parent * depth * k + column."""
     pf, pk = [], []
     for i in range(f):
         n = min(k, b // (i + 1))
@@ -470,7 +472,8 @@ def _staircase(f: int, k: int, b: int, device: torch.device) -> tuple[Tensor, Te
             break
         pf.append(torch.full((n,), i, dtype=torch.int64))
         pk.append(torch.arange(n, dtype=torch.int64))
-    return torch.cat(pf).to(device), torch.cat(pk).to(device)
+    parent, col = torch.cat(pf), torch.cat(pk) + d * k
+    return parent.to(device), col.to(device), (parent * (depth * k) + col).to(device)
 
 
 def _pad_tree(tree: DraftTree, width: int) -> DraftTree:
