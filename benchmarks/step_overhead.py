@@ -39,6 +39,7 @@ import argparse
 import contextlib
 import gc
 import importlib
+import inspect
 import json
 import os
 import random
@@ -189,7 +190,8 @@ def make_proposer(code, batch: int, budget: int | str, ngram: bool, lookup: int,
     p.trees, p._slots, p._seen, p._proposed = {}, {}, {}, None
     p.stats = code.Stats(interval=1e9)
     p.context_order = p.context_positions = p.step_tokens = None
-    p.ngram = t.NGramModel(vocab, 3, device="cpu") if (ngram or lookup) else None
+    scoring = {"scoring": ngram} if "scoring" in inspect.signature(t.NGramModel).parameters else {}  # as the proposer
+    p.ngram = t.NGramModel(vocab, 3, device="cpu", **scoring) if (ngram or lookup) else None
     p.auto = None
     if budget == "auto":
         shape = t.ModelShape.from_hf_config(QWEN3_8B | {"vocab_size": vocab, "num_hidden_layers": layers})

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from vllm_ddtree.tree.ngram import _pack
+from vllm_ddtree.tree.ngram import _pack, _wrap
 from vllm_ddtree.tree import (
     AcceptanceCalibration,
     AutoBudget,
@@ -642,10 +642,12 @@ def test_continuation_follows_the_most_frequent_next_token_of_the_request_s_own_
 
 
 def _continuation_one_lookup_at_a_time(model: NGramModel, slots: list[int], tail: torch.Tensor, length: int,
-                                       window: int = 16):
+                                       window: int | None = None):
     """The lookup branch as plain per-step table lookups (host Python over the sorted tables): from
-    the last n-1 tokens, the most counted next token among the first `window` keys of that context
-    (the smallest token id among equal counts), until a context was never followed by anything."""
+    the last n-1 tokens, the most counted next token of that context (the smallest token id among
+    equal counts; among the first `window` keys of the context's range where given), until a context
+    was never followed by anything. A key is the context's packed key times the radix plus the
+    token's digit, in int64's wrapping arithmetic."""
     counts = model.online
     m = model.order - 1
     keys, cnt = counts.ngram_keys[m].tolist(), counts.ngram_counts[m].tolist()
@@ -655,9 +657,10 @@ def _continuation_one_lookup_at_a_time(model: NGramModel, slots: list[int], tail
         going = all(t >= 0 for t in hist)
         for _ in range(length):
             cx = int(_pack(torch.tensor([slot]), torch.tensor([hist[-m:]]), counts.radix))
-            lo, hi = cx * counts.radix + 1, cx * counts.radix + counts.radix
+            lo, hi = _wrap(cx * counts.radix + 1), _wrap(cx * counts.radix + counts.radix)
             first = next((i for i, k in enumerate(keys) if k >= lo), len(keys))
-            cands = [(cnt[i], -i) for i in range(first, min(first + window, len(keys))) if keys[i] < hi]
+            stop = len(keys) if window is None else min(first + window, len(keys))
+            cands = [(cnt[i], -i) for i in range(first, stop) if keys[i] < hi]
             best = max(cands) if cands else None
             going = going and best is not None
             token = keys[-best[1]] % counts.radix - 1 if best is not None else 0
@@ -670,8 +673,8 @@ def _continuation_one_lookup_at_a_time(model: NGramModel, slots: list[int], tail
 
 
 def test_continuation_equals_one_lookup_at_a_time():
-    # Random texts over a small vocabulary (many repeats, ties between next tokens), PAD in short
-    # tails, a slot never seen, a window smaller than some contexts' followers.
+    # Random texts over a small vocabulary (many repeats, ties between next tokens, contexts followed
+    # by many tokens), PAD in short tails, a slot never seen.
     g = torch.Generator().manual_seed(5)
     model = NGramModel(12, 3)
     texts = [torch.randint(0, 12, (n,), generator=g).tolist() for n in (40, 25, 60, 1)]
@@ -681,13 +684,16 @@ def test_continuation_equals_one_lookup_at_a_time():
     # for slot 4 (never seen), and the texts' own ends
     tail = torch.tensor([texts[0][5:7], texts[1][3:5], texts[2][10:12], [-1, texts[3][0]], [3, 4], texts[0][-2:],
                          texts[2][-2:]])
-    for window in (16, 2):
-        tokens, valid = model.online.follow(torch.tensor(slots), tail, 7, window=window)
-        want_tokens, want_valid = _continuation_one_lookup_at_a_time(model, slots, tail, 7, window)
-        assert tokens.tolist() == want_tokens and valid.tolist() == want_valid, window
-        assert any(any(v) for v in want_valid) and not all(all(v) for v in want_valid)
+    want_tokens, want_valid = _continuation_one_lookup_at_a_time(model, slots, tail, 7)
+    assert any(any(v) for v in want_valid) and not all(all(v) for v in want_valid)
     tokens, valid = model.continuation(slots, tail, 7)
-    assert (tokens.tolist(), valid.tolist()) == _continuation_one_lookup_at_a_time(model, slots, tail, 7)
+    assert tokens.tolist() == want_tokens and valid.tolist() == want_valid
+    # After the tables change, the next lookups see the change: slot 4 now continues [3, 4].
+    model.observe_batch([4], [[3, 4, 11, 3, 4, 11]])
+    tokens, valid = model.continuation(slots, tail, 7)
+    assert valid[4].all() and (tokens.tolist(), valid.tolist()) == _continuation_one_lookup_at_a_time(model, slots, tail, 7)
+    model.release_batch([4])  # and forget it when the slot is released
+    assert not model.continuation([4], tail[4:5], 3)[1].any()
 
 
 def test_lookup_calibration_scores_each_proposal_against_what_the_step_committed():
@@ -908,3 +914,38 @@ def test_auto_budget_consults_its_gate_only_once_the_cost_is_calibrated():
     assert len(auto.calibration.recent) == fitted
     assert not auto.speculate(1) and auto.gate.advantage_at(1) < 1
     assert "gate_advantage" in auto.summary() and auto.summary()["gate_undrafted_step_ms"] == {1: 1.0}
+
+
+def test_continuation_with_wrapping_keys_searches_each_step():
+    # Order 4 over a 151936-token vocabulary: keys wrap past 63 bits and act as hashes, so a key has
+    # no context part to divide out; each step searches the context it made among the n-gram keys,
+    # with the tables' own wrapping arithmetic (whose answers are then arbitrary drafts).
+    g = torch.Generator().manual_seed(9)
+    model = NGramModel(151936, 4)
+    texts = [(torch.randint(0, 6, (n,), generator=g) * 25000).tolist() * 3 for n in (9, 13)]
+    model.observe_batch([3, 7], texts)
+    assert model.online.ngram_keys[3].min() < 0  # wrapped
+    tail = model.context_tail([3, 7])
+    want = _continuation_one_lookup_at_a_time(model, [3, 7], tail, 10, window=16)
+    assert any(any(v) for v in want[1])
+    tokens, valid = model.continuation([3, 7], tail, 10)
+    assert (tokens.tolist(), valid.tolist()) == want
+
+
+def test_a_lookup_only_model_merges_one_table_and_continues_alike():
+    # Without rescoring the engine keeps only the order-n counts: the same continuations, a third of
+    # the merges, and asking it to score is an error that says how to get a scoring model.
+    g = torch.Generator().manual_seed(3)
+    texts = [torch.randint(0, 9, (n,), generator=g).tolist() * 3 for n in (10, 4)]  # texts that repeat
+    full, lookup = NGramModel(9, 3), NGramModel(9, 3, scoring=False)
+    for model in (full, lookup):
+        model.observe_batch([0, 1], texts)
+        model.observe_batch([1], [[4, 5]])
+    tail = full.context_tail([0, 1])
+    assert torch.equal(tail, lookup.context_tail([0, 1]))
+    assert all(torch.equal(a, b) for a, b in zip(full.continuation([0, 1], tail, 6), lookup.continuation([0, 1], tail, 6)))
+    assert full.continuation([0, 1], tail, 6)[1][0].all()  # slot 0 continues its loop
+    assert torch.equal(lookup.online.ngram_keys[2], full.online.ngram_keys[2])
+    assert all(t.numel() == 0 for t in lookup.online.ngram_keys[:2] + lookup.online.context_keys)
+    with pytest.raises(ValueError, match="scoring=True"):
+        lookup.scorer([0, 1])

@@ -217,7 +217,7 @@ class DDTreeProposer(DFlashProposer):
             # On the drafter's device: the tree build scores candidates there (a GPU tree would not
             # mix with tables left on the host).
             self.ngram = NGramModel(target.get_vocab_size(), options.ngram_order, corpus=options.ngram_corpus,
-                                    device=device)
+                                    device=device, scoring=options.ngram_weight > 0)
         self._slots: dict[str, int] = {}
         self._seen: dict[str, int] = {}
         self.auto: AutoBudget | None = None

@@ -94,6 +94,8 @@ class NGramCounts:
     context_counts: list[Tensor] = field(default_factory=list)
     # the tables of orders 0..k-1 stacked for one search (`_stacked`), until the next change
     _stack: tuple | None = field(default=None, repr=False, compare=False)
+    # per order, the best next token of every context (`_best_next`), until the next change
+    _best: dict | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.order < 1:
@@ -111,24 +113,27 @@ class NGramCounts:
     def radix(self) -> int:
         return self.vocab_size + 1
 
-    def add(self, namespace: Tensor, windows: Tensor) -> None:
+    def add(self, namespace: Tensor, windows: Tensor, longest_only: bool = False) -> None:
         """Count n-grams. windows [N, n]: n-1 context tokens (PAD where none) then the token.
 
+        `longest_only`: count only the order-n n-grams (`ngram_keys[n-1]`, all that `follow` reads),
+        not the shorter ones nor the context tables: one table merge instead of 2n.
         Merging needs `torch.unique`, which synchronises: this runs once per step, not per node.
         """
         if windows.dim() != 2 or windows.shape[1] != self.order:
             raise ValueError(f"windows must be [N, order={self.order}], got {tuple(windows.shape)}")
         windows = windows.to(self.device).long()
         namespace = namespace.to(self.device).long().expand(windows.shape[0])
-        for m in range(self.order):  # m = context length
+        for m in [self.order - 1] if longest_only else range(self.order):  # m = context length
             ctx = windows[:, self.order - 1 - m : self.order - 1]
             # A context that reaches before the sequence start is not a real m-token context.
             real = (ctx >= 0).all(dim=1) if m > 0 else torch.ones_like(namespace, dtype=torch.bool)
             ng = _pack(namespace, windows[:, self.order - 1 - m :], self.radix)[real]
-            cx = _pack(namespace, ctx, self.radix)[real]
             self.ngram_keys[m], self.ngram_counts[m] = _merge(self.ngram_keys[m], self.ngram_counts[m], ng)
-            self.context_keys[m], self.context_counts[m] = _merge(self.context_keys[m], self.context_counts[m], cx)
-        self._stack = None
+            if not longest_only:
+                cx = _pack(namespace, ctx, self.radix)[real]
+                self.context_keys[m], self.context_counts[m] = _merge(self.context_keys[m], self.context_counts[m], cx)
+        self._stack = self._best = None
 
     def drop_namespace(self, namespace: int) -> None:
         """Forget every count of one namespace (a finished request's slot). Exact while keys don't wrap."""
@@ -144,7 +149,7 @@ class NGramCounts:
             self.context_keys[m], self.context_counts[m] = _drop(
                 self.context_keys[m], self.context_counts[m], drop, span_cx
             )
-        self._stack = None
+        self._stack = self._best = None
 
     def lookup(self, namespace: Tensor, history: Tensor, tokens: Tensor, m: int) -> tuple[Tensor, Tensor]:
         """count(c_m, t) [R, F, K] and count(c_m) [R, F] for the last m tokens of history [R, F, n-1].
@@ -204,24 +209,51 @@ class NGramCounts:
                            *stack(self.context_keys[:orders], self.context_counts[:orders]))
         return self._stack[1:]
 
-    def follow(self, namespace: Tensor, context: Tensor, length: int, window: int = 16) -> tuple[Tensor, Tensor]:
+    def follow(self, namespace: Tensor, context: Tensor, length: int) -> tuple[Tensor, Tensor]:
         """`length` times: the most counted token after the last m tokens, appended to them.
 
         namespace [R], context [R, m] (m < order; a PAD makes the context unseen) -> tokens [R, length]
         (0 where not valid), valid [R, length]: a step whose context was never seen followed by anything
-        is invalid, and so is every step after it. The (namespace, context, token) keys of one context
-        are contiguous in the sorted table: the first `window` of them (by token id) are compared (ties:
-        the smallest token id), a fixed shape, so no host synchronisation. Where keys wrap (see module
-        docstring) the answer is arbitrary, never wrong output: it is a draft.
+        is invalid, and so is every step after it. Ties go to the smallest token id. Where keys wrap
+        (see module docstring) the answer is arbitrary, never wrong output: it is a draft.
 
-        About 23 device ops per step (one `searchsorted` of both ends of each context's key range; the
-        context key updated by a digit shift): this runs on every engine step with a lookup branch.
+        One `searchsorted` finds the context, then each step is two gathers in the table of best next
+        tokens (`_best_next`, made once per change of the tables): the token, and the context it makes.
+        About 30 device ops for 8 steps, no host synchronisation: this runs on every engine step with a
+        lookup branch. Where keys of this order can wrap (radix^(m+1) past 63 bits, see the module
+        docstring) a key has no context part to divide out: `_follow_by_search` then searches each
+        step's context among the n-gram keys.
         """
         r, m = context.shape
-        keys, counts = self.ngram_keys[m], self.ngram_counts[m]
-        if keys.numel() == 0 or length == 0:
+        if self.ngram_keys[m].numel() == 0 or length == 0:
             return (torch.zeros(r, length, dtype=torch.int64, device=self.device),
                     torch.zeros(r, length, dtype=torch.bool, device=self.device))
+        if self.radix ** (m + 1) >= 1 << 63:  # keys of this order wrap: no context part to divide out
+            return self._follow_by_search(namespace, context, length)
+        contexts, best_digit, next_entry = self._best_next(m)
+        none = contexts.numel()  # the tables' last entry: no token, and no context after it
+        digits = context.to(self.device).long() + 1  # [R, m]; PAD -> digit 0, never in the tables
+        ns_key = namespace.to(self.device).long() * _wrap(self.radix**m)  # the key's namespace part, as _pack
+        powers = _device_ints(tuple(_wrap(self.radix**i) for i in range(m - 1, -1, -1)), self.device)
+        cx = ns_key + (digits * powers).sum(dim=1)  # = _pack(namespace, context)
+        at = torch.searchsorted(contexts, cx).clamp_(max=none - 1)
+        at = torch.where(contexts[at] == cx, at, none)  # [R] the context's entry
+        found = []
+        for _ in range(length):
+            found.append(best_digit[at])  # the next token's digit (token + 1), 0 where none follows
+            at = next_entry[at]
+        found = torch.stack(found, dim=1)  # [R, length]
+        seen = (context >= 0).all(dim=1).to(self.device)[:, None]
+        valid = ((found > 0) & seen).int().cumprod(dim=1).bool()
+        return torch.where(valid, found - 1, 0), valid
+
+    def _follow_by_search(self, namespace: Tensor, context: Tensor, length: int, window: int = 16
+                          ) -> tuple[Tensor, Tensor]:
+        """`follow` where keys wrap: each step packs its context's key with the tables' own wrapping
+        arithmetic and searches both ends of that context's key range; the first `window` keys of
+        the range (by token id) are compared, a fixed shape. About 23 device ops a step."""
+        r, m = context.shape
+        keys, counts = self.ngram_keys[m], self.ngram_counts[m]
         radix, last = self.radix, keys.numel() - 1
         digits = context.to(self.device).long() + 1  # [R, m]; PAD -> digit 0, never in the tables
         ns_key = namespace.to(self.device).long() * _wrap(radix**m)  # the key's namespace part, as _pack makes it
@@ -243,6 +275,38 @@ class NGramCounts:
         seen = (context >= 0).all(dim=1).to(self.device)[:, None]
         valid = (torch.cat(hits, dim=1) & seen).int().cumprod(dim=1).bool()
         return torch.where(valid, torch.cat(found, dim=1), 0), valid
+
+    def _best_next(self, m: int) -> tuple[Tensor, Tensor, Tensor]:
+        """The order-(m+1) table as a chain to follow: every context key seen followed by a token, sorted
+        [L] (padded with keys past any query); per entry, with one more entry (L: none) at the end,
+        the digit (token + 1) of its most counted next token [L + 1] (the smallest token among equal
+        counts; 0: none) and the entry of the context that token makes [L + 1] (L where never seen
+        followed). Only for orders whose keys cannot wrap (see `follow`). A segmented argmax over the sorted n-gram keys, whose (namespace, context) part is
+        the key divided by the radix (a floor division: monotone, so still sorted), then one search for
+        the shifted contexts. Fixed shapes (L = the table's length), no host synchronisation; made
+        once per change of the tables."""
+        if self._best is not None and m in self._best:
+            return self._best[m]
+        keys, counts = self.ngram_keys[m], self.ngram_counts[m]
+        n, radix = keys.numel(), self.radix
+        context = torch.div(keys, radix, rounding_mode="floor")
+        starts = torch.ones(n, dtype=torch.bool, device=keys.device)
+        starts[1:] = context[1:] != context[:-1]
+        group = starts.cumsum(0) - 1  # [L] the context's rank
+        most = torch.zeros_like(counts).scatter_reduce_(0, group, counts, "amax")
+        index = torch.arange(n, device=keys.device)
+        first = torch.full_like(index, n).scatter_reduce_(0, group, torch.where(counts == most[group], index, n), "amin")
+        contexts = torch.full_like(keys, torch.iinfo(torch.int64).max).scatter_(0, group, context)
+        digit = torch.where(first < n, keys[first.clamp(max=n - 1)] % radix, 0)  # [L]
+        # the context after the token: the oldest digit shifted out, the token's shifted in
+        span = radix**m
+        namespace = torch.div(contexts, span, rounding_mode="floor")
+        shifted = namespace * span + (contexts - namespace * span) % (span // radix) * radix + digit
+        after = torch.searchsorted(contexts, shifted).clamp_(max=n - 1)
+        after = torch.where((contexts[after] == shifted) & (digit > 0), after, n)
+        none = torch.full((1,), n, dtype=torch.int64, device=keys.device)
+        self._best = (self._best or {}) | {m: (contexts, torch.cat([digit, none * 0]), torch.cat([after, none]))}
+        return self._best[m]
 
     def save(self, path: str | Path) -> None:
         """Write the tables as safetensors (metadata: order, vocab_size)."""
@@ -337,7 +401,11 @@ class NGramModel:
         corpus: NGramCounts | str | Path | None = None,
         corpus_weight: float = 0.5,
         device: torch.device | str = "cpu",
+        scoring: bool = True,
     ) -> None:
+        """`scoring` False keeps only the counts `continuation` (the lookup branch) reads, the order-n
+        n-grams, for an engine that does not rescore: a third of the table merges per step at order 3;
+        `scorer` then raises."""
         if order < 2:
             raise ValueError(f"n-gram order must be >= 2 (a context of at least one token), got {order}")
         if not 0 < floor <= 1:
@@ -365,6 +433,9 @@ class NGramModel:
         self.corpus = corpus
         self.corpus_weight = corpus_weight if corpus is not None else 0.0
         self._tails: dict[int, list[int]] = {}
+        self.scoring = scoring
+        if not scoring and corpus is not None:
+            raise ValueError("a corpus n-gram table only serves rescoring: pass scoring=True with it")
 
     def observe(self, slot: int, tokens: Sequence[int] | Tensor) -> None:
         """Count the n-grams that `tokens` (appended to the slot's sequence so far) complete."""
@@ -391,7 +462,7 @@ class NGramModel:
             namespaces.append(torch.full((toks.numel(),), slot, dtype=torch.int64))
             self._tails[slot] = (tail + toks.tolist())[-(self.order - 1) :]
         if wins:
-            self.online.add(torch.cat(namespaces), torch.cat(wins))
+            self.online.add(torch.cat(namespaces), torch.cat(wins), longest_only=not self.scoring)
 
     def release(self, slot: int) -> None:
         """Forget a finished request's counts so its slot can be reused."""
@@ -452,6 +523,9 @@ class NGramModel:
 
     def scorer(self, slots: Sequence[int] | Tensor) -> "NGramScorer":
         """The `PrefixScorer` for a build over the requests in `slots` (row r = slots[r])."""
+        if not self.scoring:
+            raise ValueError("this NGramModel keeps only the lookup branch's counts (scoring=False); "
+                             "make it with scoring=True to rescore draft trees")
         return NGramScorer(self, torch.as_tensor(slots, dtype=torch.int64, device=self.device))
 
 
