@@ -33,6 +33,8 @@ run in the order of `PARTS`):
     python benchmarks/gpu_check.py --device cuda --json-dir benchmarks/results/gpu   # <device>.json/.png
     python benchmarks/gpu_check.py --device cpu --quick --json /tmp/check.json       # what runs without CUDA
     python benchmarks/gpu_check.py --plot benchmarks/results/gpu/h100.json           # redraw a PNG
+    python benchmarks/gpu_check.py --device cuda --only b.profile --update --json-dir benchmarks/results/gpu
+                                                                   # rerun one part into the report
 
 Imports nothing of vLLM. `--site DIR` appends a folder of carried packages (FlashInfer and what it
 imports; `make gpu-wheels`) to the module path, after the machine's own packages.
@@ -954,7 +956,11 @@ def profile_counts(event, inside_op: bool = False) -> tuple[int, int, float]:
     kernel is any device activity (kernel, memcpy, memset) the profiler linked to a CPU event."""
     is_op = event.name.startswith("aten::")
     ops = int(is_op and not inside_op)
-    kernels, us = len(event.kernels), float(sum(k.duration for k in event.kernels))
+    # Not kernels: the profiler's GPU copy of a stage range (linked to the range's CPU event), and the
+    # device time the profiler may also record for an op under the op's own name (its kernels are
+    # linked to it as well: an H100 run counted top-k's float copies twice that way).
+    mine = [k for k in event.kernels if not k.name.startswith(("ddtree.", "aten::"))]
+    kernels, us = len(mine), float(sum(k.duration for k in mine))
     for child in event.cpu_children:
         o, k, t = profile_counts(child, inside_op or is_op)
         ops, kernels, us = ops + o, kernels + k, us + t
@@ -1404,12 +1410,22 @@ def versions() -> dict:
             "transformers": tv, "python": platform.python_version()}
 
 
-def run_check(check: Check, only: list[str] | None) -> None:
-    """Run the parts in order, each caught on its own; the report is written after each."""
+def run_check(check: Check, only: list[str] | None, update: dict | None = None) -> None:
+    """Run the parts in order, each caught on its own; the report is written after each. With `update`
+    (an earlier report of the same device and versions), the parts run replace its parts of the same
+    name, the others are kept, and `rerun` lists what was replaced."""
     dev = check.device
     check.report.update({"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor()
                          or "cpu", "device_slug": device_slug(dev), "device_type": dev.type, **versions(),
                          "quick": check.sizes.context_scale < 1.0, "parts": []})
+    if update is not None:
+        same = ("device", "device_type", "torch", "cuda", "flashinfer", "quick")
+        differ = [k for k in same if update.get(k) != check.report.get(k)]
+        if differ:
+            sys.exit(f"--update: the earlier report differs in {', '.join(differ)}; run the whole check instead")
+        ran = [name for name, _, _ in PARTS if not only or name in only]
+        check.report = {**update, "parts": [p for p in update["parts"] if p["name"] not in ran],
+                        "rerun": sorted(set(update.get("rerun", [])) | set(ran))}
     for name, fn, needs_cuda in PARTS:
         if only and name not in only:
             continue
@@ -1428,6 +1444,8 @@ def run_check(check: Check, only: list[str] | None) -> None:
             rec["seconds"] = round(time.perf_counter() - t0, 2)
             log(f"[{name}] {'passed' if rec['passed'] else 'FAILED'} in {rec['seconds']} s: {rec.get('summary', '')}")
         check.report["parts"].append(rec)
+        order = [n for n, _, _ in PARTS]
+        check.report["parts"].sort(key=lambda p: order.index(p["name"]) if p["name"] in order else len(order))
         check.write()
 
 
@@ -1442,15 +1460,15 @@ def print_table(report: dict) -> None:
 
 
 def plot_report(report: dict, png: str) -> None:
-    """Four panels: verify-cost curve (d), tree step eager vs replayed (b), compaction time (c),
-    FlashInfer custom-mask vs causal time (a)."""
+    """Five panels: verify-cost curve (d), tree step eager vs replayed (b), compaction time (c),
+    FlashInfer custom-mask vs causal time (a), one eager step's kernel time (or ops) by stage (b)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     parts = {p["name"]: p for p in report["parts"]}
-    fig, axes = plt.subplots(1, 4, figsize=(22, 4.5))
+    fig, axes = plt.subplots(1, 5, figsize=(27, 4.5))
     ax = axes[0]
     d = parts.get("d.verify_cost", {})
     for b in sorted({p["batch"] for p in d.get("points", [])}):
@@ -1490,7 +1508,20 @@ def plot_report(report: dict, png: str) -> None:
     ax.set(ylabel="plan + run ms", title="a. FlashInfer, 1 + 64 rows per request")
     if t:
         ax.legend(fontsize=7)
-    for ax, name in zip(axes, ("d.verify_cost", "b.pipeline", "c.compaction", "a.kernel")):
+    ax = axes[4]
+    profiles = [p for p in parts.get("b.profile", {}).get("profiles", []) if "stages" in p]
+    key = "kernel_us" if any(p["kernels"] for p in profiles) else "ops"  # a CPU run has ops, no kernels
+    bottom = [0.0] * len(profiles)
+    for name in STAGES:
+        heights = [p["stages"][name][key] / (1000 if key == "kernel_us" else 1) for p in profiles]
+        if any(heights):
+            ax.bar(range(len(profiles)), heights, 0.6, bottom=bottom, label=name)
+            bottom = [b + h for b, h in zip(bottom, heights)]
+    ax.set_xticks(range(len(profiles)), [f"b{p['batch']} {p['variant']}" for p in profiles], fontsize=7, rotation=30)
+    ax.set(ylabel="kernel ms" if key == "kernel_us" else "dispatched ops", title="b. one eager step by stage")
+    if profiles:
+        ax.legend(fontsize=7)
+    for ax, name in zip(axes, ("d.verify_cost", "b.pipeline", "c.compaction", "a.kernel", "b.profile")):
         if not parts.get(name, {}).get("passed") and parts.get(name, {}).get("not_run"):
             ax.text(0.5, 0.5, "not run", ha="center", transform=ax.transAxes)
     fig.suptitle(f"GPU check: {report['device']}, torch {report['torch']}, CUDA {report['cuda']}, "
@@ -1515,6 +1546,8 @@ def main() -> None:
     ap.add_argument("--site", action="append", default=[], help="carried packages' folder, appended to the path")
     ap.add_argument("--budget-s", type=float, default=420.0, help="wall-clock budget: later timing points are skipped")
     ap.add_argument("--only", action="append", help="run only these parts (e.g. b.sync)")
+    ap.add_argument("--update", action="store_true",
+                    help="with --only: replace those parts in the existing report (the first output that exists)")
     ap.add_argument("--plot", help="only redraw the PNG of this report JSON")
     args = ap.parse_args()
     for site in args.site:
@@ -1531,9 +1564,16 @@ def main() -> None:
     slug = device_slug(device)
     outputs = [Path(p) for p in args.json] + [Path(d) / f"{slug}.json" for d in args.json_dir]
     check = Check(device, sizes_for(args.device, args.quick), Deadline(args.budget_s), outputs)
+    update = None
+    if args.update:
+        earlier = next((p for p in outputs if p.is_file()), None)
+        if not args.only or earlier is None:
+            sys.exit("--update needs --only and an existing report among the outputs")
+        update = json.loads(earlier.read_text())
     t0 = time.perf_counter()
-    run_check(check, args.only)
-    check.report["total_seconds"] = round(time.perf_counter() - t0, 1)
+    run_check(check, args.only, update)
+    if update is None:
+        check.report["total_seconds"] = round(time.perf_counter() - t0, 1)
     try:
         check.write(plot=True)
     except ImportError as exc:  # no matplotlib: the JSON is written; redraw later with --plot

@@ -87,13 +87,18 @@ def pipeline_ms(report: dict | None) -> tuple[dict[str, dict[int, float]], str]:
     if report is None:
         return {"eager": {}}, "tree step's device work not measured on a GPU yet: counted as 0"
     parts = {p["name"]: p for p in report["parts"]}
-    eager = {s["batch"]: s["eager_ms"] for s in parts.get("b.pipeline", {}).get("steps", [])
-             if "eager_ms" in s and s.get("variant") == "plain"}
+    # The check times the eager step twice (b.pipeline early, b.graphs last); host-bound, the two medians
+    # have differed by up to 2x in one run. The engine's host does more besides: take the larger.
+    eager: dict[int, float] = {}
+    for step in parts.get("b.pipeline", {}).get("steps", []) + parts.get("b.graphs", {}).get("captures", []):
+        if "eager_ms" in step and step.get("variant") == "plain":
+            eager[step["batch"]] = max(eager.get(step["batch"], 0.0), step["eager_ms"])
     replayed = {c["batch"]: c["replay_ms"] for c in parts.get("b.graphs", {}).get("captures", [])
                 if c.get("variant") == "plain" and "replay_ms" in c and c.get("replay_equals_eager")}
     kinds = {"eager": eager} | ({"graphed": replayed} if replayed else {})
     return kinds, (f"tree step's device work measured on {report['device']} (plain trees): eager, as the "
-                   "engine runs it" + (", and replayed from a CUDA graph (the 'graphed step' rows)" if replayed else ""))
+                   "engine runs it (the larger of the check's two eager medians)"
+                   + (", and replayed from a CUDA graph (the 'graphed step' rows)" if replayed else ""))
 
 
 def nearest(table: dict[int, float], batch: int) -> float:

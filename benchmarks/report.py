@@ -273,7 +273,24 @@ def render_gpu_check(study: dict, data: dict) -> list[str]:
     for part in data.get("parts", []):
         state = f"not run: {part['not_run']}" if part.get("not_run") else "passed" if part.get("passed") else "FAILED"
         body.append([part.get("name", "?"), state, fmt(part.get("seconds")), str(part.get("summary", ""))])
-    return head + [""] + table(["part", "result", "s", "summary"], body)
+    out = head + [""] + table(["part", "result", "s", "summary"], body)
+    parts = {p.get("name"): p for p in data.get("parts", [])}
+    graphs = {(c["batch"], c["variant"]): c for c in parts.get("b.graphs", {}).get("captures", []) if "replay_ms" in c}
+    profiles = {(p["batch"], p["variant"]): p for p in parts.get("b.profile", {}).get("profiles", []) if "ops" in p}
+    if graphs or profiles:
+        ms = lambda v: "–" if v is None else f"{v:.2f}"  # noqa: E731
+        rows = []
+        for key in sorted(set(graphs) | set(profiles)):
+            g, p = graphs.get(key, {}), profiles.get(key, {})
+            stages = p.get("stages", {})
+            top = sorted(((v["kernel_us"], k) for k, v in stages.items() if v.get("ops")), reverse=True)[:2]
+            rows.append([fmt(key[0]), key[1], fmt(p.get("ops")), fmt(p.get("kernels")), ms(p.get("kernel_ms")),
+                         ", ".join(f"{k} {us / 1000:.2f}" for us, k in top) or "–", ms(g.get("replay_ms")),
+                         ms(g.get("eager_ms"))])
+        out += ["", "The tree step (b.profile: one eager step under the profiler; b.graphs: medians):", ""]
+        out += table(["batch", "variant", "ops", "kernels", "kernel ms", "largest stages (kernel ms)", "replayed ms",
+                      "eager ms"], rows)
+    return out
 
 
 def render_serve_load(study: dict, data: dict) -> list[str]:

@@ -110,6 +110,23 @@ def test_the_step_profile_counts_ops_by_stage_and_finds_ops_outside_them():
     assert prof["ops"] == 5 and prof["kernels"] == 0
 
 
+def test_one_part_reruns_into_an_earlier_report(report, tmp_path):
+    path = tmp_path / "cpu.json"
+    earlier = {k: v for k, v in report.items() if k != "_stdout"}
+    path.write_text(json.dumps(earlier))
+    cmd = [sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--quick",
+           "--site", str(FLASHINFER_DIR), "--only", "c.compaction", "--update", "--json", str(path)]
+    assert subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO).returncode == 0
+    updated = json.loads(path.read_text())
+    assert [p["name"] for p in updated["parts"]] == [p["name"] for p in earlier["parts"]] and updated["rerun"] == ["c.compaction"]
+    kept = lambda r: [p for p in r["parts"] if p["name"] != "c.compaction"]  # noqa: E731
+    assert kept(updated) == kept(earlier)
+    # a report of other versions is not updated: the whole check must run
+    path.write_text(json.dumps(earlier | {"torch": "0.0"}))
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode != 0 and "differs in torch" in done.stderr
+
+
 def test_the_report_redraws_as_a_png(report, tmp_path):
     path = tmp_path / "cpu.json"
     path.write_text(json.dumps({k: v for k, v in report.items() if k != "_stdout"}))
