@@ -146,6 +146,9 @@ def allocate_batch(
     picked = torch.zeros(r * w, dtype=torch.int64, device=flat.device).scatter_(0, order, chosen.long()).view(r, w)
     tree_w = max_budget - min_budget
     budgets = min_budget + picked[:, :tree_w].sum(dim=1)
-    if extra_gains is None:
-        return batch_estimate(draft_logp, budgets, context_lens, cost)
-    return batch_estimate(draft_logp, budgets, context_lens, cost, extra_gains, picked[:, tree_w:].sum(dim=1))
+    # The plan's estimate is the curves' point at `best` (what `batch_estimate` of these budgets
+    # gives, up to float summation order): no second pass through the gains and the cost model.
+    at = best.view(1)  # index_select, not expected[best]: a 0-dim index is read on the host
+    tokens, seconds = expected.index_select(0, at)[0], secs.index_select(0, at)[0]
+    return BudgetPlan(budgets, tokens, seconds, tokens / seconds,
+                      None if extra_gains is None else picked[:, tree_w:].sum(dim=1))
