@@ -358,11 +358,10 @@ def engine_rows(quick: bool) -> list[dict]:
     configs = [dict(budget="auto", ngram=False, lookup=8, spec={"method": "ddtree", "model": str(TRAINED_DRAFTER)})]
     if not quick:
         configs += [dict(budget=8, ngram=False, lookup=0, spec={"method": "ddtree", "model": str(TRAINED_DRAFTER),
-                                                                   "tree_budget": 8, "prompt_lookup_tokens": 0,
-                                                                   "min_tree_budget": 1}),
+                                                                   "tree_budget": 8, "prompt_lookup_tokens": 0}),
                     dict(budget=64, ngram=True, lookup=0, spec={"method": "ddtree", "model": str(TRAINED_DRAFTER),
                                                                   "tree_budget": 64, "prompt_lookup_tokens": 0,
-                                                                  "ngram_weight": 0.5, "min_tree_budget": 1})]
+                                                                  "ngram_weight": 0.5})]
     prompts = [f"def function_{i}(values):\n    \"\"\"Return the {w} of the values.\"\"\"\n"
                for i, w in enumerate(["sum", "mean", "largest", "smallest", "sorted copy", "count", "product", "median"])]
     rows = []
