@@ -949,3 +949,5 @@ def test_a_lookup_only_model_merges_one_table_and_continues_alike():
     assert all(t.numel() == 0 for t in lookup.online.ngram_keys[:2] + lookup.online.context_keys)
     with pytest.raises(ValueError, match="scoring=True"):
         lookup.scorer([0, 1])
+    with pytest.raises(ValueError, match="scoring=True"):
+        lookup.log_rho(torch.tensor([0]), tail[:1, None, :], torch.tensor([[[1, 2]]]))

@@ -281,10 +281,12 @@ class NGramCounts:
         [L] (padded with keys past any query); per entry, with one more entry (L: none) at the end,
         the digit (token + 1) of its most counted next token [L + 1] (the smallest token among equal
         counts; 0: none) and the entry of the context that token makes [L + 1] (L where never seen
-        followed). Only for orders whose keys cannot wrap (see `follow`). A segmented argmax over the sorted n-gram keys, whose (namespace, context) part is
-        the key divided by the radix (a floor division: monotone, so still sorted), then one search for
-        the shifted contexts. Fixed shapes (L = the table's length), no host synchronisation; made
-        once per change of the tables."""
+        followed). Only for orders whose keys cannot wrap (see `follow`).
+
+        A segmented argmax over the sorted n-gram keys, whose (namespace, context) part is the key
+        divided by the radix (a floor division: monotone, so still sorted), then one search for the
+        shifted contexts. Fixed shapes (L = the table's length), no host synchronisation; made once
+        per change of the tables."""
         if self._best is not None and m in self._best:
             return self._best[m]
         keys, counts = self.ngram_keys[m], self.ngram_counts[m]
@@ -486,6 +488,9 @@ class NGramModel:
 
     def log_rho(self, slots: Tensor, history: Tensor, tokens: Tensor) -> Tensor:
         """log rho(t | history) [R, F, K] for the requests in `slots` [R]; no host synchronisation."""
+        if not self.scoring:
+            raise ValueError("this NGramModel keeps only the lookup branch's counts (scoring=False); "
+                             "make it with scoring=True to rescore draft trees")
         rho = (1.0 - self.corpus_weight) * self._backoff(self.online, slots, history, tokens)
         if self.corpus is not None:
             zero = torch.zeros_like(slots)
