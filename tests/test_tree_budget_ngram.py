@@ -933,8 +933,8 @@ def test_continuation_with_wrapping_keys_searches_each_step():
 
 
 def test_a_lookup_only_model_merges_one_table_and_continues_alike():
-    # Without rescoring the engine keeps only the order-n counts: the same continuations, a third of
-    # the merges, and asking it to score is an error that says how to get a scoring model.
+    # Without rescoring the engine keeps only the order-n counts: the same continuations, one merge
+    # instead of six, and asking it to score is an error that says how to get a scoring model.
     g = torch.Generator().manual_seed(3)
     texts = [torch.randint(0, 9, (n,), generator=g).tolist() * 3 for n in (10, 4)]  # texts that repeat
     full, lookup = NGramModel(9, 3), NGramModel(9, 3, scoring=False)

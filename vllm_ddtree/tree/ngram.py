@@ -219,10 +219,10 @@ class NGramCounts:
 
         One `searchsorted` finds the context, then each step is two gathers in the table of best next
         tokens (`_best_next`, made once per change of the tables): the token, and the context it makes.
-        About 30 device ops for 8 steps, no host synchronisation: this runs on every engine step with a
-        lookup branch. Where keys of this order can wrap (radix^(m+1) past 63 bits, see the module
-        docstring) a key has no context part to divide out: `_follow_by_search` then searches each
-        step's context among the n-gram keys.
+        About 40 device ops for 8 steps (and about 45 to remake the table after a merge), no host
+        synchronisation: this runs on every engine step with a lookup branch. Where keys of this order
+        can wrap (radix^(m+1) past 63 bits, see the module docstring) a key has no context part to
+        divide out: `_follow_by_search` then searches each step's context among the n-gram keys.
         """
         r, m = context.shape
         if self.ngram_keys[m].numel() == 0 or length == 0:
@@ -406,8 +406,8 @@ class NGramModel:
         scoring: bool = True,
     ) -> None:
         """`scoring` False keeps only the counts `continuation` (the lookup branch) reads, the order-n
-        n-grams, for an engine that does not rescore: a third of the table merges per step at order 3;
-        `scorer` then raises."""
+        n-grams, for an engine that does not rescore: one table merge per step instead of 2n (6 at
+        order 3); `scorer` and `log_rho` then raise."""
         if order < 2:
             raise ValueError(f"n-gram order must be >= 2 (a context of at least one token), got {order}")
         if not 0 < floor <= 1:
