@@ -22,8 +22,8 @@ run in the order of `PARTS`):
   b.profile  One eager step under torch.profiler at the smallest and largest batch: dispatched ops, and on
              CUDA kernels and kernel time, per stage (top-k, build, lookup, budget, compile, walk,
              compaction); the step's kernels by device time. Any device.
-  c.compaction `move_slots_` over 36 layers of a paged cache in vLLM's FlashInfer layout against a
-             per-slot reference, timed. Any device.
+  c.compaction `move_slots_` over 36 layers of a paged cache in vLLM's FlashInfer layout, one allocation
+             as vLLM makes it (moved as one stack), against a per-slot reference, timed. Any device.
   d.verify_cost The verify forward of a Qwen3-8B-shaped transformers decoder (random bf16 weights) for
              batch x (1 + N) rows at context 1K, medians; `CostModel` fitted to it; the knee (first N
              whose step is 10% above the one-row step). On a CPU a tiny Qwen3 config in float32.
@@ -78,7 +78,7 @@ from vllm_ddtree.attention.tree_mask import (  # noqa: E402
     plan_flashinfer_tree_step,
     prebuild_tree_kernels,
 )
-from vllm_ddtree.compaction import accepted_path_moves, move_slots_  # noqa: E402
+from vllm_ddtree.compaction import accepted_path_moves, layer_stacks, move_slots_  # noqa: E402
 from vllm_ddtree.tree import (  # noqa: E402
     AutoBudget,
     CostModel,
@@ -1122,9 +1122,10 @@ def part_c_compaction(ctx: "Check") -> dict:
         src, dst = out["src_slots"], out["dst_slots"]
         pages = (int(x.slot_mapping.max()) + 1 + PAGE - 1) // PAGE + 4
         g = torch.Generator(device=ctx.device).manual_seed(r)
-        # Each layer physically [pages, PAGE, heads, 2 * hd] (LBNHC); move_slots_ gets vLLM's logical view.
-        phys = [torch.randn(pages, PAGE, heads, 2 * hd, generator=g, device=ctx.device).to(dtype)
-                for _ in range(ctx.sizes.layers)]
+        # Each layer physically [pages, PAGE, heads, 2 * hd] (LBNHC), all of them views of one buffer as
+        # vLLM 0.32.0 allocates them (so `move_slots_` moves them as one stack); it gets vLLM's logical view.
+        phys = list(torch.randn(ctx.sizes.layers, pages, PAGE, heads, 2 * hd, generator=g, device=ctx.device)
+                    .to(dtype).unbind(0))
         before = [p.clone() for p in phys]
         move_slots_([p.permute(0, 2, 1, 3) for p in phys], src, dst, "flashinfer")
         s, d = src.cpu().tolist(), dst.cpu().tolist()
@@ -1138,7 +1139,8 @@ def part_c_compaction(ctx: "Check") -> dict:
         moved = sum(a != b for a, b in zip(s, d))
         ms = timed_ms(lambda: move_slots_([p.permute(0, 2, 1, 3) for p in phys], src, dst, "flashinfer"), ctx.device,
                       ctx.sizes.reps)
-        rows.append({"batch": r, "layers": ctx.sizes.layers, "moves": len(s), "real_moves": moved, "equal": ok,
+        rows.append({"batch": r, "layers": ctx.sizes.layers, "stacks": len(layer_stacks([p.permute(0, 2, 1, 3) for p in phys])),
+                     "moves": len(s), "real_moves": moved, "equal": ok,
                      "ms": ms, "bytes_moved": moved * ctx.sizes.layers * heads * 2 * hd * phys[0].element_size()})
         if not ok or not moved:  # a step without a real move would check nothing
             bad.append(r)

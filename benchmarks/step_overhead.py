@@ -8,7 +8,8 @@ leaves the GPU idle. Neither shows as time on a CPU, so this counts them, on the
 
 - ``pipeline`` rows: the tree part of ``DDTreeProposer.propose`` (top-K, n-gram scores, build,
   automatic budget, lookup branch, the host copy), ``prepare_tree_step`` and ``sample_tree_step``
-  (greedy sampling, walk, KV compaction over 36 layers) at Qwen3-8B sizes (V = 151936, W = 15), for
+  (greedy sampling, walk, KV compaction over 36 layers of one allocation in FlashInfer's layout, as
+  vLLM 0.32.0 allocates them) at Qwen3-8B sizes (V = 151936, W = 15), for
   batch 1/8/64/256 x budget 8/64/auto x n-gram rescoring on/off x lookup branch on/off. The
   functions run against a stand-in runner with exactly the attributes vLLM 0.32's GPUModelRunner
   gives them (as in tests/test_engine_step_on_device.py).
@@ -258,7 +259,12 @@ def verify_inputs(code, proposer, drafts: list[list[int]], ctx: int, vocab: int,
     sampling = SimpleNamespace(all_greedy=True, no_penalties=True, allowed_token_ids_mask=None, bad_words_token_ids={},
                                logitsprocs=SimpleNamespace(non_argmax_invariant=[]), max_num_logprobs=None)
     slots = device(torch.arange(total + 8))
-    caches = [device(torch.zeros(total // 16 + 2, 1, 16, 8)) for _ in range(layers)]  # "rows" layout, tiny heads
+    # Tiny heads, every layer a view of one buffer a fixed stride apart, as vLLM 0.32.0 allocates them
+    # (`allocate_kv_cache`); the GPU's layout (FlashInfer's) where the revision knows it.
+    blocks = total // 16 + 2
+    backing = torch.zeros(layers * blocks * 16 * 8)
+    caches = [device(backing.as_strided((blocks, 1, 16, 8), (16 * 8, 16 * 8, 8, 1), layer * blocks * 16 * 8))
+              for layer in range(layers)]
     runner = proposer.runner
     runner.input_batch.prev_sampled_token_ids = None
     runner.input_batch.block_table = [SimpleNamespace(slot_mapping=SimpleNamespace(gpu=slots))]
@@ -271,7 +277,8 @@ def verify_inputs(code, proposer, drafts: list[list[int]], ctx: int, vocab: int,
     runner.drafter = proposer
     from vllm_ddtree import compaction  # the row layout is named "cpu" in code before the CPU_ATTN layout existed
 
-    runner._ddtree_target_caches = (caches, "rows" if "rows" in getattr(compaction, "LAYOUTS", ()) else "cpu")
+    layouts = getattr(compaction, "LAYOUTS", ())
+    runner._ddtree_target_caches = (caches, next((x for x in ("flashinfer", "rows") if x in layouts), "cpu"))
     spec = SimpleNamespace(num_draft_tokens=n, draft_token_ids=device(torch.tensor([t for d in drafts for t in d])))
     return spec, total, device(logits)
 

@@ -70,3 +70,67 @@ def test_unknown_layout_is_refused():
 
     with pytest.raises(ValueError, match="unknown KV cache layout 'cpu'"):
         move_slots_([torch.zeros(2, 1, 4, 2)], torch.tensor([0]), torch.tensor([1]), "cpu")
+
+
+def _vllm_layer_views(num_layers: int, blocks: int, heads: int, bs: int, two_hd: int, interleaved: bool) -> list:
+    """Layer caches as vLLM 0.32.0's `allocate_kv_cache` makes them: views of one buffer, a fixed
+    stride apart (layer-major, or each block holding every layer's page in turn)."""
+    page = heads * bs * two_hd
+    buf = torch.randn(num_layers * blocks * page, generator=torch.Generator().manual_seed(num_layers))
+    layer_step, block_step = (page, num_layers * page) if interleaved else (blocks * page, page)
+    return [buf.as_strided((blocks, heads, bs, two_hd), (block_step, bs * two_hd, two_hd, 1), layer * layer_step)
+            for layer in range(num_layers)]
+
+
+@pytest.mark.parametrize("layout, interleaved", [("flashinfer", True), ("flashinfer", False), ("rows", False),
+                                                 ("cpu_attn", False)])
+def test_layers_of_one_allocation_move_as_one_stack(layout, interleaved, monkeypatch):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from vllm_ddtree import compaction
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    src, dst = torch.tensor([9, 17, 6, 30]), torch.tensor([5, 9, 6, 31])  # 9 read before 17 overwrites it
+    ops = {}
+    for num_layers in (2, 7):
+        caches = _vllm_layer_views(num_layers, 8, 2, 4, 6, interleaved)
+        assert len(compaction.layer_stacks(caches)) == 1
+        # the reference: each layer as an allocation of its own, moved on its own
+        before = [c.clone() for c in caches]
+        alone = [c.clone() for c in caches]
+        for c in alone:
+            compaction.move_slots_([c], src, dst, layout)
+        with Count() as count:
+            compaction.move_slots_(caches, src, dst, layout)
+        ops[num_layers] = count.ops
+        assert all(torch.equal(c, a) for c, a in zip(caches, alone))
+        assert not any(torch.equal(c, b) for c, b in zip(caches, before))  # every layer moved
+    assert ops[2] == ops[7], ops  # the layers cost no op each
+    # chunked (a gather bound below one stack's moves): the same caches, a few more ops
+    monkeypatch.setattr(compaction, "MOVE_CHUNK_BYTES", 2 * 4 * 2 * 6 * 4)  # two layers' moves per gather
+    caches = _vllm_layer_views(7, 8, 2, 4, 6, interleaved)
+    alone = [c.clone() for c in caches]
+    for c in alone:
+        compaction.move_slots_([c], src, dst, layout)
+    compaction.move_slots_(caches, src, dst, layout)
+    assert all(torch.equal(c, a) for c, a in zip(caches, alone))
+
+
+def test_layer_stacks_split_where_the_layers_do_not_line_up():
+    from vllm_ddtree.compaction import layer_stacks
+
+    caches = _vllm_layer_views(6, 4, 1, 4, 2, interleaved=False)
+    # a drafter layer between target layers 2 and 3: the stride breaks there
+    stacks = layer_stacks(caches[:3] + caches[4:])
+    assert [s.shape[0] for s in stacks] == [3, 2]
+    assert [s.shape[0] for s in layer_stacks([torch.zeros(4, 1, 4, 2) for _ in range(3)])] == [1, 1, 1]
+    for stack, layers in zip(stacks, (caches[:3], caches[4:])):
+        assert all(torch.equal(stack[i], c) and stack[i].data_ptr() == c.data_ptr() for i, c in enumerate(layers))

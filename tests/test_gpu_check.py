@@ -63,7 +63,8 @@ def test_cpu_parts_checked_what_they_claim(report):
         assert case["tree_mask_effect"] > 1e-2  # the oracle's tree masks differ from causal ones
     steps = parts["b.pipeline"]["steps"]
     assert {s["variant"] for s in steps} == set(gpu_check.VARIANTS) and all(not s["problems"] for s in steps)
-    assert all(b["equal"] and b["real_moves"] > 0 and b["layers"] == 36 for b in parts["c.compaction"]["batches"])
+    assert all(b["equal"] and b["real_moves"] > 0 and b["layers"] == 36 and b["stacks"] == 1
+               for b in parts["c.compaction"]["batches"])
     profiles = parts["b.profile"]["profiles"]
     assert {(p["batch"], p["variant"]) for p in profiles} == {(b, v) for b in (1, 4) for v in gpu_check.VARIANTS}
     for p in profiles:  # every stage dispatched work, the lookup stage only with the lookup branch

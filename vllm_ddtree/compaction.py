@@ -59,6 +59,39 @@ def cpu_attn_elements(blocks: Tensor, offsets: Tensor, num_kv_heads: int, block_
 LAYOUTS = ("rows", "cpu_attn", "flashinfer")
 
 
+#: Bytes of K/V one gather of `move_slots_` may hold at once (the layers of a stack are moved in
+#: chunks below it): vLLM's memory profiling never sees this transient.
+MOVE_CHUNK_BYTES = 64 << 20
+
+
+def layer_stacks(kv_caches: list[Tensor]) -> list[Tensor]:
+    """The layer caches as [layers, *shape] views, as few as their storage allows.
+
+    vLLM 0.32.0 places every layer of a KV cache tensor in one allocation, a fixed stride apart
+    (`vllm.v1.worker.utils.allocate_kv_cache`): consecutive layers that are views of one storage
+    with the same shape, strides and dtype, each the same number of elements after the previous,
+    are one strided view, so a move costs the same two ops for all of them as for one layer. Any
+    other cache (separate allocations, as tests make) is a stack of its own.
+    """
+    stacks: list[list[Tensor]] = []
+    for cache in kv_caches:
+        run = stacks[-1] if stacks else None
+        if (run and cache.shape == run[0].shape and cache.stride() == run[0].stride()
+                and cache.dtype == run[0].dtype and cache.device == run[0].device
+                and cache.untyped_storage().data_ptr() == run[0].untyped_storage().data_ptr()):
+            step = cache.storage_offset() - run[-1].storage_offset()
+            if step > 0 and (len(run) == 1 or step == run[1].storage_offset() - run[0].storage_offset()):
+                run.append(cache)
+                continue
+        stacks.append([cache])
+    out = []
+    for run in stacks:
+        first = run[0]
+        step = run[1].storage_offset() - first.storage_offset() if len(run) > 1 else first.numel()
+        out.append(torch.as_strided(first, (len(run), *first.shape), (step, *first.stride()), first.storage_offset()))
+    return out
+
+
 def move_slots_(kv_caches: list[Tensor], src_slots: Tensor, dst_slots: Tensor, layout: str = "rows") -> None:
     """cache[dst] = cache[src] for physical slots in every layer cache, gather first.
 
@@ -67,28 +100,41 @@ def move_slots_(kv_caches: list[Tensor], src_slots: Tensor, dst_slots: Tensor, l
     (block, head) K transposed then V, "rows" per (block, head) K rows then V rows, "flashinfer"
     (vLLM's FlashInfer backend, ``do_kv_cache_update``) K then V in the last dimension of each token.
     The logical view is indexed, so FlashInfer's physical layouts (NHD, HND) need nothing. The indices
-    are computed once for all layers (layers of one model share the cache's shape).
+    are computed once for all layers (layers of one model share the cache's shape), and the layers
+    are moved a stack at a time (`layer_stacks`): two ops per stack (per chunk of `MOVE_CHUNK_BYTES`
+    of gathered K/V), not per layer.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"unknown KV cache layout {layout!r}; expected one of {LAYOUTS}")
     if not kv_caches:
         return
     nb, h, bs, two_hd = kv_caches[0].shape
+    for cache in kv_caches:
+        if cache.shape != (nb, h, bs, two_hd):
+            raise ValueError(f"layer caches differ in shape: {tuple(cache.shape)} vs {(nb, h, bs, two_hd)}")
+        if layout != "flashinfer" and not cache.is_contiguous():
+            raise ValueError(f"a {layout!r} layer cache must be contiguous (its slots are flat indices)")
     sb, so = torch.div(src_slots, bs, rounding_mode="floor"), src_slots % bs
     db, do = torch.div(dst_slots, bs, rounding_mode="floor"), dst_slots % bs
     if layout == "rows":  # whole K and V rows of the cache read as a [rows, head_dim] matrix
         src_idx, dst_idx = cache_rows(sb, so, h, bs).reshape(-1), cache_rows(db, do, h, bs).reshape(-1)
+        row = two_hd // 2
     elif layout == "cpu_attn":  # K is transposed in a block: single elements of the flat cache
         src_idx = cpu_attn_elements(sb, so, h, bs, two_hd // 2).reshape(-1)
         dst_idx = cpu_attn_elements(db, do, h, bs, two_hd // 2).reshape(-1)
-    for cache in kv_caches:
-        if cache.shape != (nb, h, bs, two_hd):
-            raise ValueError(f"layer caches differ in shape: {tuple(cache.shape)} vs {(nb, h, bs, two_hd)}")
-        if layout == "flashinfer":
-            cache[db, :, do] = cache[sb, :, so]  # [moves, heads, 2 * hd], gathered before the write
-            continue
-        flat = cache.view(-1, two_hd // 2) if layout == "rows" else cache.view(-1)
-        flat.index_copy_(0, dst_idx, flat.index_select(0, src_idx))  # gather first, then write
+        row = 1
+    per_layer = src_slots.numel() * h * two_hd * kv_caches[0].element_size()  # gathered bytes per layer
+    chunk = max(1, MOVE_CHUNK_BYTES // max(per_layer, 1))
+    for stack in layer_stacks(kv_caches):
+        if layout != "flashinfer":  # [layers, rows, row]: each layer's flat view (contiguous, checked above)
+            stack = stack.as_strided((stack.shape[0], nb * h * bs * two_hd // row, row),
+                                     (stack.stride(0), row, 1), stack.storage_offset())
+        for start in range(0, stack.shape[0], chunk):
+            part = stack if chunk >= stack.shape[0] else stack[start : start + chunk]
+            if layout == "flashinfer":
+                part[:, db, :, do] = part[:, sb, :, so]  # [moves, layers, heads, 2 * hd], gathered before the write
+            else:
+                part.index_copy_(1, dst_idx, part.index_select(1, src_idx))  # gather first, then write
 
 
 @dataclass
