@@ -17,7 +17,8 @@ run in the order of `PARTS`):
   b.pipeline The tree step's device work: top-k -> build (plain, n-gram scored, with the lookup branch)
              -> automatic budget -> compile -> walk -> compaction plan, against the heap builder, a host
              walk and host moves; on CUDA also equal to the same step run on the CPU. Eager step time.
-  b.sync     That step under torch.cuda.set_sync_debug_mode("error") after one warm-up step; on a
+  b.sync     That step under torch.cuda.set_sync_debug_mode("error") after one warm-up step, with the
+             n-gram tables' per-step count of sampled tokens where the variant keeps them; on a
              failure, every host sync site (file:line) from one pass in "warn" mode. CUDA only.
   b.profile  One eager step under torch.profiler at the smallest and largest batch: dispatched ops, and on
              CUDA kernels and kernel time, per stage (top-k, build, lookup, budget, compile, walk,
@@ -933,6 +934,8 @@ def part_b_sync(ctx: "Check") -> dict:
         torch.cuda.set_sync_debug_mode("error")
         try:
             tree_step(x, state, variant)
+            if variant != "plain":  # the engine's step also counts its tokens into the n-gram tables
+                observe_tokens(x, state)
             torch.cuda.synchronize()
             rec["syncs"] = 0
         except Exception as exc:  # noqa: BLE001 - the failure is the result
@@ -940,7 +943,7 @@ def part_b_sync(ctx: "Check") -> dict:
         finally:
             torch.cuda.set_sync_debug_mode(0)
         if "error" in rec:
-            rec["sync_sites"] = sync_sites(lambda: tree_step(x, state, variant))
+            rec["sync_sites"] = sync_sites(lambda: (tree_step(x, state, variant), observe_tokens(x, state)))
             bad.append(variant)
             log(f"  b.sync {variant}: FAILED at {rec['where']}; {len(rec['sync_sites'])} sync sites")
         else:
@@ -948,6 +951,17 @@ def part_b_sync(ctx: "Check") -> dict:
         rows.append(rec)
     return {"passed": not bad, "variants": rows, "failed": bad,
             "summary": "no host sync" if not bad else f"syncs in {', '.join(bad)}: first at {rows[VARIANTS.index(bad[0])]['where']}"}
+
+
+def observe_tokens(x: StepInputs, st: StepState) -> None:
+    """What the engine does with a step's sampled tokens when it keeps n-gram tables: [R, 16] tokens
+    on the device (a prefix of each row, -1 after it) counted twice, a finished request's slot
+    released between (the second count also cuts the tables' padding once their lengths are back)."""
+    r = x.roots.shape[0]
+    tokens = torch.where(torch.arange(16, device=x.roots.device) < (x.noise[:, :1] % 17), x.noise[:, :16], -1)
+    st.ngram.observe_step(list(range(r)), tokens)
+    st.ngram.release_batch([0])
+    st.ngram.observe_step(list(range(r)), tokens)
 
 
 def profile_counts(event, inside_op: bool = False) -> tuple[int, int, float]:

@@ -105,10 +105,10 @@ def device(t: torch.Tensor) -> torch.Tensor:
     return t.as_subclass(DeviceData) if MARK[0] else t
 
 
-#: tree/ngram.py functions that are not per-step table work: the step's new tokens, from host lists,
+#: tree/ngram.py functions that are not per-step table work: new tokens the host holds (a prompt),
 #: cut into windows on the host before one copy to the tables' device; constants made once per
 #: shape (digit weights), then cached
-NGRAM_HOST_SIDE = {"windows_of", "observe_batch", "_context_powers", "_device_ints"}
+NGRAM_HOST_SIDE = {"windows_of", "host_windows", "observe_batch", "_context_powers", "_device_ints"}
 
 
 def in_ngram_tables() -> bool:
@@ -159,13 +159,22 @@ def product() -> SimpleNamespace:
 def gpu_code_paths():
     """Within: the GPU's code path where the product picks one by device (the ancestor mask, the
     build's best-score selection, the n-gram orders' search), so that it is what is counted and
-    timed; restored on exit (a test process goes on with the CPU's)."""
+    timed, and the n-gram tables' queued length copies read as a GPU reads them (not a wait);
+    restored on exit (a test process goes on with the CPU's)."""
     swaps = [("vllm_ddtree.tree.compile", "ancestor_mask", "ancestors_by_squaring"),
              ("vllm_ddtree.tree.build", "_top_scores", "_top_scores_by_sort"),
-             ("vllm_ddtree.tree.ngram", "_search_orders_at_once", None)]
+             ("vllm_ddtree.tree.ngram", "_search_orders_at_once", None),
+             ("vllm_ddtree.tree.ngram", "to_host_later", "queued")]
     saved = []
     for module_name, name, gpu_name in swaps:
         module = importlib.import_module(module_name)
+        if gpu_name == "queued" and hasattr(module, name):
+            # A copy queued to pinned memory and read once the device has made it (a step later) is no
+            # wait on a GPU: its host value is not device data here.
+            original = getattr(module, name)
+            saved.append((module, name, original))
+            setattr(module, name, lambda t, original=original: original(t.as_subclass(torch.Tensor)))
+            continue
         if not hasattr(module, name) or (gpu_name is not None and not hasattr(module, gpu_name)):
             continue  # an earlier revision without this choice
         saved.append((module, name, getattr(module, name)))

@@ -240,7 +240,8 @@ def test_corpus_table_roundtrip_and_mixing(tmp_path, orders_search):
     toks = torch.tensor([[[ord("c"), ord("d")]]])
     rho = model.log_rho(torch.tensor([4]), hist, toks).exp()
     assert rho[0, 0].tolist() == pytest.approx([2 / 3, 1 / 3])
-    assert all(torch.equal(a, b) for a, b in zip(loaded.ngram_keys, table.ngram_keys))
+    assert loaded.ngram_keys[2].numel() == 4  # abc, bca, cab, abd: saved without padding
+    assert all(torch.equal(loaded.ngram_keys[m], table.real_entries("ngram", m)[0]) for m in range(3))
     with pytest.raises(ValueError, match="rebuild it with the target's tokenizer"):
         NGramModel(100, order=3, corpus=path)
     with pytest.raises(ValueError, match="does not exist"):
@@ -610,11 +611,12 @@ def test_ngram_batched_observe_and_release_equal_one_request_at_a_time():
     one.release(3)
     one.release(7)
     many.release_batch([3, 7])
-    for a, b in [(one.online.ngram_keys, many.online.ngram_keys), (one.online.ngram_counts, many.online.ngram_counts),
-                 (one.online.context_keys, many.online.context_keys), (one.online.context_counts, many.online.context_counts)]:
-        assert all(torch.equal(x, y) for x, y in zip(a, b))
-    assert one._tails == many._tails and sorted(many._tails) == [0, 4]
-    assert many.online.ngram_keys[order - 1].numel() > 0
+    for kind in ("ngram", "context"):
+        for m in range(order):
+            assert all(torch.equal(x, y) for x, y in zip(one.online.real_entries(kind, m), many.online.real_entries(kind, m)))
+    assert torch.equal(one.context_tail(range(8)), many.context_tail(range(8)))
+    assert [i for i, t in enumerate(many.context_tail(range(8)).tolist()) if t != [-1] * (order - 1)] == [0, 4]
+    assert many.online.real_entries("ngram", order - 1)[0].numel() > 0
     with pytest.raises(ValueError, match="twice"):
         many.observe_batch([0, 0], [[1], [2]])
 
@@ -650,7 +652,7 @@ def _continuation_one_lookup_at_a_time(model: NGramModel, slots: list[int], tail
     token's digit, in int64's wrapping arithmetic."""
     counts = model.online
     m = model.order - 1
-    keys, cnt = counts.ngram_keys[m].tolist(), counts.ngram_counts[m].tolist()
+    keys, cnt = (t.tolist() for t in counts.real_entries("ngram", m))
     tokens, valid = [], []
     for slot, row in zip(slots, tail.tolist()):
         hist, toks, ok = list(row), [], []
@@ -945,9 +947,80 @@ def test_a_lookup_only_model_merges_one_table_and_continues_alike():
     assert torch.equal(tail, lookup.context_tail([0, 1]))
     assert all(torch.equal(a, b) for a, b in zip(full.continuation([0, 1], tail, 6), lookup.continuation([0, 1], tail, 6)))
     assert full.continuation([0, 1], tail, 6)[1][0].all()  # slot 0 continues its loop
-    assert torch.equal(lookup.online.ngram_keys[2], full.online.ngram_keys[2])
+    assert all(torch.equal(a, b) for a, b in zip(lookup.online.real_entries("ngram", 2), full.online.real_entries("ngram", 2)))
     assert all(t.numel() == 0 for t in lookup.online.ngram_keys[:2] + lookup.online.context_keys)
     with pytest.raises(ValueError, match="scoring=True"):
         lookup.scorer([0, 1])
     with pytest.raises(ValueError, match="scoring=True"):
         lookup.log_rho(torch.tensor([0]), tail[:1, None, :], torch.tensor([[[1, 2]]]))
+
+
+def _counted(texts: dict[int, list[int]], order: int, radix: int) -> dict[tuple[str, int], dict[int, int]]:
+    """Every table's counts from the whole texts, in plain Python: for each m, the (slot, m context
+    tokens, token) keys of every position whose m-token context lies inside the text, and the
+    (slot, context) keys of the same positions."""
+    tables = {(kind, m): {} for kind in ("ngram", "context") for m in range(order)}
+    for slot, text in texts.items():
+        for i in range(len(text)):
+            for m in range(order):
+                if i - m < 0:
+                    continue
+                for kind, digits in (("ngram", text[i - m : i + 1]), ("context", text[i - m : i])):
+                    key = int(_pack(torch.tensor([slot]), torch.tensor([digits]), radix))
+                    tables[kind, m][key] = tables[kind, m].get(key, 0) + 1
+    return tables
+
+
+@pytest.mark.parametrize("with_host", [False, True])
+def test_step_observations_count_what_a_plain_counter_counts(with_host):
+    """The engine's per-step observation (no host read: a sort-and-sum merge, tails on the device,
+    a row's host-held tokens with their host history, -1 padded step tokens, released slots reused)
+    leaves exactly the counts a Python counter gets from the whole texts, and its padding is cut
+    off once the tables' lengths have come back."""
+    g = torch.Generator().manual_seed(11)
+    vocab, order = 7, 3
+    model = NGramModel(vocab, order=order)
+    texts: dict[int, list[int]] = {}
+    for step in range(12):
+        if step == 6:  # slot 1 finishes; its slot is reused by a new text
+            model.release_batch([1])
+            texts.pop(1)
+        slots = [0, 1, 2] if step >= 2 else [0, 1]
+        k = 4
+        new = torch.randint(0, vocab, (len(slots), k), generator=g)
+        keep = torch.randint(0, k + 1, (len(slots),), generator=g)  # a prefix of each row, -1 after
+        new = torch.where(torch.arange(k) < keep[:, None], new, -1)
+        host = []
+        for i, s in enumerate(slots):
+            prompt = torch.randint(0, vocab, (5,), generator=g).tolist() if s not in texts else []
+            if with_host and prompt:  # a new text's first tokens are held by the host, as a prompt
+                host.append(([], prompt))
+            elif prompt:  # else they come as step tokens of a row of their own width
+                model.observe_batch([s], [prompt])
+                host.append(None)
+            else:
+                host.append(None)
+            texts[s] = texts.get(s, []) + prompt + [t for t in new[i].tolist() if t >= 0]
+        model.observe_step(slots, new, host)
+    want = _counted(texts, order, vocab + 1)
+    for (kind, m), counts in want.items():
+        keys, got = model.online.real_entries(kind, m)
+        assert dict(zip(keys.tolist(), got.tolist())) == counts, (kind, m)
+    assert model.context_tail([0, 1, 2]).tolist() == [([-1] * 2 + t)[-2:] for t in (texts[0], texts[1], texts[2])]
+    # the padding: after the next change the tables are cut to the lengths reported for them
+    model.observe_step([0], torch.tensor([[1, 2]]))
+    model.observe_step([0], torch.tensor([[-1, -1]]))
+    keys = model.online.ngram_keys[order - 1]
+    assert keys.numel() == model.online.real_entries("ngram", order - 1)[0].numel() + 2  # this merge's 2 windows
+
+
+def test_a_wrong_merge_is_caught_by_the_plain_counter():
+    """Negative control for the test above: a merge that drops the new keys' validity (padding
+    windows counted as n-grams) disagrees with the counter."""
+    model = NGramModel(7, order=3)
+    model.observe_step([0], torch.tensor([[1, 2, -1, -1]]))
+    keys, counts = model.online.real_entries("ngram", 0)
+    assert dict(zip(keys.tolist(), counts.tolist())) == _counted({0: [1, 2]}, 3, 8)["ngram", 0]
+    model.online.add(torch.tensor([0, 0]), torch.tensor([[1, 2, -1], [2, -1, -1]]))  # padding as if valid
+    keys, counts = model.online.real_entries("ngram", 0)
+    assert dict(zip(keys.tolist(), counts.tolist())) != _counted({0: [1, 2]}, 3, 8)["ngram", 0]

@@ -42,7 +42,7 @@ def on_meta(model: NGramModel) -> NGramModel:
     t = model.online
     model.online = NGramCounts(t.order, t.vocab_size, META, *[[x.to(META) for x in xs] for xs in
                                (t.ngram_keys, t.ngram_counts, t.context_keys, t.context_counts)])
-    model.device = META
+    model.device, model.tails = META, model.tails.to(META)
     return model
 
 
@@ -61,6 +61,13 @@ def test_a_whole_tree_step_runs_on_the_device_without_a_host_sync():
         tree = build_tree(top_logp, top_ids, WIDTH, max_budget=WIDTH, scorer=scorer, context_tail=tail, lam=0.2,
                           validate=False)
         assert tree.tokens.device == META
+    # The step's sampled tokens into the tables (a prompt held by the host beside them), a finished
+    # request released, and again: the padding's lengths never come back from meta, so no cut either.
+    sampled = torch.randint(0, VOCAB, (R, 4), device=META)
+    ngram.observe_step([0, 1, 2], sampled, [None, ([], [5, 6, 7]), None])
+    ngram.release_batch([1])
+    ngram.observe_step([0, 1, 2], sampled)
+    assert ngram.online.ngram_keys[2].device == ngram.tails.device == META
     # The prompt-lookup branch: the n-gram continuation and its merge into the trees.
     tokens, valid = ngram.continuation([0, 1, 2], ngram.context_tail([0, 1, 2]), 5)
     branched = add_branch(tree, tokens, valid, WIDTH + 5)

@@ -50,7 +50,7 @@ def _cmd_build_ngram(args: argparse.Namespace) -> int:
     table = build_corpus_ngram(texts, tokenizer, order=args.order)
     table.save(args.output)
     print(f"{args.output}: order {table.order}, vocab {table.vocab_size}, "
-          f"{table.ngram_keys[-1].numel()} distinct {table.order}-grams from {len(files)} files")
+          f"{table.real_entries('ngram', table.order - 1)[0].numel()} distinct {table.order}-grams from {len(files)} files")
     return 0
 
 

@@ -132,7 +132,10 @@ def move_slots_(kv_caches: list[Tensor], src_slots: Tensor, dst_slots: Tensor, l
         for start in range(0, stack.shape[0], chunk):
             part = stack if chunk >= stack.shape[0] else stack[start : start + chunk]
             if layout == "flashinfer":
-                part[:, db, :, do] = part[:, sb, :, so]  # [moves, layers, heads, 2 * hd], gathered before the write
+                # part[:, db, :, do] = part[:, sb, :, so], gathered ([moves, layers, heads, 2 * hd]) before the
+                # write; as aten calls, which (unlike indexing) add no view of the values for a single move
+                gathered = torch.ops.aten.index(part, [None, sb, None, so])
+                torch.ops.aten.index_put_(part, [None, db, None, do], gathered)
             else:
                 part.index_copy_(1, dst_idx, part.index_select(1, src_idx))  # gather first, then write
 

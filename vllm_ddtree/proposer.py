@@ -31,7 +31,6 @@ from vllm_ddtree.tree import (
     get_profile,
     topk_per_depth,
     to_device,
-    to_host,
     tree_to_host,
 )
 
@@ -474,16 +473,11 @@ class DDTreeProposer(DFlashProposer):
         if self._draft_to_target is not None:
             top_ids = self._draft_to_target[top_ids]
         scorer = tail = slots = None
-        if self.ngram is not None:
-            # Deliberate (once per step, not per node): this step's sampled tokens come to the host
-            # (vLLM's bookkeeping reads them right after), merging them into the n-gram tables is a
-            # torch.unique, and the slots and context tails are small host lists.
-            with gpu_sync_allowed():
-                slots = self._observe(req_ids, step_tokens)
-                tail = self.ngram.context_tail(slots)
-                slots = to_device(torch.tensor(slots, dtype=torch.int64), self.ngram.device)
-                if self.options.ngram_weight > 0:
-                    scorer = self.ngram.scorer(slots)
+        if self.ngram is not None:  # this step's tokens into the n-gram tables, on the device
+            slots = self._observe(req_ids, step_tokens)
+            tail = self.ngram.context_tail(slots)
+            if self.options.ngram_weight > 0:
+                scorer = self.ngram.scorer(slots)
         tree = build_tree(top_logp, top_ids, build, max_budget=build, scorer=scorer,
                           context_tail=tail if scorer is not None else None, lam=self.options.ngram_weight,
                           validate=False)
@@ -529,37 +523,43 @@ class DDTreeProposer(DFlashProposer):
         valid = torch.cat([valid, valid.new_zeros(1, valid.shape[1])])[index]
         self.auto.observe_lookup(proposed, valid, step_tokens)
 
-    def _observe(self, req_ids: list[str], step_tokens: Tensor) -> list[int]:
-        """Feed each request's newly committed tokens to the online n-gram model; its slot per row.
+    def _observe(self, req_ids: list[str], step_tokens: Tensor) -> Tensor:
+        """Feed each request's newly committed tokens to the online n-gram model; its slot per row
+        (a device tensor [R]). No host read: the step's tokens stay on the device.
 
         vLLM runs the DFlash proposer before its bookkeeping writes this step's sampled tokens to the
         host batch (gpu_model_runner.py:4396, "does not need to wait for bookkeeping"): the batch
         holds each request's tokens up to the last step, and this step's — its accepted path and
-        bonus token, `step_tokens` [R, K] (-1 padded) — are added here, so that the n-gram context
-        ends at the new tree's root. Rows vLLM discards (a prefill chunk that is not the last) add none.
+        bonus token, `step_tokens` [R, K] (-1 padded) — are added here on the device, so that the
+        n-gram context ends at the new tree's root. Rows vLLM discards (a prefill chunk that is not
+        the last) add none. Tokens the host holds that the tables have not seen (a prompt, a prefill
+        chunk) go in the same merge, with their history from the host batch.
         """
         batch = self.runner.input_batch
         r = len(req_ids)
         discard = self.runner.discard_request_mask.np[:r].tolist()
-        sampled = to_host(step_tokens).tolist()  # the step's second host read (n-gram tables only)
         live = set(req_ids)
         finished = [x for x in self._slots if x not in live]
         self.ngram.release_batch([self._slots.pop(rid) for rid in finished])
         for rid in finished:
             self._seen.pop(rid, None)
         free = sorted(set(range(len(self._slots) + len(req_ids))) - set(self._slots.values()))
-        slots, new = [], []
+        n1 = self.ngram.order - 1
+        slots, host = [], []
         for i, rid in enumerate(req_ids):
             if rid not in self._slots:
                 self._slots[rid] = free.pop(0)
                 self._seen[rid] = 0
             n = int(batch.num_tokens_no_spec[i])
-            step = [] if discard[i] else [t for t in sampled[i] if t >= 0]
-            new.append(batch.token_ids_cpu[i, self._seen[rid] : n].tolist() + step)
-            self._seen[rid] = n + len(step)  # the bookkeeping appends these to the batch next
+            # None: the tables have seen everything the batch holds (last step's tokens, counted on
+            # the device then, are the ones the bookkeeping has appended since)
+            seen = n if self._seen[rid] is None else self._seen[rid]
+            host.append((batch.token_ids_cpu[i, max(seen - n1, 0) : seen].tolist(), batch.token_ids_cpu[i, seen:n].tolist())
+                        if seen < n else None)
+            self._seen[rid] = n if discard[i] else None  # a discarded row's sampled token is not kept
             slots.append(self._slots[rid])
-        self.ngram.observe_batch(slots, new)  # one table merge for the whole batch
-        return slots
+        discarded = to_device(torch.tensor(discard[:r], dtype=torch.bool).view(r, 1), step_tokens.device)
+        return self.ngram.observe_step(slots, torch.where(discarded, -1, step_tokens[:r]), host)
 
 
 def _tensor_parallel_group():

@@ -5,7 +5,9 @@ is not. Token score = log q_d(t) + lambda_d * log rho(t | c), lambda default 0.2
 
 Counts live on the device as sorted int64 keys, so a lookup for a whole [R, F, K] candidate block is
 two `searchsorted` per order (on a GPU, two for all orders' tables stacked) with no host
-synchronisation. Keys pack (namespace, context tokens, token) in mixed radix (vocab + 1); when that
+synchronisation. Adding counts is a sort of the table with the new keys, also without a host read:
+a table may end in `KEY_PAD` entries (count 0, past any query), cut off at a later change once the
+device has told the host how many keys are real (`to_host_later`). Keys pack (namespace, context tokens, token) in mixed radix (vocab + 1); when that
 exceeds 63 bits (n >= 4 with a large vocabulary) it wraps and acts as a hash, which only perturbs
 scores, never the target's output.
 
@@ -28,7 +30,10 @@ from typing import Iterable, Sequence
 import torch
 from torch import Tensor
 
+from .transfer import HostLater, to_device, to_host_later
+
 PAD = -1  # "no token" (before the start of a sequence)
+KEY_PAD = torch.iinfo(torch.int64).max  # a table's padding: a key past any query, count 0
 
 
 def _wrap(x: int) -> int:
@@ -96,6 +101,8 @@ class NGramCounts:
     _stack: tuple | None = field(default=None, repr=False, compare=False)
     # per order, the best next token of every context (`_best_next`), until the next change
     _best: dict | None = field(default=None, repr=False, compare=False)
+    # (table, order) -> its count of real keys on the way to the host (`_trim`)
+    _lengths: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.order < 1:
@@ -113,43 +120,85 @@ class NGramCounts:
     def radix(self) -> int:
         return self.vocab_size + 1
 
-    def add(self, namespace: Tensor, windows: Tensor, longest_only: bool = False) -> None:
-        """Count n-grams. windows [N, n]: n-1 context tokens (PAD where none) then the token.
+    def add(self, namespace: Tensor, windows: Tensor, longest_only: bool = False, valid: Tensor | None = None) -> None:
+        """Count n-grams. windows [N, n]: n-1 context tokens (PAD where none) then the token; valid [N]
+        (default all): the rows that are windows (the others count nothing, e.g. past a request's
+        last token).
 
         `longest_only`: count only the order-n n-grams (`ngram_keys[n-1]`, all that `follow` reads),
         not the shorter ones nor the context tables: one table merge instead of 2n.
-        Merging needs `torch.unique`, which synchronises: this runs once per step, not per node.
+        No host synchronisation: a merge sorts the table with the new keys (`_merge`), so this can
+        run on every engine step.
         """
         if windows.dim() != 2 or windows.shape[1] != self.order:
             raise ValueError(f"windows must be [N, order={self.order}], got {tuple(windows.shape)}")
-        windows = windows.to(self.device).long()
-        namespace = namespace.to(self.device).long().expand(windows.shape[0])
+        self._trim()
+        windows = to_device(windows, self.device).long()
+        namespace = to_device(namespace, self.device).long().expand(windows.shape[0])
+        ok = torch.ones_like(namespace, dtype=torch.bool) if valid is None else to_device(valid, self.device)
+        changed = []
         for m in [self.order - 1] if longest_only else range(self.order):  # m = context length
             ctx = windows[:, self.order - 1 - m : self.order - 1]
             # A context that reaches before the sequence start is not a real m-token context.
-            real = (ctx >= 0).all(dim=1) if m > 0 else torch.ones_like(namespace, dtype=torch.bool)
-            ng = _pack(namespace, windows[:, self.order - 1 - m :], self.radix)[real]
-            self.ngram_keys[m], self.ngram_counts[m] = _merge(self.ngram_keys[m], self.ngram_counts[m], ng)
+            real = ok & (ctx >= 0).all(dim=1) if m > 0 else ok
+            ng = torch.where(real, _pack(namespace, windows[:, self.order - 1 - m :], self.radix), KEY_PAD)
+            self.ngram_keys[m], self.ngram_counts[m] = _merge(self.ngram_keys[m], self.ngram_counts[m], ng, real)
+            changed.append(("ngram", m))
             if not longest_only:
-                cx = _pack(namespace, ctx, self.radix)[real]
-                self.context_keys[m], self.context_counts[m] = _merge(self.context_keys[m], self.context_counts[m], cx)
+                cx = torch.where(real, _pack(namespace, ctx, self.radix), KEY_PAD)
+                self.context_keys[m], self.context_counts[m] = _merge(self.context_keys[m], self.context_counts[m], cx, real)
+                changed.append(("context", m))
+        self._changed(changed)
+
+    def _tables(self, kind: str) -> tuple[list[Tensor], list[Tensor]]:
+        return (self.ngram_keys, self.ngram_counts) if kind == "ngram" else (self.context_keys, self.context_counts)
+
+    def _changed(self, tables: list[tuple[str, int]]) -> None:
+        """After a change of `tables` ((kind, order) pairs): drop what was derived from the tables, and
+        queue each one's count of real keys (the first `KEY_PAD`) for the host."""
         self._stack = self._best = None
+        if not tables:
+            return
+        pad = _device_ints((KEY_PAD,), self.device)
+        lengths = torch.cat([torch.searchsorted(self._tables(kind)[0][m], pad) for kind, m in tables])
+        self._lengths = {"tables": tables, "lengths": to_host_later(lengths)}
+
+    def _trim(self) -> None:
+        """Cut the `KEY_PAD` padding off the tables whose real length the device has reported since
+        their last change (the copy queued by `_changed`; not waited for: the padding stays until
+        then). Keeps a table from growing by every merge's padding."""
+        pending: HostLater | None = self._lengths.get("lengths")
+        lengths = pending.get() if pending is not None else None
+        if lengths is None:
+            return
+        for (kind, m), n in zip(self._lengths["tables"], lengths.tolist()):
+            keys, counts = self._tables(kind)
+            if n < keys[m].numel():
+                keys[m], counts[m] = keys[m][:n], counts[m][:n]
+        self._lengths = {}
+
+    def real_entries(self, kind: str, m: int) -> tuple[Tensor, Tensor]:
+        """One table's keys and counts without its padding (a host read: for tests and `save`)."""
+        keys, counts = self._tables(kind)
+        n = int((keys[m] != KEY_PAD).sum())
+        return keys[m][:n], counts[m][:n]
 
     def drop_namespace(self, namespace: int) -> None:
         """Forget every count of one namespace (a finished request's slot). Exact while keys don't wrap."""
         self.drop_namespaces([namespace])
 
     def drop_namespaces(self, namespaces: Sequence[int]) -> None:
-        """Forget every count of these namespaces, in one pass over each table."""
-        drop = torch.tensor(list(namespaces), dtype=torch.int64, device=self.device)
+        """Forget every count of these namespaces, in one pass over each table (no host read: their
+        keys become `KEY_PAD` and the table is sorted again)."""
+        self._trim()
+        drop = to_device(torch.tensor(sorted(set(namespaces)), dtype=torch.int64), self.device)
+        changed = []
         for m in range(self.order):
-            span_ng = self.radix ** (m + 1)
-            span_cx = self.radix**m
-            self.ngram_keys[m], self.ngram_counts[m] = _drop(self.ngram_keys[m], self.ngram_counts[m], drop, span_ng)
-            self.context_keys[m], self.context_counts[m] = _drop(
-                self.context_keys[m], self.context_counts[m], drop, span_cx
-            )
-        self._stack = self._best = None
+            for kind, span in (("ngram", self.radix ** (m + 1)), ("context", self.radix**m)):
+                keys, counts = self._tables(kind)
+                keys[m], counts[m] = _drop(keys[m], counts[m], drop, span)
+                changed.append((kind, m))
+        self._changed(changed)
 
     def lookup(self, namespace: Tensor, history: Tensor, tokens: Tensor, m: int) -> tuple[Tensor, Tensor]:
         """count(c_m, t) [R, F, K] and count(c_m) [R, F] for the last m tokens of history [R, F, n-1].
@@ -217,10 +266,10 @@ class NGramCounts:
         is invalid, and so is every step after it. Ties go to the smallest token id. Where keys wrap
         (see module docstring) the answer is arbitrary, never wrong output: it is a draft.
 
-        One `searchsorted` finds the context, then each step is two gathers in the table of best next
-        tokens (`_best_next`, made once per change of the tables): the token, and the context it makes.
-        About 40 device ops for 8 steps (and about 45 to remake the table after a merge), no host
-        synchronisation: this runs on every engine step with a lookup branch. Where keys of this order
+        One `searchsorted` finds the context, then each step is a gather in the table of best next
+        tokens (`_best_next`, made once per change of the tables): the context the token makes; one
+        more gather reads every step's token. About 30 device ops for 8 steps (and about 45 to remake
+        the table after a merge), no host synchronisation: this runs on every engine step with a lookup branch. Where keys of this order
         can wrap (radix^(m+1) past 63 bits, see the module docstring) a key has no context part to
         divide out: `_follow_by_search` then searches each step's context among the n-gram keys.
         """
@@ -238,11 +287,11 @@ class NGramCounts:
         cx = ns_key + (digits * powers).sum(dim=1)  # = _pack(namespace, context)
         at = torch.searchsorted(contexts, cx).clamp_(max=none - 1)
         at = torch.where(contexts[at] == cx, at, none)  # [R] the context's entry
-        found = []
-        for _ in range(length):
-            found.append(best_digit[at])  # the next token's digit (token + 1), 0 where none follows
-            at = next_entry[at]
-        found = torch.stack(found, dim=1)  # [R, length]
+        entries = [at]
+        for _ in range(length - 1):
+            entries.append(next_entry[entries[-1]])
+        # [R, length] the next token's digit (token + 1) at each entry, 0 where none follows
+        found = best_digit[torch.stack(entries, dim=1)]
         seen = (context >= 0).all(dim=1).to(self.device)[:, None]
         valid = ((found > 0) & seen).int().cumprod(dim=1).bool()
         return torch.where(valid, found - 1, 0), valid
@@ -299,7 +348,8 @@ class NGramCounts:
         index = torch.arange(n, device=keys.device)
         first = torch.full_like(index, n).scatter_reduce_(0, group, torch.where(counts == most[group], index, n), "amin")
         contexts = torch.full_like(keys, torch.iinfo(torch.int64).max).scatter_(0, group, context)
-        digit = torch.where(first < n, keys[first.clamp(max=n - 1)] % radix, 0)  # [L]
+        # [L]; 0 for a context without a counted follower (the `KEY_PAD` padding's)
+        digit = torch.where((first < n) & (most > 0), keys[first.clamp(max=n - 1)] % radix, 0)
         # the context after the token: the oldest digit shifted out, the token's shifted in
         span = radix**m
         namespace = torch.div(contexts, span, rounding_mode="floor")
@@ -316,10 +366,9 @@ class NGramCounts:
 
         tensors = {}
         for m in range(self.order):
-            tensors[f"ngram_keys.{m}"] = self.ngram_keys[m].cpu()
-            tensors[f"ngram_counts.{m}"] = self.ngram_counts[m].cpu()
-            tensors[f"context_keys.{m}"] = self.context_keys[m].cpu()
-            tensors[f"context_counts.{m}"] = self.context_counts[m].cpu()
+            for kind in ("ngram", "context"):
+                keys, counts = self.real_entries(kind, m)
+                tensors[f"{kind}_keys.{m}"], tensors[f"{kind}_counts.{m}"] = keys.cpu(), counts.cpu()
         save_file(tensors, str(path), metadata={"order": str(self.order), "vocab_size": str(self.vocab_size)})
 
     @classmethod
@@ -347,19 +396,30 @@ class NGramCounts:
             )
 
 
-def _merge(keys: Tensor, counts: Tensor, new_keys: Tensor) -> tuple[Tensor, Tensor]:
+def _merge(keys: Tensor, counts: Tensor, new_keys: Tensor, new_valid: Tensor) -> tuple[Tensor, Tensor]:
+    """A sorted table keys/counts [L] with one count of each valid key of new_keys [N] (the others
+    count nothing): [L + N], every key once, sorted, `KEY_PAD` (count 0) after the last. A sort and a
+    segment sum, fixed shapes: no host synchronisation (`torch.unique` has one)."""
     if new_keys.numel() == 0:
         return keys, counts
-    all_keys = torch.cat([keys, new_keys])
-    all_counts = torch.cat([counts, torch.ones_like(new_keys)])
-    uniq, inverse = torch.unique(all_keys, sorted=True, return_inverse=True)
-    merged = torch.zeros_like(uniq).scatter_add_(0, inverse, all_counts)
-    return uniq, merged
+    all_keys, order = torch.sort(torch.cat([keys, new_keys]))
+    all_counts = torch.cat([counts, new_valid.to(counts.dtype)])[order]
+    starts = torch.ones_like(all_keys, dtype=torch.bool)
+    starts[1:] = all_keys[1:] != all_keys[:-1]
+    group = starts.cumsum(0) - 1  # [L + N] each key's rank among the distinct keys
+    merged = torch.full_like(all_keys, KEY_PAD).scatter_(0, group, all_keys)
+    return merged, torch.zeros_like(all_counts).scatter_add_(0, group, all_counts)
 
 
 def _drop(keys: Tensor, counts: Tensor, namespaces: Tensor, span: int) -> tuple[Tensor, Tensor]:
-    keep = ~torch.isin(torch.div(keys, span, rounding_mode="floor"), namespaces)
-    return keys[keep], counts[keep]
+    """keys/counts [L] with the keys of `namespaces` (sorted [D]) made `KEY_PAD` (count 0), sorted again."""
+    if keys.numel() == 0 or namespaces.numel() == 0:
+        return keys, counts
+    ns = torch.div(keys, span, rounding_mode="floor")
+    at = torch.searchsorted(namespaces, ns).clamp_(max=namespaces.numel() - 1)
+    hit = namespaces[at] == ns
+    keys, order = torch.sort(torch.where(hit, KEY_PAD, keys))
+    return keys, torch.where(hit, 0, counts)[order]
 
 
 def _find(keys: Tensor, counts: Tensor, query: Tensor) -> Tensor:
@@ -374,6 +434,27 @@ def _find_rows(keys: Tensor, counts: Tensor, query: Tensor) -> Tensor:
     flat = query.reshape(query.shape[0], -1)
     idx = torch.searchsorted(keys, flat).clamp_(max=keys.shape[1] - 1)
     return torch.where(keys.gather(1, idx) == flat, counts.gather(1, idx), 0).view_as(query)
+
+
+def host_windows(order: int, slots: Sequence[int], host: Sequence[tuple[Sequence[int], Sequence[int]] | None]
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The host part of `NGramModel.observe_step`, as host tensors: the windows [N, n] of every row's
+    host tokens and their namespaces [N]; the rows that have host tokens [H] and their tails after
+    them [H, n-1] (PAD-filled on the left). host[i]: None, or (context, new) lists of row i."""
+    n1 = order - 1
+    wins, names, rows, tails = [], [], [], []
+    for i, h in enumerate(host):
+        if h is None:
+            continue
+        context, new = list(h[0])[-n1:], list(h[1])
+        if new:
+            wins.append(windows_of(new, order, context))
+            names += [slots[i]] * len(new)
+        rows.append(i)
+        tails += ([PAD] * n1 + context + new)[-n1:]
+    return (torch.cat(wins) if wins else torch.zeros(0, order, dtype=torch.int64),
+            torch.tensor(names, dtype=torch.int64), torch.tensor(rows, dtype=torch.int64),
+            torch.tensor(tails, dtype=torch.int64).view(-1, n1))
 
 
 def windows_of(tokens: Sequence[int] | Tensor, order: int, history: Sequence[int] | Tensor = ()) -> Tensor:
@@ -434,7 +515,9 @@ class NGramModel:
                 raise ValueError(f"corpus n-gram table has order {corpus.order} < requested order {order}")
         self.corpus = corpus
         self.corpus_weight = corpus_weight if corpus is not None else 0.0
-        self._tails: dict[int, list[int]] = {}
+        # [slots, n-1] each slot's last committed tokens (PAD-filled on the left), on the device: a
+        # step's windows start from them without a host read. Grows with the largest slot seen.
+        self.tails = torch.full((0, order - 1), PAD, dtype=torch.int64, device=self.device)
         self.scoring = scoring
         if not scoring and corpus is not None:
             raise ValueError("a corpus n-gram table only serves rescoring: pass scoring=True with it")
@@ -444,27 +527,66 @@ class NGramModel:
         self.observe_batch([slot], [tokens])
 
     def observe_batch(self, slots: Sequence[int], tokens: Sequence[Sequence[int] | Tensor]) -> None:
-        """`observe` for many requests at once: tokens[i] is appended to slots[i]'s sequence.
+        """`observe` for many requests at once: tokens[i] (host) is appended to slots[i]'s sequence.
 
-        One merge of the count tables per step, not one per request: a merge is a `torch.unique`
-        over the whole table (a host synchronisation on a GPU), and per request its cost grew with
-        the batch times the table size.
+        One merge of the count tables for the whole batch (`observe_step` with host tokens padded
+        into one [R, T] block).
         """
         if len(slots) != len(tokens):
             raise ValueError(f"observe_batch needs one token list per slot, got {len(slots)} slots and {len(tokens)} lists")
+        rows = [torch.as_tensor(t, dtype=torch.int64).flatten() for t in tokens]
+        block = torch.full((len(rows), max((t.numel() for t in rows), default=0)), PAD, dtype=torch.int64)
+        for i, t in enumerate(rows):
+            block[i, : t.numel()] = t
+        self.observe_step(slots, to_device(block, self.device))
+
+    def observe_step(self, slots: Sequence[int], tokens: Tensor,
+                     host: Sequence[tuple[Sequence[int], Sequence[int]] | None] | None = None) -> Tensor:
+        """One engine step's new tokens, counted in one merge of the tables, with no host read.
+
+        slots [R] host ints, each once. tokens [R, K] on any device: each row's new tokens, PAD after
+        its last (vLLM's sampled tokens: the accepted path and the bonus token, -1 padded), appended
+        after the slot's tail (`tails`, on the device). host[i] (optional), for a row whose earlier
+        tokens the host holds (a prompt, a prefill chunk): (context, new) host lists, `new` counted
+        before tokens[i] with `context` (its up to n-1 preceding tokens) as its history, so the row's
+        tail comes from the host, not the device. Returns the slots as a device tensor [R].
+        """
         if len(set(slots)) != len(slots):
-            raise ValueError(f"observe_batch got a slot twice in one call: {list(slots)}")
-        wins, namespaces = [], []
-        for slot, toks in zip(slots, tokens):
-            toks = torch.as_tensor(toks, dtype=torch.int64).flatten()
-            if toks.numel() == 0:
-                continue
-            tail = self._tails.get(slot, [])
-            wins.append(windows_of(toks, self.order, tail))
-            namespaces.append(torch.full((toks.numel(),), slot, dtype=torch.int64))
-            self._tails[slot] = (tail + toks.tolist())[-(self.order - 1) :]
-        if wins:
-            self.online.add(torch.cat(namespaces), torch.cat(wins), longest_only=not self.scoring)
+            raise ValueError(f"observe_step got a slot twice in one call: {list(slots)}")
+        if tokens.dim() != 2 or tokens.shape[0] != len(slots):
+            raise ValueError(f"tokens must be [requests={len(slots)}, K], got {tuple(tokens.shape)}")
+        n1 = self.order - 1
+        self._grow_tails(max(slots, default=-1) + 1)
+        slots_d = to_device(torch.tensor(list(slots), dtype=torch.int64), self.device)
+        tail = self.tails[slots_d]  # [R, n-1]
+        wins, names, rows, tails = host_windows(self.order, slots, host or ())
+        if rows.numel():
+            tail = tail.index_put((to_device(rows, self.device),), to_device(tails, self.device))
+        tokens = tokens.to(self.device).long()
+        seq = torch.cat([tail, tokens], dim=1)  # [R, n-1 + K]
+        valid = tokens >= 0  # [R, K]: a prefix of each row
+        # [R * K, n]: the window ending at each token
+        # (contiguous first: one copy at every batch size, where reshape copies only past one row)
+        windows = (seq.unfold(1, self.order, 1).contiguous().view(-1, self.order) if tokens.shape[1]
+                   else seq[:0, :0].view(0, self.order))
+        namespace = slots_d.repeat_interleave(tokens.shape[1])
+        valid = valid.reshape(-1)
+        if wins.shape[0]:
+            windows = torch.cat([to_device(wins, self.device), windows])
+            namespace = torch.cat([to_device(names, self.device), namespace])
+            valid = torch.cat([torch.ones(windows.shape[0] - valid.numel(), dtype=torch.bool, device=self.device), valid])
+        if windows.shape[0]:
+            self.online.add(namespace, windows, longest_only=not self.scoring, valid=valid)
+        # the new tails: the n-1 tokens before each row's first PAD
+        last = (tokens >= 0).sum(dim=1, keepdim=True) + torch.arange(n1, device=self.device)
+        self.tails = self.tails.index_put((slots_d,), seq.gather(1, last))
+        return slots_d
+
+    def _grow_tails(self, slots: int) -> None:
+        if slots > self.tails.shape[0]:
+            more = torch.full((max(slots, 2 * self.tails.shape[0]) - self.tails.shape[0], self.order - 1), PAD,
+                              dtype=torch.int64, device=self.device)
+            self.tails = torch.cat([self.tails, more])
 
     def release(self, slot: int) -> None:
         """Forget a finished request's counts so its slot can be reused."""
@@ -475,16 +597,17 @@ class NGramModel:
         if not slots:
             return
         self.online.drop_namespaces(list(slots))
-        for slot in slots:
-            self._tails.pop(slot, None)
+        self._grow_tails(max(slots) + 1)
+        self.tails = self.tails.index_put((to_device(torch.tensor(list(slots), dtype=torch.int64), self.device),),
+                                          torch.full((), PAD, dtype=torch.int64, device=self.device))
 
-    def context_tail(self, slots: Sequence[int]) -> Tensor:
-        """[R, n-1] last committed tokens per slot (PAD-filled on the left), for `build_tree`."""
-        rows = []
-        for s in slots:
-            tail = self._tails.get(s, [])
-            rows.append([PAD] * (self.order - 1 - len(tail)) + tail)
-        return torch.tensor(rows, dtype=torch.int64, device=self.device).view(len(rows), self.order - 1)
+    def context_tail(self, slots: Sequence[int] | Tensor) -> Tensor:
+        """[R, n-1] last committed tokens per slot (PAD-filled on the left), for `build_tree`; a
+        device gather (slots as a device tensor, or host ints)."""
+        if not isinstance(slots, Tensor):
+            self._grow_tails(max(slots, default=-1) + 1)
+            slots = to_device(torch.tensor(list(slots), dtype=torch.int64), self.device)
+        return self.tails[slots.to(self.device)]
 
     def log_rho(self, slots: Tensor, history: Tensor, tokens: Tensor) -> Tensor:
         """log rho(t | history) [R, F, K] for the requests in `slots` [R]; no host synchronisation."""

@@ -2,10 +2,13 @@
 
 Host to device: `to_device`, queued (pinned memory), never waited for. Device to host: `to_host`,
 which waits for the device and is therefore counted (`HostReads`): the step makes one such copy,
-the draft lists vLLM's scheduler takes.
+the draft lists vLLM's scheduler takes; and `to_host_later`, queued and read only once the device
+has made it (a table's length, for the next step), which never waits.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -45,3 +48,31 @@ def to_host(t: Tensor) -> Tensor:
     """
     HostReads.count += 1
     return t.cpu()
+
+
+@dataclass
+class HostLater:
+    """A device value on its way to the host: the copy is queued, and `get` returns it once the
+    device has made it (None before), without waiting. Read it a step later: by then the step's one
+    wait (`to_host`) has let the device catch up."""
+
+    host: Tensor
+    event: object | None = None  # a CUDA event recorded after the copy (None: the copy was made)
+
+    def get(self) -> Tensor | None:
+        """The host copy, or None while the device has not made it yet (never, from meta tensors)."""
+        if self.host.device.type != "cpu" or (self.event is not None and not self.event.query()):
+            return None
+        return self.host
+
+
+def to_host_later(t: Tensor) -> HostLater:
+    """`t` copied to the host without waiting (pinned memory, non-blocking, and an event to ask);
+    not a read of device data until `HostLater.get`, which never waits either."""
+    if t.device.type == "cuda":
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return HostLater(host, event)
+    return HostLater(t.detach().clone())
