@@ -204,6 +204,7 @@ def test_add_branch_shares_the_tree_s_prefix_and_appends_the_rest(seed, budget, 
         want = branch_on_host(one, tokens[r][valid[r]].tolist(), budget + extra)
         assert (out.tokens[r, :n].tolist(), out.parents[r, :n].tolist(), out.depths[r, :n].tolist()) == want
         assert out.valid[r, :n].all() and not out.valid[r, n:].any()
+        assert (out.tokens[r, n:] == 0).all() and (out.parents[r, n:] == -1).all() and (out.depths[r, n:] == 0).all()
         assert torch.equal(out.scores[r, : int(tree.num_nodes[r])], tree.scores[r, : int(tree.num_nodes[r])])
         assert torch.isneginf(out.scores[r, int(tree.num_nodes[r]) : n]).all()  # appended: not ranked
 

@@ -139,23 +139,24 @@ def add_branch(tree: DraftTree, tokens: Tensor, valid: Tensor, max_nodes: int) -
     slot = tree.num_nodes[:, None] + depth - 1 - shared[:, None]  # [R, L]
     new = valid & (depth > shared[:, None]) & (slot < min(width, max_nodes))
     parent = torch.where(depth == shared[:, None] + 1, node[:, None], slot - 1)
-
-    def grow(x: Tensor, fill, value: Tensor) -> Tensor:
-        out = torch.full((r, width + 1), fill, dtype=x.dtype, device=dev)  # + a spare column for non-new
-        out[:, :b] = x
-        out.scatter_(1, torch.where(new, slot, width), value.to(x.dtype))
-        return out[:, :width]
-
-    inf = torch.full_like(tokens, -math.inf, dtype=tree.scores.dtype)
-    added = grow(tree.valid, False, new)
+    # The integer fields as one [4, R, B] block, written at once: a new node's values go to its slot,
+    # the others' to a spare last column that is cut off (parents + 1, so that padding is 0 for all).
+    old = torch.stack([tree.tokens, tree.parents + 1, tree.depths, tree.valid.long()])
+    out = torch.nn.functional.pad(old, (0, width + 1 - b))
+    added = torch.stack([tokens, parent + 1, depth.expand(r, -1), new.long()])
+    out.scatter_(2, torch.where(new, slot, width).expand(4, r, length), added)
+    tokens_out, parents_out, depths_out, valid_out = out[:, :, :width].unbind(0)
+    valid_out = valid_out.bool()
+    # Appended nodes score -inf, as padding does: the scores only widen.
+    pad = (0, width - b)
     return DraftTree(
-        tokens=grow(tree.tokens, 0, torch.where(new, tokens, 0)),
-        parents=grow(tree.parents, NO_PARENT, torch.where(new, parent, NO_PARENT)),
-        depths=grow(tree.depths, 0, torch.where(new, depth.expand(r, -1), 0)),
-        scores=grow(tree.scores, -math.inf, inf),
-        draft_logp=grow(tree.draft_logp, -math.inf, inf.to(tree.draft_logp.dtype)),
-        valid=added,
-        num_nodes=added.sum(dim=1),
+        tokens=tokens_out,
+        parents=parents_out - 1,
+        depths=depths_out,
+        scores=torch.nn.functional.pad(tree.scores, pad, value=-math.inf),
+        draft_logp=torch.nn.functional.pad(tree.draft_logp, pad, value=-math.inf),
+        valid=valid_out,
+        num_nodes=valid_out.sum(dim=1),
         max_depth=max(tree.max_depth, length),
     )
 
