@@ -643,6 +643,22 @@ def test_continuation_follows_the_most_frequent_next_token_of_the_request_s_own_
     assert not valid.any()
 
 
+def _key(namespace: int, tokens: list[int], radix: int) -> int:
+    """A table key in plain Python: the namespace, then each token + 1 as a mixed-radix digit, in
+    int64's wrapping arithmetic."""
+    key = namespace
+    for t in tokens:
+        key = _wrap(key * radix + t + 1)
+    return key
+
+
+def test_keys_pack_as_plain_python_packs_them():
+    g = torch.Generator().manual_seed(2)
+    for radix, m in [(10, 0), (10, 3), (151937, 2), (151937, 4)]:  # the last wraps past 63 bits
+        ns, toks = torch.randint(0, 300, (5,), generator=g), torch.randint(-1, radix - 1, (5, m), generator=g)
+        assert _pack(ns, toks, radix).tolist() == [_key(int(a), b, radix) for a, b in zip(ns, toks.tolist())]
+
+
 def _continuation_one_lookup_at_a_time(model: NGramModel, slots: list[int], tail: torch.Tensor, length: int,
                                        window: int | None = None):
     """The lookup branch as plain per-step table lookups (host Python over the sorted tables): from
@@ -658,7 +674,7 @@ def _continuation_one_lookup_at_a_time(model: NGramModel, slots: list[int], tail
         hist, toks, ok = list(row), [], []
         going = all(t >= 0 for t in hist)
         for _ in range(length):
-            cx = int(_pack(torch.tensor([slot]), torch.tensor([hist[-m:]]), counts.radix))
+            cx = _key(slot, hist[-m:], counts.radix)
             lo, hi = _wrap(cx * counts.radix + 1), _wrap(cx * counts.radix + counts.radix)
             first = next((i for i, k in enumerate(keys) if k >= lo), len(keys))
             stop = len(keys) if window is None else min(first + window, len(keys))
@@ -966,7 +982,7 @@ def _counted(texts: dict[int, list[int]], order: int, radix: int) -> dict[tuple[
                 if i - m < 0:
                     continue
                 for kind, digits in (("ngram", text[i - m : i + 1]), ("context", text[i - m : i])):
-                    key = int(_pack(torch.tensor([slot]), torch.tensor([digits]), radix))
+                    key = _key(slot, digits, radix)
                     tables[kind, m][key] = tables[kind, m].get(key, 0) + 1
     return tables
 

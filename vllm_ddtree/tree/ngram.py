@@ -75,11 +75,14 @@ def _device_ints(values: tuple[int, ...], device: torch.device) -> Tensor:
 
 
 def _pack(namespace: Tensor, tokens: Tensor, radix: int) -> Tensor:
-    """namespace [...], tokens [..., m] -> int64 keys [...] (mixed radix, wrapping)."""
-    key = namespace.long()
-    for i in range(tokens.shape[-1]):
-        key = key * radix + (tokens[..., i].long() + 1)
-    return key
+    """namespace [...], tokens [..., m] -> int64 keys [...] (mixed radix, wrapping): the namespace,
+    then each token + 1 as a digit, the last the lowest. The digits' weights are summed in one pass
+    (int64 sums and products wrap alike in any order)."""
+    m = tokens.shape[-1]
+    if m == 0:
+        return namespace.long()
+    powers = _device_ints(tuple(_wrap(radix**i) for i in range(m - 1, -1, -1)), tokens.device)
+    return namespace.long() * _wrap(radix**m) + ((tokens.long() + 1) * powers).sum(dim=-1)
 
 
 @dataclass
@@ -160,7 +163,8 @@ class NGramCounts:
         if not tables:
             return
         pad = _device_ints((KEY_PAD,), self.device)
-        lengths = torch.cat([torch.searchsorted(self._tables(kind)[0][m], pad) for kind, m in tables])
+        found = [torch.searchsorted(self._tables(kind)[0][m], pad) for kind, m in tables]
+        lengths = found[0] if len(found) == 1 else torch.cat(found)
         self._lengths = {"tables": tables, "lengths": to_host_later(lengths)}
 
     def _trim(self) -> None:
@@ -404,9 +408,8 @@ def _merge(keys: Tensor, counts: Tensor, new_keys: Tensor, new_valid: Tensor) ->
         return keys, counts
     all_keys, order = torch.sort(torch.cat([keys, new_keys]))
     all_counts = torch.cat([counts, new_valid.to(counts.dtype)])[order]
-    starts = torch.ones_like(all_keys, dtype=torch.bool)
-    starts[1:] = all_keys[1:] != all_keys[:-1]
-    group = starts.cumsum(0) - 1  # [L + N] each key's rank among the distinct keys
+    # [L + N] each key's rank among the distinct keys: how many times the key changed before it
+    group = torch.cat([_device_ints((0,), keys.device), all_keys[1:] != all_keys[:-1]]).cumsum(0)
     merged = torch.full_like(all_keys, KEY_PAD).scatter_(0, group, all_keys)
     return merged, torch.zeros_like(all_counts).scatter_add_(0, group, all_counts)
 
@@ -563,22 +566,22 @@ class NGramModel:
         if rows.numel():
             tail = tail.index_put((to_device(rows, self.device),), to_device(tails, self.device))
         tokens = tokens.to(self.device).long()
+        r, k = tokens.shape
         seq = torch.cat([tail, tokens], dim=1)  # [R, n-1 + K]
         valid = tokens >= 0  # [R, K]: a prefix of each row
         # [R * K, n]: the window ending at each token
         # (contiguous first: one copy at every batch size, where reshape copies only past one row)
         windows = (seq.unfold(1, self.order, 1).contiguous().view(-1, self.order) if tokens.shape[1]
                    else seq[:0, :0].view(0, self.order))
-        namespace = slots_d.repeat_interleave(tokens.shape[1])
-        valid = valid.reshape(-1)
+        namespace, flat_valid = slots_d.view(r, 1).expand(r, k).reshape(-1), valid.view(-1)
         if wins.shape[0]:
             windows = torch.cat([to_device(wins, self.device), windows])
             namespace = torch.cat([to_device(names, self.device), namespace])
-            valid = torch.cat([torch.ones(windows.shape[0] - valid.numel(), dtype=torch.bool, device=self.device), valid])
+            flat_valid = torch.cat([torch.ones(wins.shape[0], dtype=torch.bool, device=self.device), flat_valid])
         if windows.shape[0]:
-            self.online.add(namespace, windows, longest_only=not self.scoring, valid=valid)
+            self.online.add(namespace, windows, longest_only=not self.scoring, valid=flat_valid)
         # the new tails: the n-1 tokens before each row's first PAD
-        last = (tokens >= 0).sum(dim=1, keepdim=True) + torch.arange(n1, device=self.device)
+        last = valid.sum(dim=1, keepdim=True) + _device_ints(tuple(range(n1)), self.device)
         self.tails = self.tails.index_put((slots_d,), seq.gather(1, last))
         return slots_d
 
