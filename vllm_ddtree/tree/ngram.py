@@ -573,7 +573,7 @@ class NGramModel:
         # (contiguous first: one copy at every batch size, where reshape copies only past one row)
         windows = (seq.unfold(1, self.order, 1).contiguous().view(-1, self.order) if tokens.shape[1]
                    else seq[:0, :0].view(0, self.order))
-        namespace, flat_valid = slots_d.view(r, 1).expand(r, k).reshape(-1), valid.view(-1)
+        namespace, flat_valid = slots_d.view(r, 1).expand(r, k).contiguous().view(-1), valid.view(-1)
         if wins.shape[0]:
             windows = torch.cat([to_device(wins, self.device), windows])
             namespace = torch.cat([to_device(names, self.device), namespace])
