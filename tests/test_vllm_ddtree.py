@@ -51,6 +51,8 @@ def test_ddtree_greedy_is_token_identical_to_no_speculation(tmp_path, drafter):
         assert metrics.get("vllm:spec_decode_num_drafts", 0) > 0, spec  # speculation really ran
         if trained:
             assert (metrics.get("vllm:spec_decode_num_accepted_tokens") or 0) > 0, spec
+    # KV compaction moved the target's 30 layers as one strided view: vLLM allocated them in one buffer.
+    assert res["target_layer_stacks"][2] == [30, 1], res["target_layer_stacks"]
     # The automatic budget calibrated itself on this engine's measured steps, then chose trees.
     auto = res["ddtree"][4]
     assert auto["cost_calibrated"] and auto["cost_intercept_ms"] + auto["cost_per_token_ms"] > 0

@@ -14,7 +14,8 @@ draws from p itself. Writes {"outputs": [[token ids per prompt] per spec], "prom
 spec: prompt length per prompt], "cached_tokens": [per spec: prompt tokens read from the prefix
 cache per prompt], "metrics": [per spec: {name: value} of every engine counter and gauge, labelled
 series summed, histograms as {"count", "sum"}], "split_steps": [per spec: CPU verify steps whose requests
-without a tree ran CPU_ATTN's kernel], "ddtree": [per spec: the tree proposer's summary
+without a tree ran CPU_ATTN's kernel], "target_layer_stacks": [per spec: [target layers, strided stacks
+KV compaction moves them as] once a compaction ran, else null], "ddtree": [per spec: the tree proposer's summary
 (with the automatic budget: its acceptance fit, "acceptance_fit"), or null], "config": [per spec:
 the scheduler and cache settings the engine resolved]}.
 """
@@ -113,7 +114,10 @@ if __name__ == "__main__":
     engine = generate_spec.engine_kwargs(args)
     from vllm_ddtree.attention.cpu_tree import TreeAttentionMetadataBuilder
 
-    result = {k: [] for k in ("outputs", "prompt_tokens", "cached_tokens", "metrics", "ddtree", "config", "split_steps")}
+    from vllm_ddtree.compaction import layer_stacks
+
+    result = {k: [] for k in ("outputs", "prompt_tokens", "cached_tokens", "metrics", "ddtree", "config", "split_steps",
+                              "target_layer_stacks")}
     for i, arg in enumerate(args.specs):
         spec = None if arg == "none" else json.loads(arg)
         undo = distort_tree_sampler(distort_t) if i == distort_index else None
@@ -124,6 +128,9 @@ if __name__ == "__main__":
         split_before = TreeAttentionMetadataBuilder.split_steps
         outs = llm.generate(prompts, sampling)
         result["split_steps"].append(TreeAttentionMetadataBuilder.split_steps - split_before)
+        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        found = getattr(runner, "_ddtree_target_caches", None)  # set at the first KV compaction
+        result["target_layer_stacks"].append(None if found is None else [len(found[0]), len(layer_stacks(found[0]))])
         if undo is not None:
             undo()
         cfg = llm.llm_engine.vllm_config
