@@ -126,3 +126,64 @@ def test_a_tree_step_s_drafter_order_does_not_outlive_the_next_step():
     assert prepare_tree_step(runner, None, 1) is None  # the next step (no drafts scheduled)
     assert runner.drafter.context_order is None and runner.drafter.context_positions is None
     assert runner.drafter.step_tokens is None
+
+
+def _engine_like_observation(catch_up: bool) -> tuple[dict, dict, object]:
+    """The proposer's n-gram bookkeeping over steps as vLLM runs them: drafted steps (`_observe`
+    counts the step's tokens on the device), undrafted ones (the proposer returns before
+    `_tree_drafts`), a request leaving, one arriving whose first prefill chunk is discarded; after
+    each step the runner's bookkeeping appends the kept tokens to its host batch. Returns every
+    live request's whole text, the proposer's slots, and its n-gram model."""
+    from vllm_ddtree.proposer import DDTreeProposer
+    from vllm_ddtree.tree import NGramModel
+
+    g = torch.Generator().manual_seed(4)
+    vocab, k = 9, 4
+    texts = {rid: torch.randint(0, vocab, (n,), generator=g).tolist() for rid, n in (("a", 6), ("b", 9), ("c", 4))}
+    p = object.__new__(DDTreeProposer)
+    p.ngram, p._slots, p._seen = NGramModel(vocab, 3, scoring=False), {}, {}
+    discarded = set()
+    for step in range(14):
+        if step == 6:
+            texts.pop("b")
+        if step == 8:
+            texts["d"] = torch.randint(0, vocab, (10,), generator=g).tolist()
+            discarded.add("d")  # its first prefill chunk: the sampled token is thrown away
+        ids = list(texts)
+        batch = SimpleNamespace(req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)},
+                                num_tokens_no_spec=[len(texts[rid]) for rid in ids],
+                                token_ids_cpu=torch.tensor([texts[rid] + [0] * (64 - len(texts[rid])) for rid in ids]).numpy())
+        p.runner = SimpleNamespace(input_batch=batch, discard_request_mask=SimpleNamespace(
+            np=torch.tensor([rid in discarded for rid in ids]).numpy()))
+        tokens = torch.randint(0, vocab, (len(ids), k), generator=g)
+        kept = torch.randint(1, k + 1, (len(ids),), generator=g)
+        tokens = torch.where(torch.arange(k) < kept[:, None], tokens, -1) if step < 13 else torch.full_like(tokens, -1)
+        if catch_up:
+            p._catch_up()  # what propose does at every step
+        if step % 3 != 1 or step == 13:  # drafted (the last step counts what the host holds)
+            p._observe(ids, tokens)
+        for i, rid in enumerate(ids):  # vLLM's bookkeeping: the step's kept tokens join the host batch
+            if rid not in discarded:
+                texts[rid] += [t for t in tokens[i].tolist() if t >= 0]
+        discarded.discard("d")
+    return texts, p._slots, p.ngram
+
+
+@pytest.mark.parametrize("catch_up", [True, False])
+def test_the_proposer_counts_every_committed_token_once(catch_up):
+    """Drafted steps count their tokens on the device, undrafted ones not at all: the tables must
+    still hold each live request's whole text, counted once. Without `_catch_up` (a negative
+    control) the tokens of undrafted steps are lost."""
+    from test_tree_budget_ngram import _counted
+
+    texts, slots, model = _engine_like_observation(catch_up)
+    want, got = {}, {}
+    for rid, text in texts.items():
+        for key, n in _counted({slots[rid]: text}, 3, 10)[("ngram", 2)].items():
+            want[key] = n
+    keys, counts = model.online.real_entries("ngram", 2)
+    got = dict(zip(keys.tolist(), counts.tolist()))
+    tails = model.context_tail([slots[rid] for rid in texts]).tolist()
+    assert len(want) > 20 and set(texts) == {"a", "c", "d"}
+    same = got == want and tails == [text[-2:] for text in texts.values()]
+    assert same == catch_up

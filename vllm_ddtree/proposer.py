@@ -218,7 +218,9 @@ class DDTreeProposer(DFlashProposer):
             self.ngram = NGramModel(target.get_vocab_size(), options.ngram_order, corpus=options.ngram_corpus,
                                     device=device, scoring=options.ngram_weight > 0)
         self._slots: dict[str, int] = {}
-        self._seen: dict[str, int] = {}
+        # request id -> how many of its tokens the n-gram tables have counted (None: all the host batch
+        # will hold at the next step, whose bookkeeping appends exactly the tokens counted on the device)
+        self._seen: dict[str, int | None] = {}
         self.auto: AutoBudget | None = None
         self.live_timing = True  # step times feed the budget (off under tensor parallelism: calibrate_at_startup)
         self._last_propose: float | None = None
@@ -253,6 +255,8 @@ class DDTreeProposer(DFlashProposer):
         # the one token vLLM's sampler drew (the DFlash input's next token).
         step_tokens = self.step_tokens if self.step_tokens is not None else kwargs["next_token_ids"].view(-1, 1)
         self.step_tokens = None
+        if self.ngram is not None:
+            self._catch_up()
         if order is not None:  # after a tree step: each request's accepted path first (sample_tree_step)
             n = order.shape[0]
             for key in ("target_hidden_states", "target_token_ids"):
@@ -522,6 +526,18 @@ class DDTreeProposer(DFlashProposer):
         proposed = torch.cat([proposed, proposed.new_zeros(1, proposed.shape[1])])[index]
         valid = torch.cat([valid, valid.new_zeros(1, valid.shape[1])])[index]
         self.auto.observe_lookup(proposed, valid, step_tokens)
+
+    def _catch_up(self) -> None:
+        """At every step, drafted or not: a request whose last observed step's tokens were counted on
+        the device has, in the host batch now, exactly those tokens appended; from here on its count
+        is the batch's. (An undrafted step counts nothing: its tokens are counted from the host batch,
+        with their history, at the next drafted step.)"""
+        if not any(v is None for v in self._seen.values()):
+            return
+        batch = self.runner.input_batch
+        for rid, i in batch.req_id_to_index.items():
+            if self._seen.get(rid, 0) is None:
+                self._seen[rid] = int(batch.num_tokens_no_spec[i])
 
     def _observe(self, req_ids: list[str], step_tokens: Tensor) -> Tensor:
         """Feed each request's newly committed tokens to the online n-gram model; its slot per row
