@@ -22,7 +22,8 @@ run in the order of `PARTS`):
              failure, every host sync site (file:line) from one pass in "warn" mode. CUDA only.
   b.profile  One eager step under torch.profiler at the smallest and largest batch: dispatched ops, and on
              CUDA kernels and kernel time, per stage (top-k, build, lookup, budget, compile, walk,
-             compaction); the step's kernels by device time. Any device.
+             compaction); the step's kernels by device time; where the variant keeps n-gram tables,
+             the same for counting a step's tokens into them (`observe`). Any device.
   c.compaction `move_slots_` over 36 layers of a paged cache in vLLM's FlashInfer layout, one allocation
              as vLLM makes it (moved as one stack), against a per-slot reference, timed. Any device.
   d.verify_cost The verify forward of a Qwen3-8B-shaped transformers decoder (random bf16 weights) for
@@ -956,7 +957,9 @@ def part_b_sync(ctx: "Check") -> dict:
 def observe_tokens(x: StepInputs, st: StepState) -> None:
     """What the engine does with a step's sampled tokens when it keeps n-gram tables: [R, 16] tokens
     on the device (a prefix of each row, -1 after it) counted twice, a finished request's slot
-    released between (the second count also cuts the tables' padding once their lengths are back)."""
+    released between (the second count also cuts the tables' padding once their lengths are back).
+    The check's tables are a rescoring model's, every order: 2n merges a count, where the engine's
+    lookup branch alone keeps one."""
     r = x.roots.shape[0]
     tokens = torch.where(torch.arange(16, device=x.roots.device) < (x.noise[:, :1] % 17), x.noise[:, :16], -1)
     st.ngram.observe_step(list(range(r)), tokens)
@@ -1040,13 +1043,18 @@ def part_b_profile(ctx: "Check") -> dict:
             sync(ctx.device)
             state.ngram.online._best = None  # as after an engine step's table merge: the lookup chain is remade
             rec = {"batch": r, "variant": variant, **profile_step(lambda: tree_step(x, state, variant), ctx.device)}
+            if variant != "plain":  # the tables' count of the step's tokens, before the next step's tree work
+                seen = profile_step(lambda: observe_tokens(x, state), ctx.device)
+                rec["observe"] = {k: seen[k] for k in ("ops", "kernels", "kernel_ms")}
             rows.append(rec)
             if rec["outside_stages"]["ops"]:
                 bad.append(f"{variant}@{r}")
             per = ", ".join(f"{k} {v['ops']}" + (f"/{v['kernel_us'] / 1000:.2f} ms" if rec["kernels"] else "")
                             for k, v in rec["stages"].items() if v["ops"])
+            seen = (f"; counting the step's tokens (twice, a release between): {rec['observe']['ops']} ops, "
+                    f"{rec['observe']['kernel_ms']:.2f} ms of kernels") if "observe" in rec else ""
             log(f"  b.profile batch {r} {variant}: {rec['ops']} ops, {rec['kernels']} kernels, "
-                f"{rec['kernel_ms']:.2f} ms of kernels; {per}")
+                f"{rec['kernel_ms']:.2f} ms of kernels; {per}{seen}")
     return {"passed": not bad, "profiles": rows, "failed": bad,
             "summary": (f"{len(rows)} steps profiled, every op inside a stage" if not bad
                         else f"ops outside every stage in {', '.join(bad)}")}

@@ -279,6 +279,7 @@ def render_gpu_check(study: dict, data: dict) -> list[str]:
     profiles = {(p["batch"], p["variant"]): p for p in parts.get("b.profile", {}).get("profiles", []) if "ops" in p}
     if graphs or profiles:
         ms = lambda v: "–" if v is None else f"{v:.2f}"  # noqa: E731
+        observed = any("observe" in p for p in profiles.values())  # reports that profile the tables' count
         rows = []
         for key in sorted(set(graphs) | set(profiles)):
             g, p = graphs.get(key, {}), profiles.get(key, {})
@@ -287,9 +288,13 @@ def render_gpu_check(study: dict, data: dict) -> list[str]:
             rows.append([fmt(key[0]), key[1], fmt(p.get("ops")), fmt(p.get("kernels")), ms(p.get("kernel_ms")),
                          ", ".join(f"{k} {us / 1000:.2f}" for us, k in top) or "–", ms(g.get("replay_ms")),
                          ms(g.get("eager_ms"))])
+            if observed:
+                o = p.get("observe")
+                rows[-1].append("–" if o is None else f"{o['ops']} / {ms(o['kernel_ms'])}")
         out += ["", "The tree step (b.profile: one eager step under the profiler; b.graphs: medians):", ""]
         out += table(["batch", "variant", "ops", "kernels", "kernel ms", "largest stages (kernel ms)", "replayed ms",
-                      "eager ms"], rows)
+                      "eager ms"] + (["n-gram count of a step (ops / kernel ms)"] if observed else []),
+                     rows)
     return out
 
 

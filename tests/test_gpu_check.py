@@ -71,6 +71,7 @@ def test_cpu_parts_checked_what_they_claim(report):
         assert p["outside_stages"]["ops"] == 0
         assert all((p["stages"][s]["ops"] > 0) == (s != "lookup" or p["variant"] == "lookup") for s in gpu_check.STAGES)
         assert p["ops"] == sum(s["ops"] for s in p["stages"].values())
+        assert (p.get("observe", {}).get("ops", 0) > 0) == (p["variant"] != "plain")
     d = parts["d.verify_cost"]
     assert len(d["points"]) == 8 and d["fitted"]["slope"] > 0 and set(d["knee_n"]) == {"1", "4"}
     # the timed static forward (CUDA-graph replayed on a GPU) computes what transformers computes
