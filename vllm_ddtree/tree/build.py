@@ -388,7 +388,9 @@ def build_tree(
     final_pos.scatter_(1, sel, torch.arange(width, device=device).expand(r, width))
     sel_parent = all_parent.gather(1, sel)
     parents = torch.where(sel_parent >= 0, final_pos.gather(1, sel_parent.clamp(min=0)), NO_PARENT)
-    valid = torch.isfinite(scores) & (torch.arange(width, device=device)[None, :] < budgets_t[:, None])
+    valid = torch.isfinite(scores)
+    if not (isinstance(budgets, int) and budgets >= width):  # one budget for all that keeps every column: no cut
+        valid = valid & (torch.arange(width, device=device)[None, :] < budgets_t[:, None])
     tree = DraftTree(
         tokens=torch.where(valid, top_ids.reshape(r, depth * k).gather(1, all_col.gather(1, sel)), 0),
         parents=torch.where(valid, parents, NO_PARENT),
