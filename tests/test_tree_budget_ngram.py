@@ -1028,15 +1028,3 @@ def test_step_observations_count_what_a_plain_counter_counts(with_host):
     model.observe_step([0], torch.tensor([[-1, -1]]))
     keys = model.online.ngram_keys[order - 1]
     assert keys.numel() == model.online.real_entries("ngram", order - 1)[0].numel() + 2  # this merge's 2 windows
-
-
-def test_a_wrong_merge_is_caught_by_the_plain_counter():
-    """Negative control for the test above: a merge that drops the new keys' validity (padding
-    windows counted as n-grams) disagrees with the counter."""
-    model = NGramModel(7, order=3)
-    model.observe_step([0], torch.tensor([[1, 2, -1, -1]]))
-    keys, counts = model.online.real_entries("ngram", 0)
-    assert dict(zip(keys.tolist(), counts.tolist())) == _counted({0: [1, 2]}, 3, 8)["ngram", 0]
-    model.online.add(torch.tensor([0, 0]), torch.tensor([[1, 2, -1], [2, -1, -1]]))  # padding as if valid
-    keys, counts = model.online.real_entries("ngram", 0)
-    assert dict(zip(keys.tolist(), counts.tolist())) != _counted({0: [1, 2]}, 3, 8)["ngram", 0]
