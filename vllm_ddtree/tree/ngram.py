@@ -286,10 +286,8 @@ class NGramCounts:
             return self._follow_by_search(namespace, context, length)
         contexts, best_digit, next_entry = self._best_next(m)
         none = contexts.numel()  # the tables' last entry: no token, and no context after it
-        digits = context.to(self.device).long() + 1  # [R, m]; PAD -> digit 0, never in the tables
-        ns_key = namespace.to(self.device).long() * _wrap(self.radix**m)  # the key's namespace part, as _pack
-        powers = _device_ints(tuple(_wrap(self.radix**i) for i in range(m - 1, -1, -1)), self.device)
-        cx = ns_key + (digits * powers).sum(dim=1)  # = _pack(namespace, context)
+        # [R] the context's key (a PAD packs as digit 0, never in the tables)
+        cx = _pack(namespace.to(self.device), context.to(self.device), self.radix)
         at = torch.searchsorted(contexts, cx).clamp_(max=none - 1)
         at = torch.where(contexts[at] == cx, at, none)  # [R] the context's entry
         entries = [at]
