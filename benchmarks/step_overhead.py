@@ -14,8 +14,11 @@ leaves the GPU idle. Neither shows as time on a CPU, so this counts them, on the
   functions run against a stand-in runner with exactly the attributes vLLM 0.32's GPUModelRunner
   gives them (as in tests/test_engine_step_on_device.py).
   * ``device_ops``: aten ops with at least one device operand (a ``TorchDispatchMode`` counter),
-    and every op of the n-gram model (its tables live on the drafter's device in an engine);
-    ``host_ops``: aten ops on host tensors only (on a GPU: host time, no launch).
+    the factories and copies that make a tensor on the device (``torch.arange(n, device=x.device)``,
+    ``t.to(x.device)``: device data reports a stand-in device, ``STANDIN``), and every op of the
+    n-gram model (its tables live on the drafter's device in an engine); ``host_ops``: aten ops on
+    host tensors only (on a GPU: host time, no launch). Views count as ops. Counted in a step after
+    one uncounted step of the same shapes: constants made once per shape are start-up work.
   * ``host_copies``: reads of device data on the host (``.tolist()``, ``.item()``, ``.cpu()``,
     ``int()``... of a tensor derived from device data), counted by a tensor subclass that marks the
     device's data: every read, deliberate or not.
@@ -80,8 +83,13 @@ class DeviceData(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        # `.to(device)` is not counted: here every device is the host, so `x.to(y.device)` (a
-        # device-side move on a GPU) cannot be told from a read; ddtree reads through `.cpu()`.
+        if getattr(func, "__self__", None) is torch._C.TensorBase.device:  # `x.device`: the device's
+            return STANDIN
+        if func is torch.Tensor.to:
+            # A move to the device of what is there already makes nothing (to the host: a read, but
+            # ddtree reads through `.cpu()`); a dtype change is a device op like any other.
+            args = tuple(torch.device("cpu") if _is_standin(a) else a for a in args)
+            kwargs = {k: torch.device("cpu") if _is_standin(v) else v for k, v in kwargs.items()}
         if func in cls._READS or func is torch.Tensor.cpu:
             if isinstance(args[0], DeviceData):
                 DeviceData.reads += 1
@@ -99,6 +107,16 @@ class DeviceData(torch.Tensor):
 
 MARK = [True]  # off for the timed passes: the subclass's own Python would dominate them
 
+#: The stand-in device: what device data reports as its `.device` (and the n-gram tables' device). A
+#: tensor made with it (`torch.arange(n, device=x.device)`, `t.to(x.device)`) is a plain host tensor,
+#: but its factory or copy is a device op (a kernel launch or a copy on a GPU), counted as one, and
+#: what it makes is device data.
+STANDIN = torch.device("cpu", 1)
+
+
+def _is_standin(value) -> bool:
+    return isinstance(value, (torch.device, str)) and torch.device(value) == STANDIN
+
 
 def device(t: torch.Tensor) -> torch.Tensor:
     """`t` marked as device data (when counting)."""
@@ -106,9 +124,9 @@ def device(t: torch.Tensor) -> torch.Tensor:
 
 
 #: tree/ngram.py functions that are not per-step table work: new tokens the host holds (a prompt),
-#: cut into windows on the host before one copy to the tables' device; constants made once per
-#: shape (digit weights), then cached
-NGRAM_HOST_SIDE = {"windows_of", "host_windows", "observe_batch", "_context_powers", "_device_ints"}
+#: cut into windows on the host before one copy to the tables' device; digit weights made once per
+#: shape, then cached
+NGRAM_HOST_SIDE = {"windows_of", "host_windows", "observe_batch", "_context_powers"}
 
 
 def in_ngram_tables() -> bool:
@@ -132,12 +150,17 @@ class OpCounter(TorchDispatchMode):
         self.device_ops = self.host_ops = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        flat, _ = tree_flatten((args, kwargs or {}))
-        if any(isinstance(a, DeviceData) for a in flat) or in_ngram_tables():
+        kwargs = kwargs or {}
+        flat, _ = tree_flatten((args, kwargs))
+        made_there = _is_standin(kwargs.get("device"))  # a factory or a copy on the device
+        if made_there:
+            kwargs = kwargs | {"device": torch.device("cpu")}
+        if made_there or any(isinstance(a, DeviceData) for a in flat) or in_ngram_tables():
             self.device_ops += 1
         else:
             self.host_ops += 1
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **kwargs)
+        return device(out) if made_there and isinstance(out, torch.Tensor) else out
 
 
 # ------------------------------------------------------------------------------------ the product's code
@@ -201,7 +224,7 @@ def make_proposer(code, batch: int, budget: int | str, ngram: bool, lookup: int,
     p.stats = code.Stats(interval=1e9)
     p.context_order = p.context_positions = p.step_tokens = None
     scoring = {"scoring": ngram} if "scoring" in inspect.signature(t.NGramModel).parameters else {}  # as the proposer
-    p.ngram = t.NGramModel(vocab, 3, device="cpu", **scoring) if (ngram or lookup) else None
+    p.ngram = t.NGramModel(vocab, 3, device=STANDIN, **scoring) if (ngram or lookup) else None
     p.auto = None
     if budget == "auto":
         shape = t.ModelShape.from_hf_config(QWEN3_8B | {"vocab_size": vocab, "num_hidden_layers": layers})
@@ -294,8 +317,19 @@ def verify_inputs(code, proposer, drafts: list[list[int]], ctx: int, vocab: int,
 
 def one_step(code, batch: int, budget, ngram: bool, lookup: int, vocab: int, layers: int, seed: int,
              count: bool) -> dict:
-    """One engine step of ddtree's code (propose's tree part, prepare, sample) on the stand-in runner."""
-    MARK[0] = count
+    """One engine step of ddtree's code (propose's tree part, prepare, sample) on the stand-in runner.
+
+    Counted after one uncounted step of the same shapes: the constants ddtree makes once per shape and
+    device (cached index tables, digit weights) are start-up work, not the step's.
+    """
+    if count:
+        _one_step(code, batch, budget, ngram, lookup, vocab, layers, seed, False, warm_up=True)
+    return _one_step(code, batch, budget, ngram, lookup, vocab, layers, seed, count)
+
+
+def _one_step(code, batch: int, budget, ngram: bool, lookup: int, vocab: int, layers: int, seed: int,
+              count: bool, warm_up: bool = False) -> dict:
+    MARK[0] = count or warm_up
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     ctx = CONTEXT
     p = make_proposer(code, batch, budget, ngram, lookup, vocab, layers)
@@ -309,7 +343,8 @@ def one_step(code, batch: int, budget, ngram: bool, lookup: int, vocab: int, lay
     logits = draft_logits(batch, p._depth, vocab, gen)
     step_tokens = torch.randint(0, vocab, (batch, 3), generator=gen)
     cad = SimpleNamespace(seq_lens=device(torch.full((batch,), ctx + 1, dtype=torch.int32)))
-    counter = OpCounter() if count else contextlib.nullcontext()
+    # the warm-up counts too (its counts unused): a copy to the stand-in device makes device data only then
+    counter = OpCounter() if count or warm_up else contextlib.nullcontext()
     DeviceData.reads = 0
     if code.host_reads is not None:
         code.host_reads.count = 0
@@ -322,7 +357,7 @@ def one_step(code, batch: int, budget, ngram: bool, lookup: int, vocab: int, lay
     t1 = time.perf_counter()
     spec, total, target_logits = verify_inputs(code, p, drafts, ctx, vocab, layers, gen)
     t2 = time.perf_counter()
-    with counter if count else contextlib.nullcontext():
+    with counter:
         step = code.prepare(p.runner, spec, total)
         out = code.sample(p.runner, step, target_logits, spec)
     t3 = time.perf_counter()

@@ -90,3 +90,18 @@ def test_the_counters_see_what_they_count():
         int(y[0])
     assert step_overhead.DeviceData.reads == 2
     assert ops.device_ops >= 2 and ops.host_ops >= 2
+    # What is made on the device (a factory given the device's data's device, a copy to it) is a
+    # device op, and what it makes is device data; the same factory on the host is not.
+    host = torch.tensor([1, 2])
+    with step_overhead.OpCounter() as made:
+        index = torch.arange(4, device=x.device)
+        copied = host.to(x.device)
+        torch.arange(4)
+    assert x.device == step_overhead.STANDIN and made.device_ops == 2 and made.host_ops == 1
+    step_overhead.DeviceData.reads = 0
+    index.tolist(), copied.tolist()
+    assert step_overhead.DeviceData.reads == 2
+    # and a move of device data to where it is makes nothing
+    with step_overhead.OpCounter() as moved:
+        x.to(x.device)
+    assert moved.device_ops == moved.host_ops == 0
