@@ -1,12 +1,14 @@
 """The tree builder: optimality against brute force, identical implementations, prefix-closure."""
 
 import math
+from unittest import mock
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import vllm_ddtree.tree.build as build_mod
 from vllm_ddtree.tree import NGramModel, add_branch, build_tree, build_tree_reference, topk_per_depth
 from vllm_ddtree.tree.build import NO_PARENT, tree_to_host
 
@@ -48,6 +50,10 @@ def tree_paths(tree, row):
     return paths
 
 
+# the best-score selections `build_tree` picks by device: packed keys (CPU), a stable sort (GPU)
+SELECTIONS = (build_mod._top_scores_by_keys, build_mod._top_scores_by_sort)
+
+
 def marginals(seed, r, depth, vocab, ties=False):
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(r, depth, vocab, generator=g) * 2
@@ -66,10 +72,12 @@ def marginals(seed, r, depth, vocab, ties=False):
 )
 def test_builders_equal_brute_force(seed, depth, vocab, budget, ties):
     lp, ids = marginals(seed, 2, depth, vocab, ties)
-    fast = build_tree(lp, ids, budget)
     ref = build_tree_reference(lp, ids, budget)
-    for name in ("tokens", "parents", "depths", "valid", "num_nodes"):
-        assert torch.equal(getattr(fast, name), getattr(ref, name)), name
+    for selection in SELECTIONS:  # the CPU's best-score selection, then the GPU's
+        with mock.patch.object(build_mod, "_top_scores", selection):
+            fast = build_tree(lp, ids, budget)
+        for name in ("tokens", "parents", "depths", "valid", "num_nodes"):
+            assert torch.equal(getattr(fast, name), getattr(ref, name)), (selection.__name__, name)
     for row in range(2):
         assert tree_paths(fast, row) == brute_force(lp, ids, budget, row=row)
 
@@ -91,10 +99,12 @@ def test_builders_equal_brute_force_with_ngram_scores(seed, depth, vocab, budget
         model.observe(slot, torch.randint(0, vocab, (12,), generator=g))
     scorer = model.scorer([3, 7])
     tail = model.context_tail([3, 7])
-    fast = build_tree(lp, ids, budget, scorer=scorer, context_tail=tail, lam=lam)
     ref = build_tree_reference(lp, ids, budget, scorer=scorer, context_tail=tail, lam=lam)
-    for name in ("tokens", "parents", "depths", "valid"):
-        assert torch.equal(getattr(fast, name), getattr(ref, name)), name
+    for selection in SELECTIONS:
+        with mock.patch.object(build_mod, "_top_scores", selection):
+            fast = build_tree(lp, ids, budget, scorer=scorer, context_tail=tail, lam=lam)
+        for name in ("tokens", "parents", "depths", "valid"):
+            assert torch.equal(getattr(fast, name), getattr(ref, name)), (selection.__name__, name)
     for row in range(2):
         assert tree_paths(fast, row) == brute_force(lp, ids, budget, scorer, tail, lam, row=row)
 

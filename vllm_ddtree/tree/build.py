@@ -42,7 +42,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .transfer import to_host
+from . import constants
+from .transfer import to_device, to_host
 
 NO_PARENT = -1
 
@@ -93,7 +94,7 @@ class DraftTree:
     def truncate(self, budgets: Tensor | int) -> "DraftTree":
         """The best-`budgets[r]` subtree of each request (a prefix of the best-first order)."""
         budgets = _budget_tensor(budgets, self.batch_size, self.tokens.device)
-        keep = self.valid & (torch.arange(self.max_nodes, device=self.tokens.device)[None, :] < budgets[:, None])
+        keep = self.valid & (constants.arange(self.max_nodes, self.tokens.device) < budgets[:, None])
         return DraftTree(
             tokens=torch.where(keep, self.tokens, 0),
             parents=torch.where(keep, self.parents, NO_PARENT),
@@ -127,18 +128,19 @@ def add_branch(tree: DraftTree, tokens: Tensor, valid: Tensor, max_nodes: int) -
     # tokens, so the nodes on the path form one chain).
     at = (tree.depths - 1).clamp(0, max(length - 1, 0))
     holds = (tree.valid & (tree.depths <= length) & (tokens.gather(1, at) == tree.tokens) & valid.gather(1, at))
-    ok = torch.cat([holds, torch.ones(r, 1, dtype=torch.bool, device=dev)], dim=1)
-    up = torch.cat([torch.where(tree.parents >= 0, tree.parents, b), torch.full((r, 1), b, device=dev)], dim=1)
+    ok = torch.cat([holds, constants.filled((r, 1), True, torch.bool, dev)], dim=1)
+    up = torch.cat([torch.where(tree.parents >= 0, tree.parents, b), constants.filled((r, 1), b, torch.int64, dev)], dim=1)
     for _ in range(math.ceil(math.log2(length)) if length > 1 else 0):
         ok = ok & ok.gather(1, up)
         up = up.gather(1, up)
-    shared, node = torch.where(ok[:, :b], tree.depths, 0).max(dim=1)  # path depths the tree has; its deepest node
-    node = torch.where(shared > 0, node, NO_PARENT)
+    shared, node = torch.where(ok[:, :b], tree.depths, 0).max(dim=1, keepdim=True)  # [R, 1] path depths the
+    node = torch.where(shared > 0, node, NO_PARENT)                                  # tree has; its deepest node
     # New nodes: path depths shared+1.. (while valid), at slots num_nodes.., each the previous one's child.
-    depth = torch.arange(1, length + 1, device=dev)[None, :]  # [1, L]
-    slot = tree.num_nodes[:, None] + depth - 1 - shared[:, None]  # [R, L]
-    new = valid & (depth > shared[:, None]) & (slot < min(width, max_nodes))
-    parent = torch.where(depth == shared[:, None] + 1, node[:, None], slot - 1)
+    depth = constants.arange(length + 1, dev, start=1)  # [L]
+    beyond = depth - shared  # [R, L] how far past the shared part each path depth is
+    slot = (tree.num_nodes - 1)[:, None] + beyond
+    new = valid & (beyond > 0) & (slot < min(width, max_nodes))
+    parent = torch.where(beyond == 1, node, slot - 1)
     # The integer fields as one [4, R, B] block, written at once: a new node's values go to its slot,
     # the others' to a spare last column that is cut off (parents + 1, so that padding is 0 for all).
     old = torch.stack([tree.tokens, tree.parents + 1, tree.depths, tree.valid.long()])
@@ -190,7 +192,8 @@ def tree_to_host(tree: DraftTree, with_scores: bool = False) -> HostTrees:
     ranked = torch.where(is_ranked, tree.depths, 0)
     fields = [tree.tokens, tree.parents, tree.depths, tree.num_nodes[:, None], ranked,
               is_ranked.sum(dim=1, keepdim=True)] + ([tree.scores] if with_scores else [])
-    packed = to_host(torch.cat([f.double() for f in fields], dim=1))
+    # one cast: `cat` promotes the other fields to the first one's float64
+    packed = to_host(torch.cat([fields[0].double(), *fields[1:]], dim=1))
     counts = packed[:, 3 * w].long().tolist()
 
     def kept(block: Tensor, as_int: bool = True) -> list[list]:
@@ -230,7 +233,7 @@ def topk_per_depth(logits: Tensor, k: int, temperature: float = 1.0) -> tuple[Te
 
 def _budget_tensor(budgets: Tensor | int, num_requests: int, device: torch.device) -> Tensor:
     if isinstance(budgets, int):
-        return torch.full((num_requests,), budgets, dtype=torch.int64, device=device)
+        return constants.filled((num_requests,), budgets, torch.int64, device)
     budgets = torch.as_tensor(budgets, device=device).to(torch.int64)
     if budgets.shape != (num_requests,):
         raise ValueError(f"budgets must have shape [{num_requests}], got {tuple(budgets.shape)}")
@@ -326,71 +329,36 @@ def build_tree(
         max_budget = budgets if isinstance(budgets, int) else int(budgets_t.max())
     b = max_budget
     lam_t = _lambda_tensor(lam, r, depth, device) if scorer is not None else None
-    hist_len = scorer.order - 1 if scorer is not None else 0
     top_logp = top_logp.float()
     top_ids = top_ids.long()
 
-    # The kept frontier at the previous depth; depth 0 is the root alone.
-    front_score = torch.zeros(r, 1, device=device)
-    front_q = torch.zeros(r, 1, device=device)
-    front_hist = context_tail.long()[:, None, :] if scorer is not None else None  # [R, F, n-1]
-    flat_logp = top_logp.reshape(r, depth * k)  # column d * k + rank: depth d's candidate of that rank
-
-    # Per depth, each kept node's (parent within the previous depth, column in flat_logp) packed into
-    # one code (parent * depth * k + column), decoded once for all depths after the loop.
-    per_depth = []  # (score, q, code), each [R, F_d]; without a scorer q is the score itself
-    for d in range(depth):
-        f = front_score.shape[1]
-        if scorer is None:
-            # Frontier scores and candidate log-probs are both sorted, so child (f, k) is preceded
-            # (ties included) by the (f+1)(k+1) - 1 children (f' <= f, k' <= k): only the
-            # "staircase" (f+1)(k+1) <= B can reach the top B. ~B ln B candidates instead of F*K.
-            pf, col, code = _staircase(f, k, b, d, depth, device)
-            cand_score = front_score.index_select(1, pf) + flat_logp.index_select(1, col)
-            cand_q = None
-        else:
-            # Rescored children are no longer sorted per parent: expand the full F x K block.
-            tok_score = top_logp[:, d, None, :].expand(r, f, k)
-            cand_tokens = top_ids[:, d, None, :].expand(r, f, k)
-            rho = scorer.log_rho(front_hist, cand_tokens)
-            tok_score = tok_score + lam_t[:, d, None, None] * rho
-            cand_score = (front_score[:, :, None] + tok_score).reshape(r, f * k)
-            cand_q = (front_q[:, :, None] + top_logp[:, d, None, :]).reshape(r, f * k)
-            pf, col, code = _staircase(f, k, f * k, d, depth, device)  # all pairs, in (parent, rank) order
-        keep = min(b, cand_score.shape[1])
-        # Equal scores keep (parent order, candidate rank) order -> the documented tie-breaking.
-        score, order = _top_scores(cand_score, keep)
-        kept = code.take(order)
-        q = score if cand_q is None else cand_q.gather(1, order)
-        per_depth.append((score, q, kept))
-        front_score, front_q = score, q
-        if scorer is not None and hist_len > 0:
-            token = top_ids.reshape(r, depth * k).gather(1, kept % (depth * k))
-            parent = kept // (depth * k)
-            parent_hist = front_hist.gather(1, parent[:, :, None].expand(r, keep, hist_len))
-            front_hist = torch.cat([parent_hist[:, :, 1:], token[:, :, None]], dim=2)
+    # Each depth's kept nodes, concatenated in depth order: score [R, T], q [R, T] (None: the score),
+    # code [R, T] = parent within the previous depth * depth * k + column of the [R, depth * k]
+    # candidates; sizes: the kept count per depth (T in all).
+    if scorer is None:
+        all_score, all_q, all_code, sizes = _expand_unscored(top_logp, b)
+    else:
+        all_score, all_q, all_code, sizes = _expand_rescored(top_logp, top_ids, b, scorer, context_tail, lam_t)
+    all_q = all_score if all_q is None else all_q
 
     # Global best-first selection over all depths (concatenated in depth order; the stable sort
     # resolves equal scores by depth, then by within-depth order).
-    all_score = torch.cat([s for s, _, _ in per_depth], dim=1)
-    all_code = torch.cat([c for _, _, c in per_depth], dim=1)
     # Parents index the previous depth's frontier: the concatenation's offset of that depth makes
     # them indices into the concatenation (depth 0's parent is the root, index 0: offset -1 = none).
-    parent_offset, depth_of = _depth_layout(tuple(s.shape[1] for s, _, _ in per_depth), device)
+    parent_offset, depth_of = _depth_layout(sizes, device)
     total = all_score.shape[1]
     width = min(b, total)
     scores, sel = _top_scores(all_score, width)
-    all_q = all_score if scorer is None else torch.cat([q for _, q, _ in per_depth], dim=1)
     all_parent = all_code // (depth * k) + parent_offset
     all_col = all_code % (depth * k)
 
-    final_pos = torch.full((r, total), NO_PARENT, dtype=torch.int64, device=device)
-    final_pos.scatter_(1, sel, torch.arange(width, device=device).expand(r, width))
+    final_pos = constants.filled((r, total), NO_PARENT, torch.int64, device).scatter(
+        1, sel, constants.arange(width, device).expand(r, width))
     sel_parent = all_parent.gather(1, sel)
     parents = torch.where(sel_parent >= 0, final_pos.gather(1, sel_parent.clamp(min=0)), NO_PARENT)
     valid = torch.isfinite(scores)
     if not (isinstance(budgets, int) and budgets >= width):  # one budget for all that keeps every column: no cut
-        valid = valid & (torch.arange(width, device=device)[None, :] < budgets_t[:, None])
+        valid = valid & (constants.arange(width, device) < budgets_t[:, None])
     tree = DraftTree(
         tokens=torch.where(valid, top_ids.reshape(r, depth * k).gather(1, all_col.gather(1, sel)), 0),
         parents=torch.where(valid, parents, NO_PARENT),
@@ -406,25 +374,141 @@ def build_tree(
     return tree
 
 
-def _top_scores(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
+def _expand_unscored(top_logp: Tensor, b: int) -> tuple[Tensor, None, Tensor, tuple[int, ...]]:
+    """`build_tree`'s per-depth expansion without rescoring: each depth's best (up to) b children of
+    the previous depth's kept nodes, concatenated (see `build_tree`).
+
+    Frontier scores and candidate log-probs are both sorted, so child (f, k) is preceded (ties
+    included) by the (f+1)(k+1) - 1 children (f' <= f, k' <= k): only the "staircase" (f+1)(k+1) <= b
+    can reach the top b (~b ln b candidates instead of F * K). The frontier sizes, and so every
+    staircase, are known on the host (`_unscored_plan`): the candidates' log-probs of all depths are
+    gathered at once, and a depth costs three ops (the parent's score, the sum, a sort); the kept
+    columns and their codes are picked after the loop, for all depths at once.
+    """
+    r, depth, k = top_logp.shape
+    plan = _unscored_plan(k, b, depth, top_logp.device)
+    flat_logp = top_logp.reshape(r, depth * k)
+    cand_logp = flat_logp.index_select(1, plan.columns).split(plan.counts, dim=1)
+    # depth 1: the root's children are the candidates in rank order, already sorted
+    values, ranks = [cand_logp[0]], [plan.first_ranks.expand(r, -1)]
+    for d in range(1, depth):
+        cand = values[-1].index_select(1, plan.parents[d]) + cand_logp[d]
+        # sorted past the kept count where that is cheaper (the GPU's sort): the next depth's
+        # staircase reads only its first columns, and the kept ones are picked below
+        score, rank = _top_scores(cand, plan.kept[d], cut=False)
+        values.append(score)
+        ranks.append(rank)
+    # the kept columns of every depth's sorted candidates, and their codes
+    pick, code_offset = _kept_columns(plan, tuple(v.shape[1] for v in values), top_logp.device)
+    all_score = torch.cat(values, dim=1).index_select(1, pick)
+    all_code = plan.codes.take(torch.cat(ranks, dim=1).index_select(1, pick) + code_offset)
+    return all_score, None, all_code, plan.kept
+
+
+@dataclass(frozen=True, eq=False)  # hashed by identity: made once per shape (`_unscored_plan`)
+class _UnscoredPlan:
+    """Host-known shapes of `_expand_unscored` for (k, b, depth): per depth its staircase (parents
+    [n_d] within the previous depth's kept nodes), candidate count n_d and kept count min(b, n_d);
+    the candidates' columns of the [R, depth * k] log-probs, all depths concatenated [sum n_d], and
+    their codes [sum n_d]; depth 1's ranks [1, n_0]."""
+
+    parents: tuple[Tensor, ...]
+    counts: tuple[int, ...]
+    kept: tuple[int, ...]
+    columns: Tensor
+    codes: Tensor
+    first_ranks: Tensor
+
+
+@functools.lru_cache(maxsize=256)
+def _unscored_plan(k: int, b: int, depth: int, device: torch.device) -> _UnscoredPlan:
+    parents, columns, codes, counts, kept = [], [], [], [], []
+    f = 1  # depth 1's frontier: the root
+    for d in range(depth):
+        pf, col, code = _staircase(f, k, b, d, depth, device)
+        parents.append(pf)
+        columns.append(col)
+        codes.append(code)
+        counts.append(pf.numel())
+        kept.append(min(b, pf.numel()))
+        f = kept[-1]
+    first_ranks = constants.arange(counts[0], device)[None, :]
+    return _UnscoredPlan(tuple(parents), tuple(counts), tuple(kept), torch.cat(columns), torch.cat(codes), first_ranks)
+
+
+@functools.lru_cache(maxsize=256)
+def _kept_columns(plan: _UnscoredPlan, widths: tuple[int, ...], device: torch.device) -> tuple[Tensor, Tensor]:
+    """For depths sorted to `widths` columns each and concatenated: [T] the columns of each depth's
+    first kept (plan.kept) ones, and [T] the offset of that depth's codes in plan.codes."""
+    pick, offset = [], []
+    start = code_start = 0
+    for width, keep, count in zip(widths, plan.kept, plan.counts):
+        pick.append(torch.arange(start, start + keep))
+        offset.append(torch.full((keep,), code_start, dtype=torch.int64))
+        start += width
+        code_start += count
+    return to_device(torch.cat(pick), device), to_device(torch.cat(offset), device)
+
+
+def _expand_rescored(top_logp: Tensor, top_ids: Tensor, b: int, scorer: PrefixScorer, context_tail: Tensor,
+                     lam_t: Tensor) -> tuple[Tensor, Tensor, Tensor, tuple[int, ...]]:
+    """`build_tree`'s per-depth expansion with rescoring: rescored children are no longer sorted per
+    parent, so each depth expands the full F x K block (see `build_tree`)."""
+    r, depth, k = top_logp.shape
+    device = top_logp.device
+    hist_len = scorer.order - 1
+    # The kept frontier at the previous depth; depth 0 is the root alone.
+    front_score = torch.zeros(r, 1, device=device)
+    front_q = torch.zeros(r, 1, device=device)
+    front_hist = context_tail.long()[:, None, :]  # [R, F, n-1]
+    per_depth = []  # (score, q, code), each [R, F_d]
+    for d in range(depth):
+        f = front_score.shape[1]
+        tok_score = top_logp[:, d, None, :].expand(r, f, k)
+        cand_tokens = top_ids[:, d, None, :].expand(r, f, k)
+        rho = scorer.log_rho(front_hist, cand_tokens)
+        tok_score = tok_score + lam_t[:, d, None, None] * rho
+        cand_score = (front_score[:, :, None] + tok_score).reshape(r, f * k)
+        cand_q = (front_q[:, :, None] + top_logp[:, d, None, :]).reshape(r, f * k)
+        pf, col, code = _staircase(f, k, f * k, d, depth, device)  # all pairs, in (parent, rank) order
+        keep = min(b, cand_score.shape[1])
+        # Equal scores keep (parent order, candidate rank) order -> the documented tie-breaking.
+        score, order = _top_scores(cand_score, keep)
+        kept = code.take(order)
+        q = cand_q.gather(1, order)
+        per_depth.append((score, q, kept))
+        front_score, front_q = score, q
+        if hist_len > 0:
+            token = top_ids.reshape(r, depth * k).gather(1, kept % (depth * k))
+            parent = kept // (depth * k)
+            parent_hist = front_hist.gather(1, parent[:, :, None].expand(r, keep, hist_len))
+            front_hist = torch.cat([parent_hist[:, :, 1:], token[:, :, None]], dim=2)
+    return (torch.cat([s for s, _, _ in per_depth], dim=1), torch.cat([q for _, q, _ in per_depth], dim=1),
+            torch.cat([c for _, _, c in per_depth], dim=1), tuple(s.shape[1] for s, _, _ in per_depth))
+
+
+def _top_scores(scores: Tensor, k: int, cut: bool = True) -> tuple[Tensor, Tensor]:
     """The k best scores per row, best first, and their indices; equal scores in index order.
+    `cut` False: at least k columns (all of them where that saves the ops of cutting).
 
     Two exact ways, chosen by device (as `compile.ancestor_mask`): on a GPU, where each op is a
     kernel launch, a stable descending sort (`_top_scores_by_sort`: one op, its values come with it);
     elsewhere packed keys and `topk` (`_top_scores_by_keys`), ~5x faster than the sort on a CPU.
     """
     if scores.device.type == "cuda":
-        return _top_scores_by_sort(scores, k)
-    return _top_scores_by_keys(scores, k)
+        return _top_scores_by_sort(scores, k, cut)
+    return _top_scores_by_keys(scores, k, cut)
 
 
-def _top_scores_by_sort(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """`_top_scores` as a stable descending sort of the rows, cut to k."""
+def _top_scores_by_sort(scores: Tensor, k: int, cut: bool = True) -> tuple[Tensor, Tensor]:
+    """`_top_scores` as a stable descending sort of the rows, cut to k (unless `cut` is False)."""
     values, indices = torch.sort(scores, dim=1, descending=True, stable=True)
+    if not cut or k >= scores.shape[1]:
+        return values, indices
     return values[:, :k], indices[:, :k]
 
 
-def _top_scores_by_keys(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
+def _top_scores_by_keys(scores: Tensor, k: int, cut: bool = True) -> tuple[Tensor, Tensor]:
     """`_top_scores` as one `topk` over unique keys: the float32 score is mapped to an order-preserving
     integer and packed with the (reversed) index into one int64, so `topk` has no ties to break
     arbitrarily. NaN never reaches here (inputs are validated).
@@ -476,14 +560,14 @@ def _staircase(f: int, k: int, b: int, d: int, depth: int, device: torch.device)
         pf.append(torch.full((n,), i, dtype=torch.int64))
         pk.append(torch.arange(n, dtype=torch.int64))
     parent, col = torch.cat(pf), torch.cat(pk) + d * k
-    return parent.to(device), col.to(device), (parent * (depth * k) + col).to(device)
+    return to_device(parent, device), to_device(col, device), to_device(parent * (depth * k) + col, device)
 
 
 def _pad_tree(tree: DraftTree, width: int) -> DraftTree:
     extra = width - tree.max_nodes
 
     def pad(x: Tensor, value: float | int | bool) -> Tensor:
-        return torch.cat([x, torch.full((x.shape[0], extra), value, dtype=x.dtype, device=x.device)], dim=1)
+        return torch.cat([x, constants.filled((x.shape[0], extra), value, x.dtype, x.device)], dim=1)
 
     return DraftTree(
         tokens=pad(tree.tokens, 0),
