@@ -30,6 +30,7 @@ from typing import Iterable, Sequence
 import torch
 from torch import Tensor
 
+from .constants import device_ints
 from .transfer import HostLater, to_device, to_host_later
 
 PAD = -1  # "no token" (before the start of a sequence)
@@ -60,18 +61,8 @@ def _context_powers(radix: int, orders: int, history: int, device: torch.device)
     for m in range(orders):
         for i in range(m):
             powers[m][history - m + i] = _wrap(radix ** (m - 1 - i))
-    flat = _device_ints(tuple(v for row in powers for v in row), device).view(orders, history)
-    return flat, _device_ints(tuple(_wrap(radix**m) for m in range(orders)), device)
-
-
-@functools.lru_cache(maxsize=64)
-def _device_ints(values: tuple[int, ...], device: torch.device) -> Tensor:
-    """[len(values)] int64 constants made on `device` by fills: no host-to-device copy, which from
-    pageable memory would wait for the device (a host sync in the middle of a step). Made once."""
-    out = torch.empty(len(values), dtype=torch.int64, device=device)
-    for i, v in enumerate(values):
-        out[i : i + 1].fill_(v)
-    return out
+    flat = device_ints(tuple(v for row in powers for v in row), device).view(orders, history)
+    return flat, device_ints(tuple(_wrap(radix**m) for m in range(orders)), device)
 
 
 def _pack(namespace: Tensor, tokens: Tensor, radix: int) -> Tensor:
@@ -81,7 +72,7 @@ def _pack(namespace: Tensor, tokens: Tensor, radix: int) -> Tensor:
     m = tokens.shape[-1]
     if m == 0:
         return namespace.long()
-    powers = _device_ints(tuple(_wrap(radix**i) for i in range(m - 1, -1, -1)), tokens.device)
+    powers = device_ints(tuple(_wrap(radix**i) for i in range(m - 1, -1, -1)), tokens.device)
     return namespace.long() * _wrap(radix**m) + ((tokens.long() + 1) * powers).sum(dim=-1)
 
 
@@ -162,7 +153,7 @@ class NGramCounts:
         self._stack = self._best = None
         if not tables:
             return
-        pad = _device_ints((KEY_PAD,), self.device)
+        pad = device_ints((KEY_PAD,), self.device)
         found = [torch.searchsorted(self._tables(kind)[0][m], pad) for kind, m in tables]
         lengths = found[0] if len(found) == 1 else torch.cat(found)
         self._lengths = {"tables": tables, "lengths": to_host_later(lengths)}
@@ -293,11 +284,11 @@ class NGramCounts:
         entries = [at]
         for _ in range(length - 1):
             entries.append(next_entry[entries[-1]])
-        # [R, length] the next token's digit (token + 1) at each entry, 0 where none follows
+        # [R, length] the next token's digit (token + 1) at each entry, 0 where none follows (and then
+        # at every later step: an entry of digit 0 leads to one; a context with a PAD, digit 0, is
+        # never in the tables)
         found = best_digit[torch.stack(entries, dim=1)]
-        seen = (context >= 0).all(dim=1).to(self.device)[:, None]
-        valid = ((found > 0) & seen).int().cumprod(dim=1).bool()
-        return torch.where(valid, found - 1, 0), valid
+        return (found - 1).clamp_(min=0), found > 0
 
     def _follow_by_search(self, namespace: Tensor, context: Tensor, length: int, window: int = 16
                           ) -> tuple[Tensor, Tensor]:
@@ -309,8 +300,8 @@ class NGramCounts:
         radix, last = self.radix, keys.numel() - 1
         digits = context.to(self.device).long() + 1  # [R, m]; PAD -> digit 0, never in the tables
         ns_key = namespace.to(self.device).long() * _wrap(radix**m)  # the key's namespace part, as _pack makes it
-        powers = _device_ints(tuple(_wrap(radix**i) for i in range(m - 1, -1, -1)), self.device)
-        ends = _device_ints((1, radix), self.device)  # token digits are 1..vocab
+        powers = device_ints(tuple(_wrap(radix**i) for i in range(m - 1, -1, -1)), self.device)
+        ends = device_ints((1, radix), self.device)  # token digits are 1..vocab
         win = torch.arange(window, device=self.device)
         found, hits = [], []
         for _ in range(length):
@@ -329,38 +320,39 @@ class NGramCounts:
         return torch.where(valid, torch.cat(found, dim=1), 0), valid
 
     def _best_next(self, m: int) -> tuple[Tensor, Tensor, Tensor]:
-        """The order-(m+1) table as a chain to follow: every context key seen followed by a token, sorted
-        [L] (padded with keys past any query); per entry, with one more entry (L: none) at the end,
-        the digit (token + 1) of its most counted next token [L + 1] (the smallest token among equal
-        counts; 0: none) and the entry of the context that token makes [L + 1] (L where never seen
-        followed). Only for orders whose keys cannot wrap (see `follow`).
+        """The order-(m+1) table as a chain to follow: [L] the (namespace, context) part of each key (the
+        key divided by the radix: a floor division, monotone, so still sorted; a context's entry is its
+        first key's, where `searchsorted` finds it); per entry, with one more entry (L: none) at the
+        end, the digit (token + 1) of its most counted next token [L + 1] (the smallest token among
+        equal counts; 0: none, and at every entry that is not a context's first) and the entry of the
+        context that token makes [L + 1] (L where never seen followed). An entry of digit 0 leads to
+        one of digit 0 (a context's last digit is >= 1). Only for orders whose keys cannot wrap (see
+        `follow`).
 
-        A segmented argmax over the sorted n-gram keys, whose (namespace, context) part is the key
-        divided by the radix (a floor division: monotone, so still sorted), then one search for the
-        shifted contexts. Fixed shapes (L = the table's length), no host synchronisation; made once
-        per change of the tables."""
+        A segmented argmax over the sorted n-gram keys, then one search for the shifted contexts.
+        Fixed shapes (L = the table's length), no host synchronisation; made once per change of the
+        tables."""
         if self._best is not None and m in self._best:
             return self._best[m]
         keys, counts = self.ngram_keys[m], self.ngram_counts[m]
         n, radix = keys.numel(), self.radix
-        context = torch.div(keys, radix, rounding_mode="floor")
-        starts = torch.ones(n, dtype=torch.bool, device=keys.device)
-        starts[1:] = context[1:] != context[:-1]
-        group = starts.cumsum(0) - 1  # [L] the context's rank
-        most = torch.zeros_like(counts).scatter_reduce_(0, group, counts, "amax")
+        context = torch.div(keys, radix, rounding_mode="floor")  # [L] sorted
+        head = torch.searchsorted(context, context)  # [L] the entry of each key's context
+        most = torch.zeros_like(counts).scatter_reduce_(0, head, counts, "amax")
         index = torch.arange(n, device=keys.device)
-        first = torch.full_like(index, n).scatter_reduce_(0, group, torch.where(counts == most[group], index, n), "amin")
-        contexts = torch.full_like(keys, torch.iinfo(torch.int64).max).scatter_(0, group, context)
-        # [L]; 0 for a context without a counted follower (the `KEY_PAD` padding's)
-        digit = torch.where((first < n) & (most > 0), keys[first.clamp(max=n - 1)] % radix, 0)
+        first = torch.full_like(index, n).scatter_reduce_(0, head, torch.where(counts == most[head], index, n), "amin")
+        # [L]; 0 where no counted follower (the `KEY_PAD` padding's context) and where no context starts
+        digit = torch.where(most > 0, keys[first.clamp(max=n - 1)] % radix, 0)
         # the context after the token: the oldest digit shifted out, the token's shifted in
-        span = radix**m
-        namespace = torch.div(contexts, span, rounding_mode="floor")
-        shifted = namespace * span + (contexts - namespace * span) % (span // radix) * radix + digit
-        after = torch.searchsorted(contexts, shifted).clamp_(max=n - 1)
-        after = torch.where((contexts[after] == shifted) & (digit > 0), after, n)
+        if m > 0:
+            span = radix**m  # (namespace, context) = namespace * span + the context's m digits
+            shifted = context - context % span + context % (span // radix) * radix + digit
+        else:
+            shifted = context  # no context digits: the namespace alone
+        after = torch.searchsorted(context, shifted).clamp_(max=n - 1)
+        after = torch.where(context[after] == shifted, after, n)
         none = torch.full((1,), n, dtype=torch.int64, device=keys.device)
-        self._best = (self._best or {}) | {m: (contexts, torch.cat([digit, none * 0]), torch.cat([after, none]))}
+        self._best = (self._best or {}) | {m: (context, torch.cat([digit, none * 0]), torch.cat([after, none]))}
         return self._best[m]
 
     def save(self, path: str | Path) -> None:
@@ -408,7 +400,7 @@ def _merge(keys: Tensor, counts: Tensor, new_keys: Tensor, new_valid: Tensor) ->
     all_keys, order = torch.sort(torch.cat([keys, new_keys]))
     all_counts = torch.cat([counts, new_valid.to(counts.dtype)])[order]
     # [L + N] each key's rank among the distinct keys: how many times the key changed before it
-    group = torch.cat([_device_ints((0,), keys.device), all_keys[1:] != all_keys[:-1]]).cumsum(0)
+    group = torch.cat([device_ints((0,), keys.device), all_keys[1:] != all_keys[:-1]]).cumsum(0)
     merged = torch.full_like(all_keys, KEY_PAD).scatter_(0, group, all_keys)
     return merged, torch.zeros_like(all_counts).scatter_add_(0, group, all_counts)
 
@@ -580,7 +572,7 @@ class NGramModel:
         if windows.shape[0]:
             self.online.add(namespace, windows, longest_only=not self.scoring, valid=flat_valid)
         # the new tails: the n-1 tokens before each row's first PAD
-        last = valid.sum(dim=1, keepdim=True) + _device_ints(tuple(range(n1)), self.device)
+        last = valid.sum(dim=1, keepdim=True) + device_ints(tuple(range(n1)), self.device)
         self.tails = self.tails.index_put((slots_d,), seq.gather(1, last))
         return slots_d
 
