@@ -3,8 +3,8 @@
 A verify step writes tree row i of request r at logical position ctx_r + i. After the walk the
 accepted path's rows must sit at ctx_r + depth so that the next step (and the scheduler's rollback
 of num_computed_tokens to ctx_r + accepted + 1) sees exactly the committed text. The moves come
-from `vllm_ddtree.tree.compaction_plan` as logical positions; here they become physical slots
-through the block table and are applied to every layer's cache: gather all sources, then scatter
+from `vllm_ddtree.tree.compaction_plan` as logical positions (`path_row_moves` as verify rows, what a
+verify step's row index maps); here they become physical slots through the block table and are applied to every layer's cache: gather all sources, then scatter
 (a source is never before its destination, and no-op entries copy the root onto itself).
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from vllm_ddtree.tree import KVCompaction, TreeBatch, compaction_plan, walk_position
+from vllm_ddtree.tree import KVCompaction, TreeBatch, constants, path_row_moves, walk_position
 
 
 def positions_to_slots(block_table: Tensor, positions: Tensor, block_size: int) -> Tensor:
@@ -164,17 +164,13 @@ def accepted_path_moves(batch: TreeBatch, path_rows: Tensor, row_index: Tensor, 
     """
     r, n = batch.tokens.shape
     dev = row_index.device
-    plan = compaction_plan(batch, path_rows)
-    root = batch.context_lens.view(r, 1)
-    src_rows = row_index.gather(1, (plan.src - root).clamp(min=0))
-    dst_rows = row_index.gather(1, (plan.dst - root).clamp(min=0))
+    src_rows, dst_rows = (row_index.gather(1, rows) for rows in path_row_moves(path_rows))
     src, dst = slot_mapping[src_rows.reshape(-1)], slot_mapping[dst_rows.reshape(-1)]
     # Accepted path first within each request: valid rows come first in a TreeBatch, and after the
     # sort path rows (keys = path index < n) precede the other valid rows (n + row) and the padding.
     on_path = walk_position(path_rows, n)
-    order = torch.where(on_path >= 0, on_path, n + torch.arange(n, device=dev)).argsort(dim=1)
+    order = torch.where(on_path >= 0, on_path, constants.arange(2 * n, dev, start=n)).argsort(dim=1)
     t = slot_mapping.shape[0]
-    context_order = torch.arange(t + 1, device=dev)
-    context_order.scatter_(0, torch.where(batch.valid, row_index, t).reshape(-1),
-                           torch.where(batch.valid, row_index.gather(1, order), t).reshape(-1))
+    context_order = constants.arange(t + 1, dev).scatter(0, torch.where(batch.valid, row_index, t).reshape(-1),
+                                                         torch.where(batch.valid, row_index.gather(1, order), t).reshape(-1))
     return PathMoves(src, dst, context_order[:t])

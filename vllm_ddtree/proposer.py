@@ -28,6 +28,7 @@ from vllm_ddtree.tree import (
     SpeculationGate,
     add_branch,
     build_tree,
+    constants,
     get_profile,
     topk_per_depth,
     to_device,
@@ -495,7 +496,7 @@ class DDTreeProposer(DFlashProposer):
             plan = self.auto.choose_plan(tree.scores, cad.seq_lens[:r], valid)
             tree = tree.truncate(plan.budgets.clamp(max=build))
             if valid is not None:  # the lookup nodes the budget bought
-                valid = valid & (torch.arange(self.lookup, device=valid.device)[None, :] < plan.extra[:, None])
+                valid = valid & (constants.arange(self.lookup, valid.device) < plan.extra[:, None])
         if branch is not None:  # within the scheduler's count
             tree = add_branch(tree, branch, valid, max_nodes=self._cap)
         host = self._store(req_ids, tree)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from vllm_ddtree.tree import NO_PARENT, DraftTree, TreeBatch, compile_tree, to_device, walk_tree
+from vllm_ddtree.tree import NO_PARENT, DraftTree, TreeBatch, compile_tree, constants, to_device, walk_tree
 
 from vllm_ddtree.compaction import accepted_path_moves, move_slots_
 from vllm_ddtree.proposer import DDTreeProposer
@@ -35,6 +35,7 @@ class TreeStep:
 
     batch: TreeBatch
     row_index: Tensor  # [R, N] flat token index of each verify row (0 where padding)
+    logit_rows: Tensor  # [R, N] each verify row's row of the target's logits (0 where padding)
     slot_mapping: Tensor  # [T] KV slot of every scheduled token (sequential positions)
     sequential_positions: Tensor | None = None  # [T] positions before the tree's context + depth rewrite
     node_scores: Tensor | None = None  # [R, N - 1] prefix score of each node (automatic budget only)
@@ -127,6 +128,9 @@ def prepare_tree_step(runner, spec_decode_metadata, total_tokens: int) -> TreeSt
     roots = step_ids[root_index].long()
     batch = compile_tree(tree, roots, ctx)  # on the host: the scheduled drafts are host lists
     row_index = torch.where(batch.valid, root_index[:, None] + torch.arange(width + 1), 0)
+    # logits rows are request-major, 1 + drafts per request (spec_decode_metadata.logits_indices)
+    counts = torch.tensor(spec_decode_metadata.num_draft_tokens, dtype=torch.int64) + 1
+    logit_rows = torch.where(batch.valid, (torch.cumsum(counts, 0) - counts)[:, None] + torch.arange(width + 1), 0)
     flat = row_index[batch.valid]
     dev = runner.positions.device
     sequential = runner.positions[:total_tokens].clone()  # the drafter's context positions (sample_tree_step)
@@ -143,7 +147,8 @@ def prepare_tree_step(runner, spec_decode_metadata, total_tokens: int) -> TreeSt
     set_step_tree_masks(TreeStepMasks(has_tree=to_device(drafted_t > 0, dev), num_rows=batch.num_rows,
                                       ancestors=batch.ancestors, has_tree_cpu=drafted_t > 0))
     slot_mapping = runner.input_batch.block_table[0].slot_mapping.gpu[:total_tokens].clone()
-    return TreeStep(batch=batch, row_index=to_device(row_index, dev), slot_mapping=slot_mapping,
+    return TreeStep(batch=batch, row_index=to_device(row_index, dev), logit_rows=to_device(logit_rows, dev),
+                    slot_mapping=slot_mapping,
                     node_scores=None if node_scores is None else to_device(node_scores, dev),
                     from_tree=to_device(from_tree, dev), sequential_positions=sequential, step_size=step_size)
 
@@ -157,11 +162,8 @@ def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadat
     set_step_tree_masks(None)  # the drafter's attention is built next: plain masks for it
     batch = step.batch
     r, n = batch.tokens.shape
-    # logits rows are request-major, 1 + drafts per request (spec_decode_metadata.logits_indices)
     counts = torch.tensor(spec_decode_metadata.num_draft_tokens) + 1
-    starts = to_device(torch.cumsum(counts, 0) - counts, batch.valid.device)
-    rows = torch.where(batch.valid, starts[:, None] + torch.arange(n, device=starts.device), 0)
-    rows = rows.to(logits.device)
+    rows = step.logit_rows.to(logits.device)
     md = runner.input_batch.sampling_metadata
     row_tokens = sample_rows(logits, rows, md, batch, counts.tolist())  # host counts: ragged chunks, no device read
     walk = walk_tree(batch, torch.where(batch.valid, row_tokens, -1))
@@ -207,13 +209,13 @@ def _calibrate(proposer: DDTreeProposer, step: TreeStep, path_rows: Tensor) -> N
     batch = step.batch
     verified = batch.valid[:, 1:] & step.from_tree.view(-1, 1)
     scores = step.node_scores.to(path_rows.device)  # [R, N - 1]: node j is verify row j + 1
-    pad = torch.full((scores.shape[0], 1), -math.inf, dtype=scores.dtype, device=scores.device)
+    pad = constants.filled((scores.shape[0], 1), -math.inf, scores.dtype, scores.device)
     scores = torch.cat([scores, pad], dim=1)  # + a column the padding of path_rows reads
     nodes = path_rows[:, 1:]  # accepted rows after the root, -1 padded
     node_index = torch.where(nodes > 0, nodes - 1, scores.shape[1] - 1).clamp(max=scores.shape[1] - 1)
     # [R, N - 1]: the accepted nodes (padding lands in the extra column, dropped); infinite scores
     # (lookup nodes) are left out by the calibration itself.
-    on_path = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(1, node_index, nodes > 0)
+    on_path = constants.filled(tuple(scores.shape), False, torch.bool, scores.device).scatter(1, node_index, nodes > 0)
     accepted = on_path[:, :-1] & step.from_tree.to(path_rows.device).view(-1, 1)
     proposer.auto.observe_acceptance(step.node_scores, verified, accepted)
     if step.step_size is not None:  # the step verified trees only: its cost is known

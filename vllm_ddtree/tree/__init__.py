@@ -27,6 +27,7 @@ from .compile import (
     ancestor_mask,
     apply_compaction_,
     compaction_plan,
+    path_row_moves,
     compile_tree,
     dense_attention_mask,
     flashinfer_tree_mask,

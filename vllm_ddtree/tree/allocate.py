@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from . import constants
 from .cost import CostModel
 
 def node_gains(draft_logp: Tensor) -> Tensor:
@@ -65,12 +66,12 @@ def batch_estimate(draft_logp: Tensor, budgets: Tensor, context_lens: Tensor, co
     extra_gains [R, L] / extra [R]: an extra path's node gains and how many of them each request takes.
     """
     gains = node_gains(draft_logp)
-    take = torch.arange(gains.shape[1], device=gains.device)[None, :] < budgets[:, None]
+    take = constants.arange(gains.shape[1], gains.device) < budgets[:, None]
     expected = (gains * take).sum() + gains.shape[0]
     nodes = budgets.sum()
     if extra_gains is not None:
         g = path_gains(extra_gains)
-        expected = expected + (g * (torch.arange(g.shape[1], device=g.device)[None, :] < extra[:, None])).sum()
+        expected = expected + (g * (constants.arange(g.shape[1], g.device) < extra[:, None])).sum()
         nodes = nodes + extra.sum()
     secs = cost.step_seconds(nodes, context_lens.sum(), context_lens.numel())
     return BudgetPlan(budgets, expected, secs, expected / secs, extra)
@@ -134,16 +135,16 @@ def allocate_batch(
     w = optional.shape[1]
     flat = optional.reshape(-1)
     # Stable sort: equal gains keep (request, position) order, so each request's picks stay a prefix.
-    order = torch.sort(flat, descending=True, stable=True).indices
-    cum = torch.cat([torch.zeros(1, device=flat.device), torch.cumsum(flat[order], dim=0)])  # [R*W + 1]
-    extra = torch.arange(r * w + 1, device=flat.device, dtype=torch.float32)
-    total_nodes = extra + r * min_budget
+    ranked, order = torch.sort(flat, descending=True, stable=True)
+    cum = torch.cat([constants.filled((1,), 0.0, flat.dtype, flat.device), torch.cumsum(ranked, dim=0)])  # [R*W + 1]
+    extra = constants.arange(r * w + 1, flat.device)  # optional nodes bought
+    total_nodes = extra + float(r * min_budget)
     expected = r + forced + cum
     secs = cost.step_seconds(total_nodes, context_lens.sum(), r)
     score = expected / secs if rate is None else expected - torch.as_tensor(rate, device=secs.device) * secs
     best = score.argmax()
-    chosen = torch.arange(r * w, device=flat.device) < best
-    picked = torch.zeros(r * w, dtype=torch.int64, device=flat.device).scatter_(0, order, chosen.long()).view(r, w)
+    chosen = extra[: r * w] < best
+    picked = constants.filled((r * w,), False, torch.bool, flat.device).scatter(0, order, chosen).view(r, w)
     tree_w = max_budget - min_budget
     budgets = min_budget + picked[:, :tree_w].sum(dim=1)
     # The plan's estimate is the curves' point at `best` (what `batch_estimate` of these budgets

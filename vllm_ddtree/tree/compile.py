@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from . import constants
 from .build import NO_PARENT, DraftTree
 from .transfer import to_device
 
@@ -211,16 +212,20 @@ class KVCompaction:
     dst: Tensor
 
 
+def path_row_moves(path_rows: Tensor) -> tuple[Tensor, Tensor]:
+    """The moves that make the accepted path contiguous, as verify rows (the root is row 0):
+    path_rows [R, L+1] from `walk_tree` (-1 pad) -> src, dst [R, L]: for accepted depth j, row
+    path[j] -> row j; past the accepted length row 0 -> row 0 (a no-op)."""
+    rows = path_rows[:, 1:]
+    depth = constants.arange(rows.shape[1] + 1, rows.device, start=1)
+    return rows.clamp(min=0), torch.where(rows >= 0, depth, 0)
+
+
 def compaction_plan(batch: TreeBatch, path_rows: Tensor) -> KVCompaction:
     """KV moves that make the accepted path contiguous. path_rows [R, L+1] from `walk_tree` (-1 pad)."""
-    r = batch.batch_size
-    ctx = batch.context_lens.view(r, 1)
-    rows = path_rows[:, 1:]
-    depth = torch.arange(1, rows.shape[1] + 1, device=rows.device).view(1, -1)
-    accepted = rows >= 0
-    src = torch.where(accepted, ctx + rows, ctx)
-    dst = torch.where(accepted, ctx + depth, ctx)
-    return KVCompaction(src=src, dst=dst)
+    ctx = batch.context_lens.view(batch.batch_size, 1)  # the root's position
+    src, dst = path_row_moves(path_rows)
+    return KVCompaction(src=ctx + src, dst=ctx + dst)
 
 
 def apply_compaction_(cache: Tensor, src_slots: Tensor, dst_slots: Tensor) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from . import constants
 from .compile import TreeBatch
 
 PAD_TOKEN = -1
@@ -76,14 +77,13 @@ def walk_tree(batch: TreeBatch, row_tokens: Tensor) -> WalkResult:
     # depth), instead of stepping down the tree one depth at a time.
     parent_target = row_tokens.gather(1, batch.parents.clamp(min=0))
     matches = batch.valid & (batch.parents >= 0) & (batch.tokens == parent_target)
-    ok = matches | (torch.arange(n, device=device) == 0)  # the root is on every path
+    ok = matches | (constants.arange(n, device) == 0)  # the root is on every path
     accepted = batch.valid & ~(batch.ancestors & ~ok[:, None, :]).any(dim=2)  # [R, N], the root included
 
     steps = batch.max_depth + 1
     # path[r, d] = the accepted row at depth d: one scatter (the others land in a spare column).
-    path = torch.full((r, steps + 1), -1, dtype=torch.int64, device=device)
-    row_ids = torch.arange(n, device=device).expand(r, n)
-    path.scatter_(1, torch.where(accepted, batch.depths.clamp(max=steps - 1), steps), row_ids)
+    path = constants.filled((r, steps + 1), -1, torch.int64, device).scatter(
+        1, torch.where(accepted, batch.depths.clamp(max=steps - 1), steps), constants.arange(n, device).expand(r, n))
     path = path[:, :steps]
     out = torch.where(path >= 0, row_tokens.gather(1, path.clamp(min=0)), PAD_TOKEN)
     return WalkResult(output_tokens=out, num_emitted=accepted.sum(dim=1), path_rows=path)
@@ -94,7 +94,6 @@ def walk_position(path_rows: Tensor, n: int) -> Tensor:
     r, steps = path_rows.shape
     dev = path_rows.device
     # Padding (-1) goes to an extra column that is dropped: a boolean-mask index would sync.
-    pos = torch.full((r, n + 1), -1, dtype=torch.int64, device=dev)
     cols = torch.where(path_rows >= 0, path_rows, n)
-    pos.scatter_(1, cols, torch.arange(steps, device=dev).expand(r, steps).contiguous())
+    pos = constants.filled((r, n + 1), -1, torch.int64, dev).scatter(1, cols, constants.arange(steps, dev).expand(r, steps))
     return pos[:, :n]
