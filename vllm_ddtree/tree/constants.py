@@ -1,8 +1,10 @@
-"""Constant tensors of the step path, made once per shape and device and then shared.
+"""Constant tensors of the step path, made once and then shared.
 
-An index range or a filled block made afresh is one more kernel launch per step on a GPU; made once,
-it is none (and a CUDA graph captures it as a plain input). Made on the device by fills or `arange`:
-a host-to-device copy from pageable memory would wait for the device.
+An index range or a filled block made afresh is one more kernel launch per step on a GPU; a view of
+one made once is none. Memory stays bounded whatever shapes the steps take: a filled block is one
+scalar expanded (no memory), an index range a slice of one range per device that grows by doubling
+to the longest asked for. Made on the device (fills, `arange`): a host-to-device copy from pageable
+memory would wait for the device.
 
 Shared: never write into one (use out-of-place ops: `scatter`, not `scatter_`).
 """
@@ -14,23 +16,36 @@ import functools
 import torch
 from torch import Tensor
 
+_RANGES: dict[torch.device, Tensor] = {}  # per device: 0, 1, ..., n - 1 (int64), n a power of two
+
 
 @functools.lru_cache(maxsize=1024)
 def device_ints(values: tuple[int, ...], device: torch.device) -> Tensor:
-    """[len(values)] int64 `values` on `device` (digit weights, one-element constants)."""
+    """[len(values)] int64 `values` on `device` (digit weights, one-element constants); for values
+    that do not depend on the step's shapes (each distinct tuple is kept)."""
     out = torch.empty(len(values), dtype=torch.int64, device=device)
     for i, v in enumerate(values):
         out[i : i + 1].fill_(v)
     return out
 
 
-@functools.lru_cache(maxsize=1024)
 def arange(stop: int, device: torch.device, start: int = 0) -> Tensor:
-    """[stop - start] int64 start, start + 1, ..., stop - 1 on `device`."""
-    return torch.arange(start, stop, dtype=torch.int64, device=device)
+    """[stop - start] int64 start, start + 1, ..., stop - 1 on `device` (a view)."""
+    device = torch.device(device)
+    base = _RANGES.get(device)
+    if base is None or base.numel() < stop:
+        size = 1024
+        while size < stop:
+            size *= 2
+        base = _RANGES[device] = torch.arange(size, dtype=torch.int64, device=device)
+    return base[start:stop]
 
 
-@functools.lru_cache(maxsize=1024)
 def filled(shape: tuple[int, ...], value: float | int | bool, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A `shape` block of `value` on `device`."""
-    return torch.full(shape, value, dtype=dtype, device=device)
+    """A `shape` block of `value` on `device`: one stored scalar, expanded (a view)."""
+    return _scalar(value, dtype, torch.device(device)).expand(shape)
+
+
+@functools.lru_cache(maxsize=256)
+def _scalar(value: float | int | bool, dtype: torch.dtype, device: torch.device) -> Tensor:
+    return torch.full((), value, dtype=dtype, device=device)
