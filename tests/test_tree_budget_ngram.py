@@ -690,7 +690,24 @@ def _continuation_one_lookup_at_a_time(model: NGramModel, slots: list[int], tail
     return tokens, valid
 
 
-def test_continuation_equals_one_lookup_at_a_time():
+def test_a_sorted_value_s_first_entry_is_found_alike_by_search_and_by_scan():
+    # The lookup chain's context entries: one search on a GPU, a linear scan on a CPU.
+    from vllm_ddtree.tree import ngram
+
+    g = torch.Generator().manual_seed(3)
+    for n in (1, 2, 7, 500):
+        values = torch.sort(torch.randint(0, max(n // 3, 1), (n,), generator=g)).values
+        values[-1] = torch.iinfo(torch.int64).max  # a run of padding keys' value at the end
+        want = [next(i for i, v in enumerate(values.tolist()) if v == x) for x in values.tolist()]
+        assert ngram._context_heads_by_search(values).tolist() == want
+        assert ngram._context_heads_by_scan(values).tolist() == want
+
+
+@pytest.mark.parametrize("heads", ["_context_heads_by_scan", "_context_heads_by_search"])
+def test_continuation_equals_one_lookup_at_a_time(heads, monkeypatch):
+    from vllm_ddtree.tree import ngram
+
+    monkeypatch.setattr(ngram, "_context_heads", getattr(ngram, heads))  # the CPU's way, then the GPU's
     # Random texts over a small vocabulary (many repeats, ties between next tokens, contexts followed
     # by many tokens), PAD in short tails, a slot never seen.
     g = torch.Generator().manual_seed(5)

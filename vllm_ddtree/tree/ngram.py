@@ -52,6 +52,26 @@ def _search_orders_at_once(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def _context_heads(context: Tensor) -> Tensor:
+    """[L] sorted values -> [L] the index of each value's first occurrence. Two exact ways, chosen by
+    device (as `_search_orders_at_once`): on a GPU one `searchsorted` of the values in themselves (one
+    op); elsewhere a linear pass (run starts marked, then a running maximum of their indices), several
+    times faster than the search on a CPU for a table of 10^5 keys."""
+    if context.device.type == "cuda":
+        return _context_heads_by_search(context)
+    return _context_heads_by_scan(context)
+
+
+def _context_heads_by_search(context: Tensor) -> Tensor:
+    return torch.searchsorted(context, context)
+
+
+def _context_heads_by_scan(context: Tensor) -> Tensor:
+    starts = torch.cat([device_ints((1,), context.device).bool(), context[1:] != context[:-1]])
+    index = torch.arange(context.numel(), device=context.device)
+    return torch.where(starts, index, 0).cummax(dim=0).values
+
+
 @functools.lru_cache(maxsize=16)
 def _context_powers(radix: int, orders: int, history: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """The digit weights of `_pack` for contexts of 0..orders-1 tokens taken from the end of a
@@ -337,7 +357,7 @@ class NGramCounts:
         keys, counts = self.ngram_keys[m], self.ngram_counts[m]
         n, radix = keys.numel(), self.radix
         context = torch.div(keys, radix, rounding_mode="floor")  # [L] sorted
-        head = torch.searchsorted(context, context)  # [L] the entry of each key's context
+        head = _context_heads(context)  # [L] the entry of each key's context
         most = torch.zeros_like(counts).scatter_reduce_(0, head, counts, "amax")
         index = torch.arange(n, device=keys.device)
         first = torch.full_like(index, n).scatter_reduce_(0, head, torch.where(counts == most[head], index, n), "amin")
