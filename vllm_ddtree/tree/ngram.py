@@ -283,7 +283,7 @@ class NGramCounts:
 
         One `searchsorted` finds the context, then each step is a gather in the table of best next
         tokens (`_best_next`, made once per change of the tables): the context the token makes; one
-        more gather reads every step's token. About 30 device ops for 8 steps (and about 45 to remake
+        more gather reads every step's token. About 20 device ops for 8 steps (and about 35 to remake
         the table after a merge), no host synchronisation: this runs on every engine step with a
         lookup branch. Where keys of this order can wrap (radix^(m+1) past 63 bits, see the module
         docstring) a key has no context part to divide out: `_follow_by_search` then searches each
