@@ -135,9 +135,9 @@ class DDTreeStats:
     _gate_logged: tuple = (0, 0)
 
     def record(self, nodes: Tensor, depths: Tensor, accepted: Tensor) -> None:
-        dev = accepted.device
-        step = torch.stack([(nodes > 0).sum().to(dev), nodes.sum().to(dev), depths.sum().to(dev),
-                            accepted.sum()]).to(torch.float64)
+        # [4, R] summed per row in one pass (stack promotes the bool row)
+        step = torch.stack([nodes > 0, nodes, depths.to(nodes.device), accepted.to(nodes.device)]).sum(
+            dim=1, dtype=torch.float64).to(accepted.device)
         self.totals = step if self.totals is None else self.totals + step
         now = time.monotonic()
         if now - self._last_log >= self.interval:

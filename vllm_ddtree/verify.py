@@ -208,14 +208,12 @@ def _calibrate(proposer: DDTreeProposer, step: TreeStep, path_rows: Tensor) -> N
     """
     batch = step.batch
     verified = batch.valid[:, 1:] & step.from_tree.view(-1, 1)
-    scores = step.node_scores.to(path_rows.device)  # [R, N - 1]: node j is verify row j + 1
-    pad = constants.filled((scores.shape[0], 1), -math.inf, scores.dtype, scores.device)
-    scores = torch.cat([scores, pad], dim=1)  # + a column the padding of path_rows reads
-    nodes = path_rows[:, 1:]  # accepted rows after the root, -1 padded
-    node_index = torch.where(nodes > 0, nodes - 1, scores.shape[1] - 1).clamp(max=scores.shape[1] - 1)
-    # [R, N - 1]: the accepted nodes (padding lands in the extra column, dropped); infinite scores
+    r, n = step.node_scores.shape  # [R, N - 1]: node j is verify row j + 1
+    nodes = path_rows[:, 1:]  # accepted rows after the root, -1 padded: node row - 1, at most n - 1
+    node_index = torch.where(nodes > 0, nodes - 1, n)
+    # [R, N - 1]: the accepted nodes (padding lands in an extra column, dropped); infinite scores
     # (lookup nodes) are left out by the calibration itself.
-    on_path = constants.filled(tuple(scores.shape), False, torch.bool, scores.device).scatter(1, node_index, nodes > 0)
+    on_path = constants.filled((r, n + 1), False, torch.bool, path_rows.device).scatter(1, node_index, nodes > 0)
     accepted = on_path[:, :-1] & step.from_tree.to(path_rows.device).view(-1, 1)
     proposer.auto.observe_acceptance(step.node_scores, verified, accepted)
     if step.step_size is not None:  # the step verified trees only: its cost is known

@@ -42,6 +42,7 @@ class AcceptanceCalibration:
     prior: float = 4.0  # pseudo-nodes at factor 1 in every bin
     bin_predicted: Tensor | None = None  # [E + 1] decayed sum of p ** beta over the bin's verified nodes
     bin_accepted: Tensor | None = None  # [E + 1] decayed count of the bin's accepted nodes
+    _beta: Tensor | None = field(default=None, repr=False, compare=False)  # `beta`, until the next update
 
     def __post_init__(self) -> None:
         if not 0 < self.alpha <= 1:
@@ -63,7 +64,7 @@ class AcceptanceCalibration:
 
     def _bins(self, draft_logp: Tensor) -> Tensor:
         # -inf (no node) lands in bin 0 with the lowest finite scores; callers mask it out or keep -inf.
-        return torch.bucketize(draft_logp.clamp(min=-1e4).contiguous(), self.bin_edges)
+        return torch.bucketize(draft_logp.contiguous(), self.bin_edges)
 
     def update(self, draft_logp: Tensor, verified: Tensor, accepted: Tensor) -> None:
         """draft_logp/verified/accepted [R, N] of the step: each node's score, whether it was verified,
@@ -81,15 +82,18 @@ class AcceptanceCalibration:
         self.predicted.mul_(1 - self.alpha).add_(pred, alpha=self.alpha)
         self.accepted.mul_(1 - self.alpha).add_(hit.sum(), alpha=self.alpha)
         self.updates += 1
+        self._beta = None
 
     @property
     def beta(self) -> Tensor:
         """[] the exponent whose predictions match the measured acceptances best (1 before any data)."""
         if self.updates == 0:
             return torch.ones((), device=self.betas.device)
-        gap = (self.predicted.clamp(min=1e-6).log() - self.accepted.clamp(min=1e-6).log()).abs()
-        # index_select, not betas[argmin]: indexing with a 0-d tensor reads it on the host (a sync).
-        return self.betas.index_select(0, gap.argmin().view(1)).squeeze(0)
+        if self._beta is None:  # once per update: the budget's rescaling and the next update read it
+            gap = (self.predicted.clamp(min=1e-6).log() - self.accepted.clamp(min=1e-6).log()).abs()
+            # index_select, not betas[argmin]: indexing with a 0-d tensor reads it on the host (a sync).
+            self._beta = self.betas.index_select(0, gap.argmin().view(1)).squeeze(0)
+        return self._beta
 
     @property
     def reliability(self) -> Tensor:
@@ -101,6 +105,7 @@ class AcceptanceCalibration:
         self.betas, self.predicted, self.accepted, self.bin_edges, self.bin_predicted, self.bin_accepted = (
             x.to(device) for x in (self.betas, self.predicted, self.accepted, self.bin_edges,
                                    self.bin_predicted, self.bin_accepted))
+        self._beta = None
         return self
 
     def rescale(self, draft_logp: Tensor) -> Tensor:

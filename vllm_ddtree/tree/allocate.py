@@ -27,9 +27,9 @@ from . import constants
 from .cost import CostModel
 
 def node_gains(draft_logp: Tensor) -> Tensor:
-    """Per-node acceptance gains [R, B] along the best-first order, made non-increasing; 0 if invalid."""
-    g = torch.where(torch.isfinite(draft_logp), draft_logp.float().exp(), 0.0)
-    return torch.cummin(g, dim=1).values
+    """Per-node acceptance gains [R, B] along the best-first order, made non-increasing; 0 if invalid
+    (an invalid node's log-probability is -inf; every other is finite and at most 0)."""
+    return torch.cummin(draft_logp.float().exp(), dim=1).values
 
 
 @dataclass

@@ -126,10 +126,12 @@ def add_branch(tree: DraftTree, tokens: Tensor, valid: Tensor, max_nodes: int) -
     # path's token at their depth. Ancestors by pointer doubling over [R, B + 1] (column B is the
     # root, its own parent): ceil(log2 L) passes, not one per path depth (siblings hold distinct
     # tokens, so the nodes on the path form one chain).
-    at = (tree.depths - 1).clamp(0, max(length - 1, 0))
-    holds = (tree.valid & (tree.depths <= length) & (tokens.gather(1, at) == tree.tokens) & valid.gather(1, at))
+    index = tree.depths - 1  # the node's path position; a node is on the path only within 1..L
+    at = index.clamp(0, max(length - 1, 0))
+    holds = (at == index) & (tokens.gather(1, at) == tree.tokens) & valid.gather(1, at)  # (no node: depth 0)
     ok = torch.cat([holds, constants.filled((r, 1), True, torch.bool, dev)], dim=1)
-    up = torch.cat([torch.where(tree.parents >= 0, tree.parents, b), constants.filled((r, 1), b, torch.int64, dev)], dim=1)
+    # parents, the root's children's (-1) made the root column B
+    up = torch.cat([tree.parents.remainder(b + 1), constants.filled((r, 1), b, torch.int64, dev)], dim=1)
     for _ in range(math.ceil(math.log2(length)) if length > 1 else 0):
         ok = ok & ok.gather(1, up)
         up = up.gather(1, up)
@@ -188,7 +190,7 @@ def tree_to_host(tree: DraftTree, with_scores: bool = False) -> HostTrees:
     """
     w = tree.max_nodes
     # On the device: the drafter-ranked nodes' depths (an `add_branch` path scores -inf), one host max below.
-    is_ranked = tree.valid & torch.isfinite(tree.scores)
+    is_ranked = torch.isfinite(tree.scores)  # (a node that is not valid scores -inf)
     ranked = torch.where(is_ranked, tree.depths, 0)
     fields = [tree.tokens, tree.parents, tree.depths, tree.num_nodes[:, None], ranked,
               is_ranked.sum(dim=1, keepdim=True)] + ([tree.scores] if with_scores else [])

@@ -75,8 +75,9 @@ def walk_tree(batch: TreeBatch, row_tokens: Tensor) -> WalkResult:
     # tokens, so the rows whose whole path matches form one path from the root: the accepted one.
     # Found for every row at once through the ancestor mask (a fixed number of ops, whatever the
     # depth), instead of stepping down the tree one depth at a time.
-    parent_target = row_tokens.gather(1, batch.parents.clamp(min=0))
-    matches = batch.valid & (batch.parents >= 0) & (batch.tokens == parent_target)
+    # (The root's and the padding's matches do not matter: the root is on every path, and a padding
+    # row is no valid row's ancestor.)
+    matches = batch.tokens == row_tokens.gather(1, batch.parents.clamp(min=0))
     ok = matches | (constants.arange(n, device) == 0)  # the root is on every path
     accepted = batch.valid & ~(batch.ancestors & ~ok[:, None, :]).any(dim=2)  # [R, N], the root included
 
