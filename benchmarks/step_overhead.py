@@ -17,8 +17,9 @@ leaves the GPU idle. Neither shows as time on a CPU, so this counts them, on the
     the factories and copies that make a tensor on the device (``torch.arange(n, device=x.device)``,
     ``t.to(x.device)``: device data reports a stand-in device, ``STANDIN``), and every op of the
     n-gram model (its tables live on the drafter's device in an engine); ``host_ops``: aten ops on
-    host tensors only (on a GPU: host time, no launch). Views count as ops. Counted in a step after
-    one uncounted step of the same shapes: constants made once per shape are start-up work.
+    host tensors only (on a GPU: host time, no launch). Views count as ops; ``device_views`` says how
+    many of the device ops are views (a dispatch's host time, no kernel). Counted in a step after one
+    uncounted step of the same shapes: constants made once per shape are start-up work.
   * ``host_copies``: reads of device data on the host (``.tolist()``, ``.item()``, ``.cpu()``,
     ``int()``... of a tensor derived from device data), counted by a tensor subclass that marks the
     device's data: every read, deliberate or not.
@@ -149,6 +150,7 @@ class OpCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.device_ops = self.host_ops = 0
+        self.device_views = 0  # of the device ops, views (no kernel: a dispatch of host time only)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -158,6 +160,7 @@ class OpCounter(TorchDispatchMode):
             kwargs = kwargs | {"device": torch.device("cpu")}
         if made_there or any(isinstance(a, DeviceData) for a in flat) or in_ngram_tables():
             self.device_ops += 1
+            self.device_views += func.is_view
         else:
             self.host_ops += 1
         out = func(*args, **kwargs)
@@ -367,7 +370,8 @@ def _one_step(code, batch: int, budget, ngram: bool, lookup: int, vocab: int, la
     accepted = (out.sampled_token_ids >= 0).sum(dim=1).float().mean().item() - 1
     row = dict(nodes=sum(len(d) for d in drafts) / batch, accepted=accepted, glue_ms=1e3 * ((t1 - t0) + (t3 - t2)))
     if count:
-        row |= dict(device_ops=counter.device_ops, host_ops=counter.host_ops, host_copies=reads,
+        row |= dict(device_ops=counter.device_ops, device_views=counter.device_views, host_ops=counter.host_ops,
+                    host_copies=reads,
                     counted_host_reads=code.host_reads.count if code.host_reads is not None else None)
     return row
 
@@ -386,8 +390,9 @@ def pipeline_rows(quick: bool, repeats: int) -> list[dict]:
                         glue = [one_step(code, batch, budget, ngram, lookup, 512, 36, s, False)["glue_ms"]
                                 for s in range(repeats)]
                     rows.append(dict(engine="pipeline", batch=batch, budget=budget, ngram=ngram, lookup=lookup,
-                                     **{k: counted[k] for k in ("device_ops", "host_ops", "host_copies",
-                                                                "counted_host_reads", "nodes", "accepted")},
+                                     **{k: counted[k] for k in ("device_ops", "device_views", "host_ops",
+                                                                "host_copies", "counted_host_reads", "nodes",
+                                                                "accepted")},
                                      glue_ms=statistics.median(glue)))
                     print(json.dumps(rows[-1]), flush=True)
                     gc.collect()

@@ -102,6 +102,10 @@ def test_the_counters_see_what_they_count():
     step_overhead.DeviceData.reads = 0
     index.tolist(), copied.tolist()
     assert step_overhead.DeviceData.reads == 2
+    # a view of device data is a device op, and counted among the views
+    with step_overhead.OpCounter() as viewed:
+        x.view(2, 3), x + 1
+    assert viewed.device_ops == 2 and viewed.device_views == 1
     # and a move of device data to where it is makes nothing
     with step_overhead.OpCounter() as moved:
         x.to(x.device)
