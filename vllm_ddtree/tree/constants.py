@@ -6,7 +6,9 @@ scalar expanded (no memory), an index range a slice of one range per device that
 to the longest asked for. Made on the device (fills, `arange`): a host-to-device copy from pageable
 memory would wait for the device.
 
-Shared: never write into one (use out-of-place ops: `scatter`, not `scatter_`).
+Shared: never write into one (use out-of-place ops: `scatter`, not `scatter_`). Made on first use:
+a CUDA graph's capture records kernels without running them, so a step is run eagerly before it is
+captured (as vLLM warms up before capturing), and the constants it needs exist by then.
 """
 
 from __future__ import annotations
