@@ -3,9 +3,10 @@
 A verify step writes tree row i of request r at logical position ctx_r + i. After the walk the
 accepted path's rows must sit at ctx_r + depth so that the next step (and the scheduler's rollback
 of num_computed_tokens to ctx_r + accepted + 1) sees exactly the committed text. The moves come
-from `vllm_ddtree.tree.compaction_plan` as logical positions (`path_row_moves` as verify rows, what a
-verify step's row index maps); here they become physical slots through the block table and are applied to every layer's cache: gather all sources, then scatter
-(a source is never before its destination, and no-op entries copy the root onto itself).
+from `vllm_ddtree.tree.compaction_plan` as logical positions, or from `path_row_moves` as verify
+rows (what a verify step's row index maps); here they become physical slots and are applied to
+every layer's cache: gather all sources, then scatter (a source is never before its destination,
+and no-op entries copy the root onto itself).
 """
 
 from __future__ import annotations

@@ -161,7 +161,6 @@ def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadat
 
     set_step_tree_masks(None)  # the drafter's attention is built next: plain masks for it
     batch = step.batch
-    r, n = batch.tokens.shape
     counts = torch.tensor(spec_decode_metadata.num_draft_tokens) + 1
     rows = step.logit_rows.to(logits.device)
     md = runner.input_batch.sampling_metadata
