@@ -26,6 +26,9 @@ leaves the GPU idle. Neither shows as time on a CPU, so this counts them, on the
   * ``glue_ms``: host time of the same step with tiny tensors (V = 512), the median of repeats. On
     a CPU it includes the ops' own compute, which grows with the batch; the op counts are what shows
     that no Python loop runs over requests or nodes.
+  The automatic budget starts calibrated (step costs from the roofline, one measured acceptance),
+  its state on the device as the proposer puts it; the step drafts all W depths, a first step's
+  shape (the engine's depth cap drafts fewer later).
   Where the product picks its code path by device (the ancestor mask, the best-score selection of
   the tree build, the n-gram orders' search, the lookup chain's context entries), the GPU's path is
   counted, and timed in ``glue_ms``.
@@ -245,6 +248,13 @@ def make_proposer(code, batch: int, budget: int | str, ngram: bool, lookup: int,
             seconds = float(cost.verify_seconds(torch.tensor(float(tokens)), torch.tensor(float(pairs)),
                                                 torch.tensor(float(ctx))))
             cal.add(float(tokens), float(pairs), float(ctx), seconds)
+        # and a measured acceptance, as after any verified step (its exponent is then fitted, not 1)
+        scores = torch.tensor([[-0.1, -0.6, -1.5, -3.0]])
+        p.auto.observe_acceptance(scores, torch.ones_like(scores, dtype=torch.bool),
+                                  torch.tensor([[True, True, False, False]]))
+        # its state on the device, as the proposer moves it (the copies made there are device data)
+        with OpCounter():
+            p.auto = p.auto.to(STANDIN)
     return p
 
 
