@@ -392,6 +392,14 @@ def test_acceptance_calibration_learns_how_overconfident_the_drafter_is():
     for _ in range(50):
         under.update(torch.full((r, 1), math.log(0.25)), torch.ones(r, 1, dtype=torch.bool), torch.rand(r, 1) < 0.5)
     assert float(under.beta) == pytest.approx(0.5, rel=0.12)
+    # The exponent is kept between updates, and each update makes it anew (alpha 1: the last step alone).
+    step = AcceptanceCalibration(alpha=1.0)
+    node, verified = torch.full((1, 1), math.log(0.5)), torch.ones(1, 1, dtype=torch.bool)
+    step.update(node, verified, torch.ones(1, 1, dtype=torch.bool))  # accepted: the drafter was underconfident
+    low = float(step.beta)
+    assert step.beta is step.beta  # kept
+    step.update(node, verified, torch.zeros(1, 1, dtype=torch.bool))  # rejected: overconfident
+    assert low == pytest.approx(0.25) and float(step.beta) == pytest.approx(8.0)
 
 
 def test_acceptance_calibration_fits_the_shape_one_exponent_cannot():
