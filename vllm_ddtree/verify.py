@@ -161,10 +161,10 @@ def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadat
 
     set_step_tree_masks(None)  # the drafter's attention is built next: plain masks for it
     batch = step.batch
-    counts = torch.tensor(spec_decode_metadata.num_draft_tokens) + 1
-    rows = step.logit_rows.to(logits.device)
+    rows = step.logit_rows.to(logits.device)  # (made in prepare_tree_step from the same host counts)
     md = runner.input_batch.sampling_metadata
-    row_tokens = sample_rows(logits, rows, md, batch, counts.tolist())  # host counts: ragged chunks, no device read
+    counts = [n + 1 for n in spec_decode_metadata.num_draft_tokens]  # host counts: ragged chunks, no device read
+    row_tokens = sample_rows(logits, rows, md, batch, counts)
     walk = walk_tree(batch, torch.where(batch.valid, row_tokens, -1))
     # [R, depth + 1], the rejection sampler's layout: the walk covers the deepest node, the step's
     # widest request may have more rows than that (a bushy tree); -1 pads the rest.

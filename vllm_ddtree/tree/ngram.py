@@ -55,8 +55,8 @@ def _search_orders_at_once(device: torch.device) -> bool:
 def _context_heads(context: Tensor) -> Tensor:
     """[L] sorted values -> [L] the index of each value's first occurrence. Two exact ways, chosen by
     device (as `_search_orders_at_once`): on a GPU one `searchsorted` of the values in themselves (one
-    op); elsewhere a linear pass (run starts marked, then a running maximum of their indices), several
-    times faster than the search on a CPU for a table of 10^5 keys."""
+    op, O(L log L) work); elsewhere a linear pass (run starts marked, then a running maximum of their
+    indices), a few ops of O(L) work, which is what counts where ops cost no launch."""
     if context.device.type == "cuda":
         return _context_heads_by_search(context)
     return _context_heads_by_scan(context)
@@ -283,8 +283,8 @@ class NGramCounts:
 
         One `searchsorted` finds the context, then each step is a gather in the table of best next
         tokens (`_best_next`, made once per change of the tables): the context the token makes; one
-        more gather reads every step's token. About 20 device ops for 8 steps (and about 35 to remake
-        the table after a merge), no host synchronisation: this runs on every engine step with a
+        more gather reads every step's token: a fixed number of device ops (and a fixed number more to
+        remake the table after a merge), no host synchronisation: this runs on every engine step with a
         lookup branch. Where keys of this order can wrap (radix^(m+1) past 63 bits, see the module
         docstring) a key has no context part to divide out: `_follow_by_search` then searches each
         step's context among the n-gram keys.
