@@ -2,8 +2,8 @@
 
 `DDTreeProposer.propose` runs after the previous step's sampling: vLLM's own DFlash forward
 ([bonus, MASK x W] against the accepted path's hidden states), then — instead of the argmax per mask
-row — top-K per depth, `build_tree` (optional n-gram rescoring, optional automatic budget) and the
-flattened tree tokens per request, returned as a ragged list (the scheduler's draft lists). The
+row — top-K per depth, the step's device function `plan_trees` (the build with optional n-gram
+rescoring, the automatic budget, the lookup path) and the flattened tree tokens per request, returned as a ragged list (the scheduler's draft lists). The
 trees stay with the proposer for the verify step (`vllm_ddtree.verify`).
 """
 
@@ -26,10 +26,8 @@ from vllm_ddtree.tree import (
     ModelShape,
     NGramModel,
     SpeculationGate,
-    add_branch,
-    build_tree,
-    constants,
     get_profile,
+    plan_trees,
     topk_per_depth,
     to_device,
     tree_to_host,
@@ -483,25 +481,19 @@ class DDTreeProposer(DFlashProposer):
             tail = self.ngram.context_tail(slots)
             if self.options.ngram_weight > 0:
                 scorer = self.ngram.scorer(slots)
-        tree = build_tree(top_logp, top_ids, build, max_budget=build, scorer=scorer,
-                          context_tail=tail if scorer is not None else None, lam=self.options.ngram_weight,
-                          validate=False)
         branch = valid = None
         if self.lookup > 0:  # one more path per tree: the request's own text, continued
             branch, valid = self.ngram.continuation(slots, tail, self.lookup)
-        if self.auto is not None:
-            if valid is not None:
+            if self.auto is not None:
                 self._observe_lookup(req_ids, step_tokens)
                 self._proposed = (req_ids, branch, valid)
-            plan = self.auto.choose_plan(tree.scores, cad.seq_lens[:r], valid)
-            tree = tree.truncate(plan.budgets.clamp(max=build))
-            if valid is not None:  # the lookup nodes the budget bought
-                valid = valid & (constants.arange(self.lookup, valid.device) < plan.extra[:, None])
-        if branch is not None:  # within the scheduler's count
-            tree = add_branch(tree, branch, valid, max_nodes=self._cap)
+        # build, budget, lookup path within the scheduler's count: the step's device function
+        tree, plan = plan_trees(top_logp, top_ids, build, cad.seq_lens[:r], self.auto, branch, valid, self._cap,
+                                scorer=scorer, context_tail=tail, lam=self.options.ngram_weight)
         host = self._store(req_ids, tree)
-        if self.auto is not None:  # the next build follows the largest tree the drafter's ranking kept
-            self.auto.grow(host.ranked)
+        if self.auto is not None:
+            self.auto.record_plan(plan, r)
+            self.auto.grow(host.ranked)  # the next build follows the largest tree the drafter's ranking kept
         return [list(t) for t in host.tokens]  # the scheduler's own lists: our copy stays as proposed
 
     def _store(self, req_ids: list[str], tree: DraftTree) -> HostTrees:

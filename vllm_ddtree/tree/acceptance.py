@@ -42,7 +42,7 @@ class AcceptanceCalibration:
     prior: float = 4.0  # pseudo-nodes at factor 1 in every bin
     bin_predicted: Tensor | None = None  # [E + 1] decayed sum of p ** beta over the bin's verified nodes
     bin_accepted: Tensor | None = None  # [E + 1] decayed count of the bin's accepted nodes
-    _beta: Tensor | None = field(default=None, repr=False, compare=False)  # `beta`, until the next update
+    _beta: Tensor | None = field(default=None, repr=False, compare=False)  # [] `beta`, rewritten in place by each update
 
     def __post_init__(self) -> None:
         if not 0 < self.alpha <= 1:
@@ -61,6 +61,9 @@ class AcceptanceCalibration:
             self.bin_predicted = torch.zeros(bins, device=self.bin_edges.device)
         if self.bin_accepted is None:
             self.bin_accepted = torch.zeros(bins, device=self.bin_edges.device)
+        self._beta = torch.ones((), device=self.betas.device)
+        if self.updates:  # made with a state: its exponent
+            self._fit_beta()
 
     def _bins(self, draft_logp: Tensor) -> Tensor:
         # -inf (no node) lands in bin 0 with the lowest finite scores; callers mask it out or keep -inf.
@@ -82,17 +85,18 @@ class AcceptanceCalibration:
         self.predicted.mul_(1 - self.alpha).add_(pred, alpha=self.alpha)
         self.accepted.mul_(1 - self.alpha).add_(hit.sum(), alpha=self.alpha)
         self.updates += 1
-        self._beta = None
+        self._fit_beta()
+
+    def _fit_beta(self) -> None:
+        # Into the same tensor each time: a captured step (CUDA graph) reads the exponent where it lies.
+        gap = (self.predicted.clamp(min=1e-6).log() - self.accepted.clamp(min=1e-6).log()).abs()
+        # index_select, not betas[argmin]: indexing with a 0-d tensor reads it on the host (a sync).
+        torch.index_select(self.betas, 0, gap.argmin().view(1), out=self._beta.view(1))
 
     @property
     def beta(self) -> Tensor:
-        """[] the exponent whose predictions match the measured acceptances best (1 before any data)."""
-        if self.updates == 0:
-            return torch.ones((), device=self.betas.device)
-        if self._beta is None:  # once per update: the budget's rescaling and the next update read it
-            gap = (self.predicted.clamp(min=1e-6).log() - self.accepted.clamp(min=1e-6).log()).abs()
-            # index_select, not betas[argmin]: indexing with a 0-d tensor reads it on the host (a sync).
-            self._beta = self.betas.index_select(0, gap.argmin().view(1)).squeeze(0)
+        """[] the exponent whose predictions match the measured acceptances best (1 before any data):
+        one tensor for the calibration's life on a device, made anew in place by each update."""
         return self._beta
 
     @property
@@ -105,7 +109,7 @@ class AcceptanceCalibration:
         self.betas, self.predicted, self.accepted, self.bin_edges, self.bin_predicted, self.bin_accepted = (
             x.to(device) for x in (self.betas, self.predicted, self.accepted, self.bin_edges,
                                    self.bin_predicted, self.bin_accepted))
-        self._beta = None
+        self._beta = self._beta.to(device)
         return self
 
     def rescale(self, draft_logp: Tensor) -> Tensor:

@@ -81,7 +81,9 @@ class AutoBudget:
 
     def to(self, device: torch.device | str) -> "AutoBudget":
         """The calibrations' state on `device` (in place; returns self): their updates read the step's
-        device tensors, so state left on the host would make every update a device-to-host copy."""
+        device tensors, so state left on the host would make every update a device-to-host copy.
+        The cost model's numbers get their tensors there too (`CostModel.coefficients`)."""
+        self.cost.coefficients(device)
         self.acceptance.to(device)
         if self.lookup is not None:
             self.lookup.to(device)
@@ -121,7 +123,24 @@ class AutoBudget:
     def choose_plan(self, scores: Tensor, context_lens: Tensor, lookup_valid: Tensor | None = None) -> BudgetPlan:
         """`choose`, as a plan; with `lookup_valid` [R, L] (each request's proposed lookup path, needs
         `lookup`) the lookup nodes compete with the tree's for the step, and `plan.extra` [R] says how
-        many of each path to verify (all of it while exploring)."""
+        many of each path to verify (all of it while exploring). `plan` and then `record_plan`."""
+        plan = self.plan(scores, context_lens, lookup_valid)
+        self.record_plan(plan, scores.shape[0])
+        return plan
+
+    def record_plan(self, plan: BudgetPlan, num_requests: int) -> None:
+        """The host's part of a choice, after `plan`: the gate queues the plan's expected tokens (not
+        while exploring: those sizes are forced, not chosen)."""
+        if self.gate is not None and not self.exploring:
+            self.gate.observe_plan(plan, num_requests)
+
+    def plan(self, scores: Tensor, context_lens: Tensor, lookup_valid: Tensor | None = None) -> BudgetPlan:
+        """The device's part of `choose_plan`: the plan, and the batch size class's rate moved on.
+
+        Once the cost is calibrated and the class has its first plan, every number it reads from
+        the state is a tensor updated in place (the cost model's `coefficients`, the drafter's
+        confidence exponent, the lookup path's acceptance, the class's rate), so a capture of it (a
+        CUDA graph per batch size) replays what it computes eagerly while the state moves on."""
         if lookup_valid is not None and self.lookup is None:
             raise ValueError("choose_plan got a lookup path but the AutoBudget has no LookupCalibration")
         logp = self.acceptance.rescale(scores)
@@ -143,8 +162,6 @@ class AutoBudget:
             a = self.rate_alpha
             self.planned_tokens[c].mul_(1 - a).add_(plan.expected_tokens, alpha=a)
             self.planned_seconds[c].mul_(1 - a).add_(plan.step_seconds, alpha=a)
-        if self.gate is not None:
-            self.gate.observe_plan(plan, scores.shape[0])
         return plan
 
     def rate_at(self, num_requests: int) -> Tensor | None:

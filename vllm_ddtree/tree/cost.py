@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from .transfer import to_device
+
 @dataclass(frozen=True)
 class DeviceProfile:
     """Peak dense FLOP/s and memory bandwidth (bytes/s) of a device, for the roofline."""
@@ -123,6 +125,53 @@ def _roofline_terms(shape: ModelShape, profile: DeviceProfile) -> tuple[float, .
     )
 
 
+#: CostModel attributes a step reads on the device (through `CostModel.coefficients`)
+_MIRRORED = ("slope", "per_token", "knee", "intercept", "correction", "t_draft", "t_aux", "residual")
+
+
+@dataclass
+class CostCoefficients:
+    """A `CostModel`'s numbers as 0-dim tensors on one device (`fixed` = t_draft + t_aux), and its
+    residual table in a buffer with zeros past the table's end. Updated in place when the model's
+    attributes change; the buffer is replaced (twice as long) only when a table outgrows it, and a
+    capture made before then must be made again."""
+
+    slope: Tensor
+    per_token: Tensor
+    knee: Tensor
+    intercept: Tensor
+    correction: Tensor
+    fixed: Tensor
+    residual: Tensor  # [capacity] seconds by step size in rows
+
+    MIN_CAPACITY = 1024  # step sizes in rows a first buffer covers (it doubles past them)
+
+    @classmethod
+    def of(cls, model: "CostModel", device: torch.device, dtype: torch.dtype) -> "CostCoefficients":
+        scalar = lambda v: torch.tensor(float(v), dtype=dtype, device=device)  # noqa: E731
+        out = cls(scalar(model.slope), scalar(model.per_token), scalar(model.knee), scalar(model.intercept),
+                  scalar(model.correction), scalar(model.t_draft + model.t_aux),
+                  torch.zeros(cls.MIN_CAPACITY, dtype=torch.float32, device=device))
+        out.refresh(model, "residual")
+        return out
+
+    def refresh(self, model: "CostModel", name: str) -> None:
+        """Copy the model's attribute `name` here, in place (queued to the device, no host wait)."""
+        if name in ("t_draft", "t_aux"):
+            self.fixed.fill_(model.t_draft + model.t_aux)
+        elif name != "residual":
+            getattr(self, name).fill_(float(getattr(model, name)))
+        else:
+            table = model.residual
+            n = 0 if table is None else table.numel()
+            if n + 1 > self.residual.numel():  # a larger table: a new buffer (a capture must be made again)
+                self.residual = torch.zeros(max(2 * self.residual.numel(), n + 1), dtype=torch.float32,
+                                            device=self.residual.device)
+            self.residual.zero_()
+            if n:
+                self.residual[:n].copy_(to_device(table.detach().float(), self.residual.device))
+
+
 @dataclass
 class CostModel:
     """Calibrated cycle cost of a speculative step:
@@ -154,22 +203,39 @@ class CostModel:
         if not 0 < self.ema_alpha <= 1:
             raise ValueError(f"ema_alpha must be in (0, 1], got {self.ema_alpha}")
 
+    def __setattr__(self, name: str, value) -> None:
+        object.__setattr__(self, name, value)
+        if name in _MIRRORED and "_mirrors" in self.__dict__:
+            for mirror in self._mirrors.values():
+                mirror.refresh(self, name)
+
+    def coefficients(self, device: torch.device | str, dtype: torch.dtype = torch.float32) -> "CostCoefficients":
+        """The fitted numbers as 0-dim tensors of `dtype` on `device`, kept equal to the attributes
+        in place.
+
+        What a step computes on the device reads these, not the Python numbers: a CUDA graph (or a
+        trace) freezes a number at its capture value but reads a tensor where it lies, so a refit
+        that writes them in place reaches every later replay. Of the step's own float dtype, so
+        they compute as the Python numbers did (a number takes the tensor's dtype).
+        """
+        key = (torch.device(device), dtype)
+        mirrors = self.__dict__.setdefault("_mirrors", {})
+        if key not in mirrors:
+            mirrors[key] = CostCoefficients.of(self, *key)
+        return mirrors[key]
+
     def verify_seconds(self, tokens, attn_pairs, context_total):
         """Calibrated verify time for a step with these totals (see `roofline_seconds`)."""
         raw = roofline_seconds(self.shape, self.profile, tokens, attn_pairs, context_total)
         tokens = torch.as_tensor(tokens)
-        rows = (tokens - self.knee).clamp(min=0)
-        smooth = self.slope * raw + self.per_token * rows + self.intercept
-        if self.residual is None:
-            return smooth
-        if self.residual.device != tokens.device:  # once per refit (rebuilt on the host); pinned and
-            src = self.residual.pin_memory() if tokens.device.type == "cuda" else self.residual  # non-blocking:
-            self.residual = src.to(tokens.device, non_blocking=True)  # no host sync in the decode loop
-        size = tokens.round().long()
-        inside = (size >= 0) & (size < self.residual.numel())
+        c = self.coefficients(tokens.device, torch.float64 if tokens.dtype == torch.float64 else torch.float32)
+        rows = (tokens - c.knee).clamp(min=0)
+        smooth = c.slope * raw + c.per_token * rows + c.intercept
         # torch.take, not residual[size]: indexing with a 0-dim tensor converts it to a Python int, a
-        # host sync (and a failed CUDA-graph capture) at every step
-        return smooth + torch.where(inside, torch.take(self.residual, size.clamp(0, self.residual.numel() - 1)), 0.0)
+        # host sync (and a failed CUDA-graph capture) at every step. Past the table's end the buffer
+        # holds zeros, and a size past the buffer reads its last entry, also zero.
+        size = tokens.round().long().clamp(0, c.residual.numel() - 1)
+        return smooth + torch.take(c.residual, size)
 
     def step_seconds(self, tree_tokens, context_total, num_requests: int = 1):
         """Predicted cycle time of a step with `tree_tokens` draft nodes over `num_requests` requests.
@@ -183,7 +249,8 @@ class CostModel:
         ctx = torch.as_tensor(context_total, dtype=torch.float32)
         pairs = s * ctx / r + s * s / r
         verify = self.verify_seconds(s, pairs, ctx)
-        return self.correction * (self.t_draft + self.t_aux + verify)
+        c = self.coefficients(s.device)  # (s is float32)
+        return c.correction * (c.fixed + verify)
 
     def fit(self, tokens: Tensor, attn_pairs: Tensor, context_total: Tensor, seconds: Tensor,
             per_token: bool = False) -> None:

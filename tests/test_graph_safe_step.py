@@ -1,0 +1,90 @@
+"""The drafting step's device part can be captured once and replayed (a CUDA graph, on a GPU).
+
+A CUDA graph records kernels with their arguments: a Python number the step reads is frozen at its
+capture value, and a tensor is read through the address it had then. State that changes between
+steps (the cost model's refits, the drafter's confidence exponent, the lookup path's acceptance, the
+budget's rate) must therefore live in tensors that are updated in place. `make_fx` traces the same
+way (numbers become constants, tensors are held by reference), so on a CPU a trace replayed after
+the state has moved on must still equal the eager step: what a captured graph would compute.
+"""
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from vllm_ddtree.tree import (
+    AutoBudget,
+    CostModel,
+    LookupCalibration,
+    ModelShape,
+    build_tree,
+    get_profile,
+    topk_per_depth,
+)
+from vllm_ddtree.tree.step import plan_trees
+
+QWEN3_8B = dict(num_hidden_layers=36, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+                head_dim=128, intermediate_size=12288, vocab_size=151936)
+R, DEPTH, VOCAB, BUILD, LOOKUP = 4, 6, 40, 16, 5
+
+
+def calibrated_budget(seed: int) -> AutoBudget:
+    """An automatic budget past its exploration, its state on the (CPU) device."""
+    cost = CostModel(ModelShape.from_hf_config(QWEN3_8B, "bfloat16"), get_profile("h100"))
+    auto = AutoBudget(cost, 1, BUILD, lookup=LookupCalibration(LOOKUP)).to("cpu")
+    g = torch.Generator().manual_seed(seed)
+    while auto.exploring:
+        b = auto.calibration.explore_budget(R)
+        tokens = R * (1 + b)
+        seconds = float(cost.step_seconds(R * b, 500.0 * R, R)) * (1 + 0.3 * float(torch.rand((), generator=g)))
+        auto.observe_step(tokens, tokens * (501 + b), 500.0 * R, seconds)
+    return auto
+
+
+def step_inputs(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(R, DEPTH, VOCAB, generator=g) * torch.linspace(0.5, 4.0, R).view(R, 1, 1)
+    top_logp, top_ids = topk_per_depth(logits, BUILD)
+    ctx = torch.randint(100, 2000, (R,), generator=g)
+    branch = torch.randint(0, VOCAB, (R, LOOKUP), generator=g)
+    valid = torch.arange(LOOKUP) < torch.randint(0, LOOKUP + 1, (R, 1), generator=g)
+    return top_logp, top_ids, ctx, branch, valid
+
+
+def move_state_on(auto: AutoBudget, seed: int) -> None:
+    """What serving does between two steps: measured acceptances, lookup outcomes and step times
+    (enough of them for the cost model to refit)."""
+    g = torch.Generator().manual_seed(seed)
+    top_logp, top_ids, _, branch, valid = step_inputs(seed)
+    scores = build_tree(top_logp, top_ids, BUILD, max_budget=BUILD).scores
+    verified = torch.isfinite(scores)
+    accepted = verified & (torch.rand(scores.shape, generator=g) < 0.2)
+    auto.observe_acceptance(scores, verified, accepted)
+    auto.observe_lookup(branch, valid, torch.where(torch.rand(R, 3, generator=g) < 0.5, branch[:, :3], -1))
+    for _ in range(auto.calibration.refit_every):
+        b = int(torch.randint(1, BUILD + 1, (), generator=g))
+        tokens = R * (1 + b)
+        seconds = 0.004 + 0.0005 * b * float(torch.rand((), generator=g))
+        auto.observe_step(tokens, tokens * (501 + b), 500.0 * R, seconds)
+
+
+def test_a_traced_step_replays_the_eager_step_after_the_state_moves_on():
+    auto = calibrated_budget(0)
+
+    def step(top_logp, top_ids, ctx, branch, valid):
+        tree, plan = plan_trees(top_logp, top_ids, BUILD, ctx, auto, branch, valid, max_nodes=BUILD + LOOKUP)
+        return (tree.tokens, tree.parents, tree.depths, tree.valid, tree.scores, plan.budgets, plan.extra,
+                plan.expected_tokens, plan.step_seconds)
+
+    step(*step_inputs(1))  # warm-up: constants made once per shape, the batch's rate seeded
+    traced = make_fx(step)(*step_inputs(2))
+    for seed in range(3, 8):
+        move_state_on(auto, 100 + seed)
+        x = step_inputs(seed)
+        rate = [t.clone() for t in (*auto.planned_tokens.values(), *auto.planned_seconds.values())]
+        replayed = traced(*x)
+        for t, saved in zip((*auto.planned_tokens.values(), *auto.planned_seconds.values()), rate):
+            t.copy_(saved)  # the step moves the rate on: both runs start from the same one
+        eager = step(*x)
+        for name, a, b in zip(("tokens", "parents", "depths", "valid", "scores", "budgets", "extra",
+                               "expected_tokens", "step_seconds"), replayed, eager):
+            torch.testing.assert_close(a, b, msg=lambda m, name=name: f"{name} after state update {seed}: {m}")

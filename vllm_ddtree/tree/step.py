@@ -1,0 +1,56 @@
+"""The device part of one drafting step, from the drafter's top-k to the trees the step verifies.
+
+    tree, plan = plan_trees(top_logp, top_ids, build, context_lens, auto, branch, valid, max_nodes)
+
+One function of tensors whose shapes follow the host integers it is given (`build`, `max_nodes`, the
+batch): it reads nothing back to the host, and with the automatic budget calibrated every number it
+reads from the budget's state is a tensor updated in place (`AutoBudget.plan`). So it can be traced
+or captured (a CUDA graph per batch size and build width) and replayed while serving moves the
+state on. The n-gram tables' work (counting the step's tokens, the lookup path, rescoring) comes
+before it: their sizes follow the text seen so far.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from . import constants
+from .allocate import BudgetPlan
+from .budget import AutoBudget
+from .build import DraftTree, PrefixScorer, add_branch, build_tree
+
+
+def plan_trees(
+    top_logp: Tensor,
+    top_ids: Tensor,
+    build: int,
+    context_lens: Tensor,
+    auto: AutoBudget | None = None,
+    branch: Tensor | None = None,
+    valid: Tensor | None = None,
+    max_nodes: int | None = None,
+    *,
+    scorer: PrefixScorer | None = None,
+    context_tail: Tensor | None = None,
+    lam: float = 0.0,
+) -> tuple[DraftTree, BudgetPlan | None]:
+    """Each request's tree for this step: built `build` nodes wide, cut to the automatic budget's
+    choice (if `auto`), with its lookup path added (if `branch`) as far as the budget bought it.
+
+    top_logp/top_ids [R, D, K]: the drafter's top-k per depth; context_lens [R]: tokens before each
+    root; branch/valid [R, L]: the lookup path and its valid prefix; max_nodes: node slots per request
+    the scheduler takes (the path is cut there). Returns the trees (padded to at most `max_nodes`
+    columns) and the budget's plan (None without `auto`). The host keeps its part of the plan:
+    `auto.record_plan(plan, R)`.
+    """
+    tree = build_tree(top_logp, top_ids, build, max_budget=build, scorer=scorer,
+                      context_tail=context_tail if scorer is not None else None, lam=lam, validate=False)
+    plan = None
+    if auto is not None:
+        plan = auto.plan(tree.scores, context_lens, valid)
+        tree = tree.truncate(plan.budgets.clamp(max=build))
+        if valid is not None:  # the lookup nodes the budget bought
+            valid = valid & (constants.arange(valid.shape[1], valid.device) < plan.extra[:, None])
+    if branch is not None:
+        tree = add_branch(tree, branch, valid, max_nodes=max_nodes if max_nodes is not None else build + branch.shape[1])
+    return tree, plan
