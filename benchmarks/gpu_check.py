@@ -29,8 +29,9 @@ run in the order of `PARTS`):
   d.verify_cost The verify forward of a Qwen3-8B-shaped transformers decoder (random bf16 weights) for
              batch x (1 + N) rows at context 1K, medians; `CostModel` fitted to it; the knee (first N
              whose step is 10% above the one-row step). On a CPU a tiny Qwen3 config in float32.
-  b.graphs   The step captured in a CUDA graph per batch size, replayed on new inputs, equal to eager;
-             eager vs replay time. CUDA only; last, so a failed capture cannot disturb the other parts.
+  b.graphs   The step captured in a CUDA graph per batch size, replayed on new inputs after the serving
+             state moved on (calibrations updated, the cost model refit), equal to eager; eager vs
+             replay time. CUDA only; last, so a failed capture cannot disturb the other parts.
 
     python benchmarks/gpu_check.py --device cuda --json-dir benchmarks/results/gpu   # <device>.json/.png
     python benchmarks/gpu_check.py --device cpu --quick --json /tmp/check.json       # what runs without CUDA
@@ -1065,8 +1066,29 @@ def state_tensors(st: StepState) -> list[torch.Tensor]:
     return [*st.auto.planned_tokens.values(), *st.auto.planned_seconds.values()]
 
 
+def advance_state(st: StepState, r: int, seed: int) -> None:
+    """What serving does to the state between two steps: a measured acceptance, the lookup paths'
+    outcome, and step times enough for the cost model to refit. A captured step reads all of it
+    where it lies, so a replay after this must still equal the eager step."""
+    g = torch.Generator().manual_seed(seed)
+    dev = st.auto.acceptance.betas.device
+    scores = (-torch.rand(r, BUILD, generator=g).cumsum(1)).to(dev)
+    accepted = (torch.rand(r, BUILD, generator=g) < 0.3).to(dev)
+    st.auto.observe_acceptance(scores, torch.ones_like(accepted), accepted)
+    proposed = torch.randint(0, 64, (r, LOOKUP), generator=g).to(dev)
+    committed = torch.where((torch.rand(r, 2, generator=g) < 0.5).to(dev), proposed[:, :2], -1)
+    st.auto.observe_lookup(proposed, torch.ones_like(proposed, dtype=torch.bool), committed)
+    ctx = 500.0 * r
+    for _ in range(st.auto.calibration.refit_every):
+        b = int(torch.randint(1, BUILD + 1, (), generator=g))
+        tokens = r * (1 + b)
+        seconds = float(st.auto.cost.step_seconds(r * b, ctx, r)) * (1.5 + float(torch.rand((), generator=g)))
+        st.auto.observe_step(tokens, tokens * (501 + b), ctx, seconds)
+
+
 def part_b_graphs(ctx: "Check") -> dict:
-    """Capture the step per batch size and variant, replay on new inputs, compare with eager, time both."""
+    """Capture the step per batch size and variant, move the serving state on (`advance_state`),
+    replay on new inputs, compare with eager, time both."""
     rows, bad = [], []
     for r in ctx.sizes.batches:
         for variant in VARIANTS:
@@ -1096,6 +1118,8 @@ def part_b_graphs(ctx: "Check") -> dict:
                 except BaseException as exc:
                     raise (inside[0] if inside else exc) from None
                 x.copy_(step_inputs(r, ctx.sizes.vocab, tail, seed=1000 + r, dtype=torch.bfloat16, device=ctx.device))
+                advance_state(state, r, seed=2000 + r)
+                rec["state_moved"] = True
                 saved = [t.clone() for t in state_tensors(state)]
                 graph.replay()
                 torch.cuda.synchronize()
