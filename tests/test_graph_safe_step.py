@@ -16,6 +16,7 @@ from vllm_ddtree.tree import (
     CostModel,
     LookupCalibration,
     ModelShape,
+    StepGraphs,
     build_tree,
     get_profile,
     topk_per_depth,
@@ -88,3 +89,83 @@ def test_a_traced_step_replays_the_eager_step_after_the_state_moves_on():
         for name, a, b in zip(("tokens", "parents", "depths", "valid", "scores", "budgets", "extra",
                                "expected_tokens", "step_seconds"), replayed, eager):
             torch.testing.assert_close(a, b, msg=lambda m, name=name: f"{name} after state update {seed}: {m}")
+
+
+def rate_tensors(auto: AutoBudget) -> list[torch.Tensor]:
+    return [*auto.planned_tokens.values(), *auto.planned_seconds.values()]
+
+
+def test_step_graphs_capture_a_key_when_due_and_replay_it_equal_to_eager():
+    """The proposer's path: `StepGraphs` runs a key eagerly, captures it on its second call (that call's
+    outputs come from the capture, as a call's), then replays it; another shape is another key."""
+    auto = calibrated_budget(0)
+    graphs = StepGraphs("trace")
+
+    def step(top_logp, top_ids, ctx, branch, valid):
+        return plan_trees(top_logp, top_ids, BUILD, ctx, auto, branch, valid, max_nodes=BUILD + LOOKUP)
+
+    def key_of(x):
+        return (BUILD, tuple(t.shape for t in x), auto.capture_state(R, "cpu"))
+
+    for seed in range(6):
+        x = step_inputs(seed)
+        saved = [t.clone() for t in rate_tensors(auto)]
+        key = key_of(x)  # as the proposer: eager while the budget cannot be captured
+        tree, plan = step(*x) if key[-1] is None else graphs(key, step, *x)
+        moved = [t.clone() for t in rate_tensors(auto)]
+        for t, s in zip(rate_tensors(auto), saved):
+            t.copy_(s)
+        eager_tree, eager_plan = step(*x)
+        for t, m in zip(rate_tensors(auto), moved):  # one call moved the rate as one eager step does
+            torch.testing.assert_close(t, m)
+        for name in ("tokens", "parents", "depths", "valid", "scores", "num_nodes"):
+            torch.testing.assert_close(getattr(tree, name), getattr(eager_tree, name), msg=f"{name}, call {seed}")
+        assert tree.max_depth == eager_tree.max_depth
+        for name in ("budgets", "extra", "expected_tokens", "step_seconds", "tokens_per_second"):
+            torch.testing.assert_close(getattr(plan, name), getattr(eager_plan, name), msg=f"{name}, call {seed}")
+        move_state_on(auto, 200 + seed)
+    assert (graphs.eager_calls, graphs.captures, graphs.replays) == (1, 1, 3)
+    # a batch of another size: a key of its own, eager first
+    fewer = tuple(t[: R - 1] for t in step_inputs(9))
+    graphs(key_of(fewer), step, *fewer)
+    assert (graphs.eager_calls, graphs.captures) == (2, 1) and len(graphs.graphs) == 1
+
+
+def test_step_graphs_keep_the_latest_keys_and_fall_back_to_eager_when_a_capture_fails(caplog):
+    graphs = StepGraphs("trace", capture_after=1, max_graphs=2)
+    x = torch.arange(4.0)
+    for k in range(3):
+        assert torch.equal(graphs(k, lambda t, k=k: t * k, x), x * k)
+    assert list(graphs.graphs) == [1, 2]  # the least recently used key dropped
+    assert torch.equal(graphs(1, lambda t: t * 1, x + 1), x + 1) and graphs.replays == 1  # new inputs, replayed
+
+    calls = []
+
+    def fails_once(t):  # as an op a capture does not allow: the capture fails, the eager call works
+        calls.append(t)
+        if len(calls) == 1:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return t * 7
+
+    with caplog.at_level("WARNING"):
+        assert torch.equal(graphs(7, fails_once, x), x * 7) and len(calls) == 2
+    assert graphs.failed and "capturing the tree step" in caplog.text and not graphs.graphs
+    assert torch.equal(graphs(1, lambda t: t * 5, x), x * 5) and graphs.captures == 3  # eager from now on
+
+
+def test_the_budget_is_captured_only_when_calibrated_and_its_class_has_a_rate():
+    cost = CostModel(ModelShape.from_hf_config(QWEN3_8B, "bfloat16"), get_profile("h100"))
+    auto = AutoBudget(cost, 1, BUILD)
+    assert auto.exploring and auto.capture_state(R, "cpu") is None  # forced exploration sizes
+    auto = calibrated_budget(0)
+    assert auto.capture_state(R, "cpu") is None  # no plan yet at this size: the first one seeds the rate
+    top_logp, top_ids, ctx, branch, valid = step_inputs(0)
+    plan_trees(top_logp, top_ids, BUILD, ctx, auto, branch, valid)
+    state = auto.capture_state(R, "cpu")
+    assert state is not None and auto.capture_state(1, "cpu") is None  # another size class
+    # A residual table longer than the coefficients' buffer replaces it: the state a capture holds changes.
+    coefficients = auto.cost.coefficients("cpu")
+    auto.cost.residual = torch.full((coefficients.residual.numel() + 5,), 1e-4)
+    assert auto.capture_state(R, "cpu") != state
+    n = auto.cost.residual.numel()  # the new buffer holds the table, then zeros
+    assert torch.all(coefficients.residual[:n] == torch.tensor(1e-4)) and not coefficients.residual[n:].any()

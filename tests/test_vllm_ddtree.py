@@ -21,8 +21,8 @@ HELPER = Path(__file__).parent / "engine" / "generate_spec.py"
 INSTRUMENTED = Path(__file__).parent / "engine" / "generate_instrumented.py"
 
 
-def run(out: Path, specs: list, *options: str, helper: Path = HELPER) -> dict:
-    env = vllm_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")
+def run(out: Path, specs: list, *options: str, helper: Path = HELPER, env: dict | None = None) -> dict:
+    env = vllm_env(VLLM_ENABLE_V1_MULTIPROCESSING="0", **(env or {}))
     args = ["none" if s is None else json.dumps(s) for s in specs]
     proc = subprocess.run([sys.executable, str(helper), str(out), *options, *args], env=env, capture_output=True, text=True,
                           timeout=1500)
@@ -171,6 +171,30 @@ def test_prompt_lookup_branch_keeps_outputs_and_finds_the_request_s_repetitions(
     # off the prior (0.5 at depth 1) and above 0 (the requests' repetitions were accepted).
     q = res["ddtree"][3]["lookup_acceptance"]
     assert len(q) == 8 and 0 < q[0] <= 1 and q[0] != 0.5, q
+
+
+def test_the_tree_step_replayed_from_captures_drafts_the_same_trees(tmp_path, drafter):
+    # VLLM_DDTREE_STEP_GRAPHS: the proposer replays `plan_trees` (build, budget, lookup path) from one
+    # capture per shape: a CUDA graph on a GPU; here `make_fx` traces, which freeze Python numbers and
+    # hold tensors where they lie, as a capture does. A fixed budget's trees depend on nothing timed,
+    # so with and without the captures the engine drafts the same trees and accepts the same tokens;
+    # the automatic budget (calibrated at start-up) is captured once its batch size has a rate.
+    path, _ = drafter
+    sampling = json.dumps({"temperature": 0, "max_tokens": 48, "ignore_eos": True})
+    fixed = {"method": "ddtree", "model": str(path), "tree_budget": 8, "prompt_lookup_tokens": 8, "ngram_weight": 0}
+    # (n-gram rescoring reads tables that grow: never captured; min 1: every step drafts, no gate)
+    auto = fixed | {"tree_budget": "auto", "min_tree_budget": 1}
+    eager = run(tmp_path / "eager.json", [None, fixed], "--sampling", sampling)
+    traced = run(tmp_path / "traced.json", [fixed, auto], "--sampling", sampling,
+                 env={"VLLM_DDTREE_STEP_GRAPHS": "trace"})
+    assert traced["outputs"][0] == traced["outputs"][1] == eager["outputs"][1] == eager["outputs"][0]
+    per_pos = "vllm:spec_decode_num_accepted_tokens_per_pos"
+    assert traced["metrics"][0][per_pos] == eager["metrics"][1][per_pos]
+    assert traced["ddtree"][0]["mean_tree_nodes"] == eager["ddtree"][1]["mean_tree_nodes"]
+    assert "step_graphs" not in eager["ddtree"][1]
+    for summary in traced["ddtree"]:
+        graphs = summary["step_graphs"]
+        assert graphs["failed"] is None and graphs["captures"] >= 1 and graphs["replays"] > graphs["captures"], graphs
 
 
 def test_requests_that_run_into_max_model_len_end_like_the_target_alone(tmp_path, drafter):

@@ -10,6 +10,7 @@ trees stay with the proposer for the verify step (`vllm_ddtree.verify`).
 from __future__ import annotations
 
 import copy
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from vllm_ddtree.tree import (
     ModelShape,
     NGramModel,
     SpeculationGate,
+    StepGraphs,
     get_profile,
     plan_trees,
     topk_per_depth,
@@ -177,12 +179,27 @@ def _present_as_dflash(vllm_config, width: int):
     return cfg
 
 
+def step_graphs_from_env(device: torch.device) -> StepGraphs | None:
+    """`VLLM_DDTREE_STEP_GRAPHS`: "1" captures the tree step (`plan_trees`) in CUDA graphs on a CUDA
+    device (nothing elsewhere); "trace" uses `make_fx` traces instead (a CPU check of the same path);
+    unset or "0": eager."""
+    value = os.environ.get("VLLM_DDTREE_STEP_GRAPHS", "0").strip().lower()
+    if value in ("", "0"):
+        return None
+    if value == "1":
+        return StepGraphs("cuda") if torch.device(device).type == "cuda" else None
+    if value == "trace":
+        return StepGraphs("trace")
+    raise ValueError(f"VLLM_DDTREE_STEP_GRAPHS must be 0, 1 or trace, got {value!r}")
+
+
 class DDTreeProposer(DFlashProposer):
     """vLLM's DFlash proposer, drafting a tree from the mask rows' per-depth distributions."""
 
     # True: an undrafted step runs vLLM's own K = 0 pass (its discarded forward included) instead of
     # `_take_in_context`; kept so tests check that both leave the drafter the same context.
     vllm_k0_pass = False
+    step_graphs: StepGraphs | None = None  # the tree step's captures (VLLM_DDTREE_STEP_GRAPHS)
 
     def __init__(self, vllm_config, device: torch.device, runner=None) -> None:
         options = vllm_config.speculative_config.ddtree
@@ -242,6 +259,7 @@ class DDTreeProposer(DFlashProposer):
                                    gate=gate).to(device)
             self.stats.gate = gate
         self._proposed: tuple[list[str], Tensor, Tensor] | None = None  # last step's lookup paths (auto)
+        self.step_graphs = step_graphs_from_env(device)
 
     # vLLM calls propose(num_speculative_tokens=<scheduler's count>, ...): the drafter's width is W,
     # the count caps the tree (the verify width, or a Dynamic SD schedule's K at this batch size).
@@ -488,13 +506,30 @@ class DDTreeProposer(DFlashProposer):
                 self._observe_lookup(req_ids, step_tokens)
                 self._proposed = (req_ids, branch, valid)
         # build, budget, lookup path within the scheduler's count: the step's device function
-        tree, plan = plan_trees(top_logp, top_ids, build, cad.seq_lens[:r], self.auto, branch, valid, self._cap,
-                                scorer=scorer, context_tail=tail, lam=self.options.ngram_weight)
+        def step(top_logp, top_ids, context_lens, branch, valid):
+            return plan_trees(top_logp, top_ids, build, context_lens, self.auto, branch, valid, self._cap,
+                              scorer=scorer, context_tail=tail, lam=self.options.ngram_weight)
+
+        inputs = (top_logp, top_ids, cad.seq_lens[:r], branch, valid)
+        key = self._graph_key(r, build, scorer, inputs)
+        tree, plan = step(*inputs) if key is None else self.step_graphs(key, step, *inputs)
         host = self._store(req_ids, tree)
         if self.auto is not None:
             self.auto.record_plan(plan, r)
             self.auto.grow(host.ranked)  # the next build follows the largest tree the drafter's ranking kept
         return [list(t) for t in host.tokens]  # the scheduler's own lists: our copy stays as proposed
+
+    def _graph_key(self, r: int, build: int, scorer, inputs: tuple) -> tuple | None:
+        """The key of this step's captured `plan_trees` (`step_graphs`), or None to run it eagerly:
+        without graphs, with n-gram rescoring (its tables grow with the text), or while the
+        automatic budget cannot be captured (`AutoBudget.capture_state`)."""
+        if self.step_graphs is None or scorer is not None:
+            return None
+        state = () if self.auto is None else self.auto.capture_state(r, inputs[0].device)
+        if state is None:
+            return None
+        shapes = tuple(None if x is None else (tuple(x.shape), x.dtype) for x in inputs)
+        return (build, self._cap, shapes, state)
 
     def _store(self, req_ids: list[str], tree: DraftTree) -> HostTrees:
         # The one host copy per step: vLLM's scheduler takes draft tokens as Python lists.

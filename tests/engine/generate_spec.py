@@ -48,7 +48,10 @@ def ddtree_summary(llm) -> dict | None:
         return None
     if not hasattr(drafter, "budget_summary"):
         return None
-    return drafter.stats.summary() | drafter.budget_summary() | {"draft_vocab_size": drafter.draft_vocab_size}
+    graphs = getattr(drafter, "step_graphs", None)
+    return drafter.stats.summary() | drafter.budget_summary() | {"draft_vocab_size": drafter.draft_vocab_size} | (
+        {} if graphs is None else {"step_graphs": {"captures": graphs.captures, "replays": graphs.replays,
+                                                   "eager_calls": graphs.eager_calls, "failed": graphs.failed}})
 
 
 def helper_parser() -> argparse.ArgumentParser:

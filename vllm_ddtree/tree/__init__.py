@@ -34,6 +34,7 @@ from .compile import (
 )
 from .transfer import HostReads, to_device, to_host
 from .ngram import NGramCounts, NGramModel, NGramScorer, build_corpus_ngram, entropy_adaptive_lambda, windows_of
+from .graphs import StepGraphs
 from .step import plan_trees
 from .verify import WalkResult, greedy_tokens, sample_tokens, walk_position, walk_tree
 

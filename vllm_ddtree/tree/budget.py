@@ -164,6 +164,16 @@ class AutoBudget:
             self.planned_seconds[c].mul_(1 - a).add_(plan.step_seconds, alpha=a)
         return plan
 
+    def capture_state(self, num_requests: int, device: torch.device | str) -> tuple | None:
+        """What a capture of `plan` for `num_requests` requests depends on beyond its inputs' shapes:
+        None while `plan` must run eagerly (the cost is being explored: forced sizes; or the batch
+        size class has no rate yet: its first plan seeds it), else the generation of the tensors it
+        reads that are ever replaced (the cost model's residual buffer, when a table outgrows it).
+        A capture is valid while this stays the same."""
+        if self.exploring or SpeculationGate.size_class(num_requests) not in self.planned_tokens:
+            return None
+        return (self.cost.coefficients(device).generation,)
+
     def rate_at(self, num_requests: int) -> Tensor | None:
         """[] tokens per second the chosen plans are expected to reach at `num_requests`' size class
         (`SpeculationGate.size_class`; None before its first plan). Per class: a batch of 32 reaches

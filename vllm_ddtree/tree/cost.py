@@ -143,6 +143,7 @@ class CostCoefficients:
     correction: Tensor
     fixed: Tensor
     residual: Tensor  # [capacity] seconds by step size in rows
+    generation: int = 0  # how many times `residual` was replaced (a capture holds the buffer of its generation)
 
     MIN_CAPACITY = 1024  # step sizes in rows a first buffer covers (it doubles past them)
 
@@ -167,6 +168,7 @@ class CostCoefficients:
             if n + 1 > self.residual.numel():  # a larger table: a new buffer (a capture must be made again)
                 self.residual = torch.zeros(max(2 * self.residual.numel(), n + 1), dtype=torch.float32,
                                             device=self.residual.device)
+                self.generation += 1
             self.residual.zero_()
             if n:
                 self.residual[:n].copy_(to_device(table.detach().float(), self.residual.device))
