@@ -31,7 +31,8 @@ run in the order of `PARTS`):
              whose step is 10% above the one-row step). On a CPU a tiny Qwen3 config in float32.
   b.graphs   The step captured in a CUDA graph per batch size, replayed on new inputs after the serving
              state moved on (calibrations updated, the cost model refit), equal to eager; eager vs
-             replay time. CUDA only; last, so a failed capture cannot disturb the other parts.
+             replay time. Then the proposer's own captures (`StepGraphs` around `plan_trees`, what
+             VLLM_DDTREE_STEP_GRAPHS=1 runs) the same way. CUDA only; last, so a failed capture cannot disturb the other parts.
 
     python benchmarks/gpu_check.py --device cuda --json-dir benchmarks/results/gpu   # <device>.json/.png
     python benchmarks/gpu_check.py --device cpu --quick --json /tmp/check.json       # what runs without CUDA
@@ -88,6 +89,7 @@ from vllm_ddtree.tree import (  # noqa: E402
     LookupCalibration,
     ModelShape,
     NGramModel,
+    StepGraphs,
     TreeBatch,
     add_branch,
     build_tree,
@@ -95,6 +97,7 @@ from vllm_ddtree.tree import (  # noqa: E402
     compile_tree,
     dense_attention_mask,
     get_profile,
+    plan_trees,
     topk_per_depth,
     walk_tree,
 )
@@ -803,6 +806,7 @@ def tree_step(x: StepInputs, st: StepState, variant: str,
 
 
 VARIANTS = ("plain", "ngram", "lookup")
+STEP_GRAPHS = "StepGraphs"  # b.graphs' rows of the proposer's own captured step (`step_graphs_run`)
 
 
 def host_walk(parents: list[int], tokens: list[int], valid: list[bool], target: list[int]) -> list[int]:
@@ -1086,6 +1090,51 @@ def advance_state(st: StepState, r: int, seed: int) -> None:
         st.auto.observe_step(tokens, tokens * (501 + b), ctx, seconds)
 
 
+def step_graphs_run(r: int, vocab: int, device: torch.device, backend: str, reps: int) -> dict:
+    """The proposer's own captured step: `StepGraphs(backend)` around `plan_trees` (build, automatic
+    budget, lookup path) as `DDTreeProposer` calls it. The class's first plan runs eagerly, then the
+    key's first call, then its capture; the state moves on (`advance_state`) and the replay on new
+    inputs must equal the eager step. Returns the comparison, the captures' counters and on request
+    (`reps` > 0) eager and replay times. On a CPU the "trace" backend runs the same logic."""
+    state, tail = step_state(r, vocab, device, seed=7)
+    graphs = StepGraphs(backend)
+
+    def inputs_for(seed: int) -> tuple:
+        x = step_inputs(r, vocab, tail, seed=seed, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+                        device=device)
+        branch, valid = state.ngram.continuation(x.slots, x.tail, LOOKUP)
+        return (*topk_per_depth(x.logits, BUILD), x.ctx_lens, branch, valid)
+
+    def step(top_logp, top_ids, context_lens, branch, valid):
+        return plan_trees(top_logp, top_ids, BUILD, context_lens, state.auto, branch, valid, BUILD + LOOKUP)
+
+    def named(out) -> dict[str, torch.Tensor]:
+        tree, plan = out
+        return {f"tree.{k}": getattr(tree, k).clone() for k in ("tokens", "parents", "depths", "valid", "scores")} | {
+            f"plan.{k}": getattr(plan, k).clone() for k in ("budgets", "extra", "expected_tokens", "step_seconds")}
+
+    first = inputs_for(r)
+    step(*first)  # the batch size's first plan seeds its rate: the proposer runs it eagerly
+    assert state.auto.capture_state(r, device) is not None
+    key = ("plan_trees", r)
+    for _ in range(graphs.capture_after):  # eager, then captured
+        graphs(key, step, *first)
+    advance_state(state, r, seed=3000 + r)
+    x = inputs_for(4000 + r)
+    saved = [t.clone() for t in state_tensors(state)]
+    replayed = named(graphs(key, step, *x))
+    for t, v in zip(state_tensors(state), saved):
+        t.copy_(v)
+    eager = named(step(*x))
+    rec = {"differs": outputs_differ(replayed, eager),
+           "graphs": {"captures": graphs.captures, "replays": graphs.replays, "failed": graphs.failed}}
+    rec["replay_equals_eager"] = not rec["differs"] and graphs.failed is None and graphs.replays >= 1
+    if reps:
+        rec["eager_ms"] = timed_ms(lambda: step(*x), device, reps)
+        rec["replay_ms"] = timed_ms(lambda: graphs(key, step, *x), device, reps)
+    return rec
+
+
 def part_b_graphs(ctx: "Check") -> dict:
     """Capture the step per batch size and variant, move the serving state on (`advance_state`),
     replay on new inputs, compare with eager, time both."""
@@ -1144,6 +1193,22 @@ def part_b_graphs(ctx: "Check") -> dict:
                     torch.cuda.synchronize()
                 except Exception:  # noqa: BLE001
                     pass
+    for r in ctx.sizes.batches:  # the proposer's own captures (VLLM_DDTREE_STEP_GRAPHS=1)
+        rec = {"batch": r, "variant": STEP_GRAPHS}
+        rows.append(rec)
+        if ctx.deadline.left() < 20:
+            rec["skipped"] = "wall-clock budget"
+            continue
+        try:
+            rec.update(step_graphs_run(r, ctx.sizes.vocab, ctx.device, "cuda", ctx.sizes.reps))
+            if not rec["replay_equals_eager"]:
+                bad.append(f"{STEP_GRAPHS}@{r}")
+            log(f"  b.graphs batch {r} {STEP_GRAPHS}: replay {rec['replay_ms']:.3f} ms vs eager {rec['eager_ms']:.3f} ms"
+                f"{'' if rec['replay_equals_eager'] else ', DIFFERS: ' + str(rec['differs']) + ' ' + str(rec['graphs'])}")
+        except Exception as exc:  # noqa: BLE001
+            rec.update(failure(exc))
+            bad.append(f"{STEP_GRAPHS}@{r}")
+            log(f"  b.graphs batch {r} {STEP_GRAPHS}: FAILED {rec['error'][:120]} at {rec['where']}")
     return {"passed": not bad, "captures": rows, "failed": bad,
             "summary": "every capture replays equal to eager" if not bad else f"FAILED {', '.join(bad)}"}
 
@@ -1540,6 +1605,10 @@ def plot_report(report: dict, png: str) -> None:
         pts = sorted((s["batch"], s["replay_ms"]) for s in g if s.get("variant") == variant and "replay_ms" in s)
         if pts:
             ax.plot(*zip(*pts), style + ":", label=f"{variant} graph replay")
+    for key, style in (("eager_ms", "D-"), ("replay_ms", "D:")):
+        pts = sorted((s["batch"], s[key]) for s in g if s.get("variant") == STEP_GRAPHS and key in s)
+        if pts:
+            ax.plot(*zip(*pts), style, label=f"plan_trees {'eager' if key == 'eager_ms' else 'StepGraphs replay'}")
     ax.set(xscale="log", yscale="log", xlabel="batch", ylabel="tree step ms", title="b. tree pipeline")
     ax.legend(fontsize=7)
     ax = axes[2]

@@ -173,3 +173,11 @@ def test_the_state_moved_on_between_capture_and_replay_is_what_a_capture_reads()
     moved = [not torch.equal(a, b) for a, b in zip(after, before)]
     assert moved[1] or moved[2], "the cost model did not refit"
     assert moved[3] and moved[4], moved
+
+
+def test_the_proposers_captured_step_replays_equal_to_eager_after_the_state_moves_on():
+    """`b.graphs`' rows of the proposer's own captures (`step_graphs_run`), with `make_fx` traces for
+    CUDA graphs: the same calls, keys and comparison the GPU runs."""
+    rec = gpu_check.step_graphs_run(4, 512, torch.device("cpu"), "trace", reps=0)
+    assert rec["replay_equals_eager"] and not rec["differs"], rec
+    assert rec["graphs"] == {"captures": 1, "replays": 1, "failed": None}
