@@ -32,6 +32,10 @@ leaves the GPU idle. Neither shows as time on a CPU, so this counts them, on the
   Where the product picks its code path by device (the ancestor mask, the best-score selection of
   the tree build, the n-gram orders' search, the lookup chain's context entries), the GPU's path is
   counted, and timed in ``glue_ms``.
+- ``pipeline, captured`` rows (the GPU defaults and a fixed budget of 8, lookup branch on): the same
+  step's device launches with ``tree.step.plan_trees`` replayed from a CUDA graph, as the proposer
+  runs it with VLLM_DDTREE_STEP_GRAPHS=1: the ops outside it, one copy into each of the graph's
+  input buffers, one launch for the replay (``captured_ops``: the ops inside it, set apart).
 - ``vllm-cpu`` rows: the real engine (toy pair, SmolLM2-135M + the toy drafter, float32, greedy),
   the same counters wrapped around the same three functions for every step of a generate() call:
   per-step means.
@@ -331,7 +335,7 @@ def verify_inputs(code, proposer, drafts: list[list[int]], ctx: int, vocab: int,
 
 
 def one_step(code, batch: int, budget, ngram: bool, lookup: int, vocab: int, layers: int, seed: int,
-             count: bool) -> dict:
+             count: bool, counter_class: type = None) -> dict:
     """One engine step of ddtree's code (propose's tree part, prepare, sample) on the stand-in runner.
 
     Counted after one uncounted step of the same shapes: the constants ddtree makes once per shape and
@@ -339,11 +343,11 @@ def one_step(code, batch: int, budget, ngram: bool, lookup: int, vocab: int, lay
     """
     if count:
         _one_step(code, batch, budget, ngram, lookup, vocab, layers, seed, False, warm_up=True)
-    return _one_step(code, batch, budget, ngram, lookup, vocab, layers, seed, count)
+    return _one_step(code, batch, budget, ngram, lookup, vocab, layers, seed, count, counter_class=counter_class)
 
 
 def _one_step(code, batch: int, budget, ngram: bool, lookup: int, vocab: int, layers: int, seed: int,
-              count: bool, warm_up: bool = False) -> dict:
+              count: bool, warm_up: bool = False, counter_class: type = None) -> dict:
     MARK[0] = count or warm_up
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     ctx = CONTEXT
@@ -359,7 +363,7 @@ def _one_step(code, batch: int, budget, ngram: bool, lookup: int, vocab: int, la
     step_tokens = torch.randint(0, vocab, (batch, 3), generator=gen)
     cad = SimpleNamespace(seq_lens=device(torch.full((batch,), ctx + 1, dtype=torch.int32)))
     # the warm-up counts too (its counts unused): a copy to the stand-in device makes device data only then
-    counter = OpCounter() if count or warm_up else contextlib.nullcontext()
+    counter = (counter_class or OpCounter)() if count or warm_up else contextlib.nullcontext()
     DeviceData.reads = 0
     if code.host_reads is not None:
         code.host_reads.count = 0
@@ -380,10 +384,53 @@ def _one_step(code, batch: int, budget, ngram: bool, lookup: int, vocab: int, la
     accepted = (out.sampled_token_ids >= 0).sum(dim=1).float().mean().item() - 1
     row = dict(nodes=sum(len(d) for d in drafts) / batch, accepted=accepted, glue_ms=1e3 * ((t1 - t0) + (t3 - t2)))
     if count:
+        row |= dict(captured_ops=getattr(counter, "captured_ops", None))
         row |= dict(device_ops=counter.device_ops, device_views=counter.device_views, host_ops=counter.host_ops,
                     host_copies=reads,
                     counted_host_reads=code.host_reads.count if code.host_reads is not None else None)
     return row
+
+
+def inside(function: str, filename: str) -> bool:
+    """Whether the op being dispatched was called from within `function` of a file ending in `filename`."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == function and frame.f_code.co_filename.endswith(filename):
+            return True
+        frame = frame.f_back
+    return False
+
+
+class CapturedOpCounter(OpCounter):
+    """`OpCounter`, with the device ops dispatched inside `tree.step.plan_trees` counted apart
+    (`captured_ops`): on a GPU with the step captured (VLLM_DDTREE_STEP_GRAPHS=1) they are one graph
+    launch, after one copy into each of the graph's input buffers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.captured_ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        before = self.device_ops
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if self.device_ops > before and inside("plan_trees", os.path.join("tree", "step.py")):
+            self.device_ops -= 1
+            self.device_views -= func.is_view
+            self.captured_ops += 1
+        return out
+
+
+def captured_step(code, batch: int, budget, lookup: int, vocab: int, layers: int) -> dict | None:
+    """A step's device launches with `plan_trees` replayed from a CUDA graph (the proposer's
+    `step_graphs`, VLLM_DDTREE_STEP_GRAPHS=1): the ops outside it, one copy into each of its input
+    buffers (`StepGraphs`), and one graph launch. The same step as the eager row's, counted with the
+    ops inside `plan_trees` set apart. None for code without the step function."""
+    if not hasattr(code.tree, "plan_trees"):
+        return None
+    row = one_step(code, batch, budget, False, lookup, vocab, layers, 0, True, counter_class=CapturedOpCounter)
+    # top-k log-probs and ids; context lengths (for the automatic budget); the lookup path and its validity
+    inputs = 2 + (budget == "auto") + 2 * bool(lookup)
+    return row | dict(device_ops=row["device_ops"] + inputs + 1, captured_ops=row["captured_ops"])
 
 
 def pipeline_rows(quick: bool, repeats: int) -> list[dict]:
@@ -406,6 +453,15 @@ def pipeline_rows(quick: bool, repeats: int) -> list[dict]:
                                      glue_ms=statistics.median(glue)))
                     print(json.dumps(rows[-1]), flush=True)
                     gc.collect()
+        for budget in ("auto", 8):  # the GPU defaults, and a fixed budget, with plan_trees captured
+            with torch.no_grad(), gpu_code_paths():
+                counted = captured_step(code, batch, budget, 8, QWEN3_8B["vocab_size"], 36)
+            if counted is not None:
+                rows.append(dict(engine="pipeline, captured", batch=batch, budget=budget, ngram=False, lookup=8,
+                                 **{k: counted[k] for k in ("device_ops", "device_views", "host_ops", "host_copies",
+                                                            "counted_host_reads", "nodes", "accepted", "captured_ops")},
+                                 glue_ms=None))
+                print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -562,6 +618,10 @@ def plot(rows: list[dict], path: Path) -> None:
             style = "--" if code == pipe[0]["code"] and len({r["code"] for r in pipe}) > 1 else "-"
             axes[0].plot(xs, [p[1] for p in pts], style, marker="o", label=f"{code}, budget {budget}")
             axes[1].plot(xs, [p[2] for p in pts], style, marker="o", label=f"{code}, budget {budget}")
+    captured = [r for r in rows if r["engine"] == "pipeline, captured"]
+    for code, budget in sorted({(r["code"], str(r["budget"])) for r in captured}):
+        pts = sorted((r["batch"], r["device_ops"]) for r in captured if r["code"] == code and str(r["budget"]) == budget)
+        axes[0].plot(*zip(*pts), ":", marker="s", label=f"{code}, budget {budget}, plan_trees captured (launches)")
     for ax, title in zip(axes, ("device ops per step (Qwen3-8B sizes)", "glue host ms per step (V = 512)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("requests in the step")

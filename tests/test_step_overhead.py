@@ -110,3 +110,17 @@ def test_the_counters_see_what_they_count():
     with step_overhead.OpCounter() as moved:
         x.to(x.device)
     assert moved.device_ops == moved.host_ops == 0
+
+
+@pytest.mark.parametrize("budget, lookup", [(8, 8), ("auto", 8), ("auto", 0)])
+def test_a_captured_step_is_the_ops_outside_plan_trees_its_input_copies_and_one_launch(budget, lookup):
+    """The "pipeline, captured" rows: the same step as the eager count, with the ops inside
+    `plan_trees` (build, budget, lookup path) set apart as one graph launch after one copy per input."""
+    with torch.no_grad(), step_overhead.gpu_code_paths():
+        code = step_overhead.product()
+        eager = step_overhead.one_step(code, 2, budget, False, lookup, VOCAB, LAYERS, 0, True)
+        captured = step_overhead.captured_step(code, 2, budget, lookup, VOCAB, LAYERS)
+    inputs = 2 + (budget == "auto") + 2 * bool(lookup)
+    assert captured["captured_ops"] >= 50  # the build alone is dozens of ops
+    assert captured["device_ops"] - inputs - 1 + captured["captured_ops"] == eager["device_ops"]
+    assert captured["host_copies"] == eager["host_copies"] == 1

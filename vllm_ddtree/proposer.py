@@ -510,7 +510,7 @@ class DDTreeProposer(DFlashProposer):
             return plan_trees(top_logp, top_ids, build, context_lens, self.auto, branch, valid, self._cap,
                               scorer=scorer, context_tail=tail, lam=self.options.ngram_weight)
 
-        inputs = (top_logp, top_ids, cad.seq_lens[:r], branch, valid)
+        inputs = (top_logp, top_ids, cad.seq_lens[:r] if self.auto is not None else None, branch, valid)
         key = self._graph_key(r, build, scorer, inputs)
         tree, plan = step(*inputs) if key is None else self.step_graphs(key, step, *inputs)
         host = self._store(req_ids, tree)
