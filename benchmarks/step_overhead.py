@@ -591,11 +591,12 @@ def _dirty() -> bool:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["code      engine    batch budget ngram lookup  device_ops  host_copies  glue_ms"]
+    lines = ["code      engine             batch budget ngram lookup  device_ops  host_copies  glue_ms"]
     for r in rows:
         copies = "-" if r.get("host_copies") is None else f"{r['host_copies']:.1f}"
-        lines.append(f"{r['code'][:9]:9} {r['engine']:9} {r['batch']:5} {str(r['budget']):6} {str(r['ngram']):5} "
-                     f"{r['lookup']:6} {r['device_ops']:11.0f} {copies:>12} {r['glue_ms']:8.2f}")
+        glue = "-" if r.get("glue_ms") is None else f"{r['glue_ms']:.2f}"
+        lines.append(f"{r['code'][:9]:9} {r['engine']:18} {r['batch']:5} {str(r['budget']):6} {str(r['ngram']):5} "
+                     f"{r['lookup']:6} {r['device_ops']:11.0f} {copies:>12} {glue:>8}")
     return "\n".join(lines)
 
 
