@@ -3,8 +3,9 @@
 `DDTreeProposer.propose` runs after the previous step's sampling: vLLM's own DFlash forward
 ([bonus, MASK x W] against the accepted path's hidden states), then — instead of the argmax per mask
 row — top-K per depth, the step's device function `plan_trees` (the build with optional n-gram
-rescoring, the automatic budget, the lookup path) and the flattened tree tokens per request, returned as a ragged list (the scheduler's draft lists). The
-trees stay with the proposer for the verify step (`vllm_ddtree.verify`).
+rescoring, the automatic budget, the lookup path) and the flattened tree tokens per request,
+returned as a ragged list (the scheduler's draft lists). The trees stay with the proposer for the
+verify step (`vllm_ddtree.verify`).
 """
 
 from __future__ import annotations

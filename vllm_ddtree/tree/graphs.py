@@ -64,6 +64,8 @@ class _Captured:
 class StepGraphs:
     """Captures `fn` once per key and replays it (see the module docstring)."""
 
+    MAX_SEEN = 4096  # keys counted towards a capture at most (then the count starts over)
+
     def __init__(self, backend: str, capture_after: int = 2, max_graphs: int = 32) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"StepGraphs backend must be one of {BACKENDS}, got {backend!r}")
@@ -79,6 +81,8 @@ class StepGraphs:
         """`fn(*inputs)`, replayed from the key's graph where there is one (captured now if due)."""
         entry = self.graphs.get(key)
         if entry is None and self.failed is None:
+            if len(self.seen) >= self.MAX_SEEN:  # keys seen once and never again: forget them
+                self.seen.clear()
             self.seen[key] += 1
             if self.seen[key] >= self.capture_after:
                 out = self._capture(key, fn, inputs)
