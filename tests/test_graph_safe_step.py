@@ -8,6 +8,7 @@ way (numbers become constants, tensors are held by reference), so on a CPU a tra
 the state has moved on must still equal the eager step: what a captured graph would compute.
 """
 
+import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -169,3 +170,14 @@ def test_the_budget_is_captured_only_when_calibrated_and_its_class_has_a_rate():
     assert auto.capture_state(R, "cpu") != state
     n = auto.cost.residual.numel()  # the new buffer holds the table, then zeros
     assert torch.all(coefficients.residual[:n] == torch.tensor(1e-4)) and not coefficients.residual[n:].any()
+
+
+def test_the_switch_names_its_values_and_captures_only_on_cuda(monkeypatch):
+    proposer = pytest.importorskip("vllm_ddtree.proposer")
+    for value, expect in (("", None), ("0", None), ("1", None), ("trace", "trace")):  # "1" on a CPU: eager
+        monkeypatch.setenv("VLLM_DDTREE_STEP_GRAPHS", value)
+        graphs = proposer.step_graphs_from_env(torch.device("cpu"))
+        assert (graphs.backend if graphs is not None else None) == expect, value
+    monkeypatch.setenv("VLLM_DDTREE_STEP_GRAPHS", "yes")
+    with pytest.raises(ValueError, match="VLLM_DDTREE_STEP_GRAPHS must be 0, 1 or trace"):
+        proposer.step_graphs_from_env(torch.device("cpu"))
