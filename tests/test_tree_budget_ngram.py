@@ -7,6 +7,7 @@ import torch
 
 from vllm_ddtree.tree.ngram import _pack, _wrap
 from vllm_ddtree.tree import (
+    HostTokens,
     AcceptanceCalibration,
     AutoBudget,
     BudgetPlan,
@@ -1042,7 +1043,7 @@ def test_step_observations_count_what_a_plain_counter_counts(with_host):
             else:
                 host.append(None)
             texts[s] = texts.get(s, []) + prompt + [t for t in new[i].tolist() if t >= 0]
-        model.observe_step(slots, new, host)
+        model.observe_step(slots, new, HostTokens.from_lists(host))
     want = _counted(texts, order, vocab + 1)
     for (kind, m), counts in want.items():
         keys, got = model.online.real_entries(kind, m)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from vllm_ddtree.tree import (
+    HostTokens,
     AcceptanceCalibration,
     AutoBudget,
     LookupCalibration,
@@ -64,7 +65,7 @@ def test_a_whole_tree_step_runs_on_the_device_without_a_host_sync():
     # The step's sampled tokens into the tables (a prompt held by the host beside them), a finished
     # request released, and again: the padding's lengths never come back from meta, so no cut either.
     sampled = torch.randint(0, VOCAB, (R, 4), device=META)
-    ngram.observe_step([0, 1, 2], sampled, [None, ([], [5, 6, 7]), None])
+    ngram.observe_step([0, 1, 2], sampled, HostTokens.from_lists([None, ([], [5, 6, 7]), None]))
     ngram.release_batch([1])
     ngram.observe_step([0, 1, 2], sampled)
     assert ngram.online.ngram_keys[2].device == ngram.tails.device == META

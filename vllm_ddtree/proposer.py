@@ -23,6 +23,7 @@ from vllm_ddtree.tree import (
     AutoBudget,
     CostModel,
     DraftTree,
+    HostTokens,
     HostTrees,
     LookupCalibration,
     ModelShape,
@@ -561,12 +562,11 @@ class DDTreeProposer(DFlashProposer):
         the device has, in the host batch now, exactly those tokens appended; from here on its count
         is the batch's. (An undrafted step counts nothing: its tokens are counted from the host batch,
         with their history, at the next drafted step.)"""
-        if not any(v is None for v in self._seen.values()):
-            return
-        batch = self.runner.input_batch
-        for rid, i in batch.req_id_to_index.items():
-            if self._seen.get(rid, 0) is None:
-                self._seen[rid] = int(batch.num_tokens_no_spec[i])
+        stale = [rid for rid, seen in self._seen.items() if seen is None]
+        if stale:
+            batch = self.runner.input_batch
+            index, counts = batch.req_id_to_index, batch.num_tokens_no_spec
+            self._seen.update({rid: int(counts[index[rid]]) for rid in stale if rid in index})
 
     def _observe(self, req_ids: list[str], step_tokens: Tensor) -> Tensor:
         """Feed each request's newly committed tokens to the online n-gram model; its slot per row
@@ -578,32 +578,30 @@ class DDTreeProposer(DFlashProposer):
         bonus token, `step_tokens` [R, K] (-1 padded) — are added here on the device, so that the
         n-gram context ends at the new tree's root. Rows vLLM discards (a prefill chunk that is not
         the last) add none. Tokens the host holds that the tables have not seen (a prompt, a prefill
-        chunk) go in the same merge, with their history from the host batch.
+        chunk) go in the same merge, with their history, read from the host batch's token buffer by
+        tensor ops over all rows (`HostTokens`): no Python per request beyond its id's bookkeeping.
         """
         batch = self.runner.input_batch
         r = len(req_ids)
-        discard = self.runner.discard_request_mask.np[:r].tolist()
+        discard = torch.as_tensor(self.runner.discard_request_mask.np[:r], dtype=torch.bool)
         live = set(req_ids)
         finished = [x for x in self._slots if x not in live]
         self.ngram.release_batch([self._slots.pop(rid) for rid in finished])
         for rid in finished:
             self._seen.pop(rid, None)
+        arrivals = [rid for rid in req_ids if rid not in self._slots]
         free = sorted(set(range(len(self._slots) + len(req_ids))) - set(self._slots.values()))
-        n1 = self.ngram.order - 1
-        slots, host = [], []
-        for i, rid in enumerate(req_ids):
-            if rid not in self._slots:
-                self._slots[rid] = free.pop(0)
-                self._seen[rid] = 0
-            n = int(batch.num_tokens_no_spec[i])
-            # None: the tables have seen everything the batch holds (last step's tokens, counted on
-            # the device then, are the ones the bookkeeping has appended since)
-            seen = n if self._seen[rid] is None else self._seen[rid]
-            host.append((batch.token_ids_cpu[i, max(seen - n1, 0) : seen].tolist(), batch.token_ids_cpu[i, seen:n].tolist())
-                        if seen < n else None)
-            self._seen[rid] = n if discard[i] else None  # a discarded row's sampled token is not kept
-            slots.append(self._slots[rid])
-        discarded = to_device(torch.tensor(discard[:r], dtype=torch.bool).view(r, 1), step_tokens.device)
+        self._slots.update(zip(arrivals, free))
+        self._seen.update(dict.fromkeys(arrivals, 0))
+        n = torch.as_tensor(batch.num_tokens_no_spec[:r], dtype=torch.int64)  # [R] tokens the batch holds
+        # -1 (None): the tables have seen everything the batch holds (last step's tokens, counted on
+        # the device then, are the ones the bookkeeping has appended since)
+        seen = torch.tensor([-1 if k is None else k for k in map(self._seen.__getitem__, req_ids)], dtype=torch.int64)
+        host = HostTokens(torch.as_tensor(batch.token_ids_cpu[:r]), torch.where(seen < 0, n, seen), n)
+        # a discarded row's sampled token is not kept: the batch's count stands
+        self._seen.update(zip(req_ids, [k if d else None for k, d in zip(n.tolist(), discard.tolist())]))
+        slots = [self._slots[rid] for rid in req_ids]
+        discarded = to_device(discard.view(r, 1), step_tokens.device)
         return self.ngram.observe_step(slots, torch.where(discarded, -1, step_tokens[:r]), host)
 
 

@@ -33,7 +33,7 @@ from .compile import (
     flashinfer_tree_mask,
 )
 from .transfer import HostReads, to_device, to_host
-from .ngram import NGramCounts, NGramModel, NGramScorer, build_corpus_ngram, entropy_adaptive_lambda, windows_of
+from .ngram import HostTokens, NGramCounts, NGramModel, NGramScorer, build_corpus_ngram, entropy_adaptive_lambda, windows_of
 from .graphs import StepGraphs
 from .step import plan_trees
 from .verify import WalkResult, greedy_tokens, sample_tokens, walk_position, walk_tree

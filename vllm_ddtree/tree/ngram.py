@@ -450,25 +450,51 @@ def _find_rows(keys: Tensor, counts: Tensor, query: Tensor) -> Tensor:
     return torch.where(keys.gather(1, idx) == flat, counts.gather(1, idx), 0).view_as(query)
 
 
-def host_windows(order: int, slots: Sequence[int], host: Sequence[tuple[Sequence[int], Sequence[int]] | None]
-                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+@dataclass
+class HostTokens:
+    """Tokens the host holds that the tables have not counted yet (a prompt, a prefill chunk, the
+    tokens of undrafted steps): row i's token_ids[i, start[i]:end[i]], counted with the up to n-1
+    tokens before start[i] as their history. Host tensors: token_ids [R, T] (any integer dtype; a
+    view of the engine's own token buffer), start/end [R]; a row with start >= end holds none."""
+
+    token_ids: Tensor
+    start: Tensor
+    end: Tensor
+
+    @classmethod
+    def from_lists(cls, host: Sequence[tuple[Sequence[int], Sequence[int]] | None]) -> "HostTokens":
+        """host[i]: None, or (context, new) lists of row i: `new` to count after `context`."""
+        rows = [([], []) if h is None else (list(h[0]), list(h[1])) for h in host]
+        width = max((len(c) + len(n) for c, n in rows), default=0)
+        ids = torch.zeros(len(rows), width, dtype=torch.int64)
+        for i, (context, new) in enumerate(rows):
+            ids[i, : len(context) + len(new)] = torch.tensor(context + new, dtype=torch.int64)
+        start = torch.tensor([len(c) for c, _ in rows], dtype=torch.int64)
+        return cls(ids, start, start + torch.tensor([len(n) for _, n in rows], dtype=torch.int64))
+
+
+def host_windows(order: int, slots: Sequence[int], host: HostTokens) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The host part of `NGramModel.observe_step`, as host tensors: the windows [N, n] of every row's
     host tokens and their namespaces [N]; the rows that have host tokens [H] and their tails after
-    them [H, n-1] (PAD-filled on the left). host[i]: None, or (context, new) lists of row i."""
+    them [H, n-1] (PAD where a row's text is shorter). Tensor ops over all rows at once: no Python
+    per row, whatever the batch."""
     n1 = order - 1
-    wins, names, rows, tails = [], [], [], []
-    for i, h in enumerate(host):
-        if h is None:
-            continue
-        context, new = list(h[0])[-n1:], list(h[1])
-        if new:
-            wins.append(windows_of(new, order, context))
-            names += [slots[i]] * len(new)
-        rows.append(i)
-        tails += ([PAD] * n1 + context + new)[-n1:]
-    return (torch.cat(wins) if wins else torch.zeros(0, order, dtype=torch.int64),
-            torch.tensor(names, dtype=torch.int64), torch.tensor(rows, dtype=torch.int64),
-            torch.tensor(tails, dtype=torch.int64).view(-1, n1))
+    start, end = host.start.long(), host.end.long()
+    count = (end - start).clamp(min=0)  # [R] host tokens per row
+    rows = count.nonzero().flatten()  # [H]
+    row_of = torch.repeat_interleave(torch.arange(count.numel()), count)  # [N] each new token's row
+    first = torch.cumsum(count, 0) - count  # [R] where each row's tokens start among the N
+    position = start[row_of] + torch.arange(row_of.numel()) - first[row_of]  # [N] in the row's text
+    window = torch.arange(-n1, 1)  # [n]: the n-1 tokens before a token, and itself
+    wins = _text_at(host.token_ids, row_of[:, None], position[:, None] + window)
+    names = torch.tensor(list(slots), dtype=torch.int64)[row_of]
+    tails = _text_at(host.token_ids, rows[:, None], end[rows][:, None] + window[:-1])
+    return wins, names, rows, tails
+
+
+def _text_at(token_ids: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
+    """token_ids[rows, cols] as int64, PAD where cols < 0 (before the text)."""
+    return torch.where(cols >= 0, token_ids[rows, cols.clamp(min=0)].long(), PAD)
 
 
 def windows_of(tokens: Sequence[int] | Tensor, order: int, history: Sequence[int] | Tensor = ()) -> Tensor:
@@ -554,16 +580,14 @@ class NGramModel:
             block[i, : t.numel()] = t
         self.observe_step(slots, to_device(block, self.device))
 
-    def observe_step(self, slots: Sequence[int], tokens: Tensor,
-                     host: Sequence[tuple[Sequence[int], Sequence[int]] | None] | None = None) -> Tensor:
+    def observe_step(self, slots: Sequence[int], tokens: Tensor, host: HostTokens | None = None) -> Tensor:
         """One engine step's new tokens, counted in one merge of the tables, with no host read.
 
         slots [R] host ints, each once. tokens [R, K] on any device: each row's new tokens, PAD after
         its last (vLLM's sampled tokens: the accepted path and the bonus token, -1 padded), appended
-        after the slot's tail (`tails`, on the device). host[i] (optional), for a row whose earlier
-        tokens the host holds (a prompt, a prefill chunk): (context, new) host lists, `new` counted
-        before tokens[i] with `context` (its up to n-1 preceding tokens) as its history, so the row's
-        tail comes from the host, not the device. Returns the slots as a device tensor [R].
+        after the slot's tail (`tails`, on the device). `host` (optional): tokens the host holds
+        for some rows (a prompt, a prefill chunk), counted before tokens[i] with their host history,
+        so such a row's tail comes from the host, not the device. Returns the slots as a device tensor [R].
         """
         if len(set(slots)) != len(slots):
             raise ValueError(f"observe_step got a slot twice in one call: {list(slots)}")
@@ -573,7 +597,8 @@ class NGramModel:
         self._grow_tails(max(slots, default=-1) + 1)
         slots_d = to_device(torch.tensor(list(slots), dtype=torch.int64), self.device)
         tail = self.tails[slots_d]  # [R, n-1]
-        wins, names, rows, tails = host_windows(self.order, slots, host or ())
+        wins, names, rows, tails = (host_windows(self.order, slots, host) if host is not None
+                                    else (None, None, torch.zeros(0, dtype=torch.int64), None))
         if rows.numel():
             tail = tail.index_put((to_device(rows, self.device),), to_device(tails, self.device))
         tokens = tokens.to(self.device).long()
@@ -585,7 +610,7 @@ class NGramModel:
         windows = (seq.unfold(1, self.order, 1).contiguous().view(-1, self.order) if tokens.shape[1]
                    else seq[:0, :0].view(0, self.order))
         namespace, flat_valid = slots_d.view(r, 1).expand(r, k).contiguous().view(-1), valid.view(-1)
-        if wins.shape[0]:
+        if wins is not None and wins.shape[0]:
             windows = torch.cat([to_device(wins, self.device), windows])
             namespace = torch.cat([to_device(names, self.device), namespace])
             flat_valid = torch.cat([torch.ones(wins.shape[0], dtype=torch.bool, device=self.device), flat_valid])
