@@ -24,8 +24,12 @@ leaves the GPU idle. Neither shows as time on a CPU, so this counts them, on the
     ``int()``... of a tensor derived from device data), counted by a tensor subclass that marks the
     device's data: every read, deliberate or not.
   * ``glue_ms``: host time of the same step with tiny tensors (V = 512), the median of repeats. On
-    a CPU it includes the ops' own compute, which grows with the batch; the op counts are what shows
-    that no Python loop runs over requests or nodes.
+    a CPU it includes the ops' own compute, which grows with the batch; the op counts and
+    ``python_lines`` are what shows that no Python loop runs over requests or nodes.
+  * ``python_lines``: lines of vllm_ddtree's own Python executed in the counted step (a
+    ``sys.settrace`` line count; a loop's or a comprehension's every iteration counts). Constant in
+    the batch where the step has no Python per request; what grows with it, per request, is Python
+    a GPU's host pays whatever the ops cost.
   The automatic budget starts calibrated (step costs from the roofline, one measured acceptance),
   its state on the device as the proposer puts it; the step drafts all W depths, a first step's
   shape (the engine's depth cap drafts fewer later).
@@ -135,7 +139,7 @@ def device(t: torch.Tensor) -> torch.Tensor:
 #: tree/ngram.py functions that are not per-step table work: new tokens the host holds (a prompt),
 #: cut into windows on the host before one copy to the tables' device; digit weights made once per
 #: shape, then cached
-NGRAM_HOST_SIDE = {"windows_of", "host_windows", "observe_batch", "_context_powers"}
+NGRAM_HOST_SIDE = {"windows_of", "host_windows", "_text_at", "observe_batch", "_context_powers"}
 
 
 def in_ngram_tables() -> bool:
@@ -364,6 +368,7 @@ def _one_step(code, batch: int, budget, ngram: bool, lookup: int, vocab: int, la
     cad = SimpleNamespace(seq_lens=device(torch.full((batch,), ctx + 1, dtype=torch.int32)))
     # the warm-up counts too (its counts unused): a copy to the stand-in device makes device data only then
     counter = (counter_class or OpCounter)() if count or warm_up else contextlib.nullcontext()
+    lines = LineCounter() if count else contextlib.nullcontext()
     DeviceData.reads = 0
     if code.host_reads is not None:
         code.host_reads.count = 0
@@ -371,12 +376,12 @@ def _one_step(code, batch: int, budget, ngram: bool, lookup: int, vocab: int, la
     p._logits = device(logits)
     steps = device(step_tokens)
     t0 = time.perf_counter()
-    with counter:
+    with counter, lines:
         drafts = p._tree_drafts(cad, steps)
     t1 = time.perf_counter()
     spec, total, target_logits = verify_inputs(code, p, drafts, ctx, vocab, layers, gen)
     t2 = time.perf_counter()
-    with counter:
+    with counter, lines:
         step = code.prepare(p.runner, spec, total)
         out = code.sample(p.runner, step, target_logits, spec)
     t3 = time.perf_counter()
@@ -386,7 +391,7 @@ def _one_step(code, batch: int, budget, ngram: bool, lookup: int, vocab: int, la
     if count:
         row |= dict(captured_ops=getattr(counter, "captured_ops", None))
         row |= dict(device_ops=counter.device_ops, device_views=counter.device_views, host_ops=counter.host_ops,
-                    host_copies=reads,
+                    host_copies=reads, python_lines=lines.lines,
                     counted_host_reads=code.host_reads.count if code.host_reads is not None else None)
     return row
 
@@ -399,6 +404,32 @@ def inside(function: str, filename: str) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+class LineCounter:
+    """Counts the lines of vllm_ddtree's Python executed within (`lines`), through `sys.settrace`;
+    the tracer in place before (a debugger's, coverage's) is put back on exit."""
+
+    def __init__(self) -> None:
+        self.lines = 0
+        self._before = None
+        self._package = str(Path(importlib.import_module("vllm_ddtree").__file__).parent) + os.sep
+
+    def _local(self, frame, event, arg):
+        if event == "line":
+            self.lines += 1
+        return self._local
+
+    def _call(self, frame, event, arg):
+        return self._local if frame.f_code.co_filename.startswith(self._package) else None
+
+    def __enter__(self) -> "LineCounter":
+        self._before = sys.gettrace()
+        sys.settrace(self._call)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.settrace(self._before)
 
 
 class CapturedOpCounter(OpCounter):
@@ -448,8 +479,8 @@ def pipeline_rows(quick: bool, repeats: int) -> list[dict]:
                                 for s in range(repeats)]
                     rows.append(dict(engine="pipeline", batch=batch, budget=budget, ngram=ngram, lookup=lookup,
                                      **{k: counted[k] for k in ("device_ops", "device_views", "host_ops",
-                                                                "host_copies", "counted_host_reads", "nodes",
-                                                                "accepted")},
+                                                                "host_copies", "counted_host_reads", "python_lines",
+                                                                "nodes", "accepted")},
                                      glue_ms=statistics.median(glue)))
                     print(json.dumps(rows[-1]), flush=True)
                     gc.collect()
@@ -591,12 +622,13 @@ def _dirty() -> bool:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["code      engine             batch budget ngram lookup  device_ops  host_copies  glue_ms"]
+    lines = ["code      engine             batch budget ngram lookup  device_ops  host_copies  py_lines  glue_ms"]
     for r in rows:
         copies = "-" if r.get("host_copies") is None else f"{r['host_copies']:.1f}"
+        py = "-" if r.get("python_lines") is None else str(r["python_lines"])
         glue = "-" if r.get("glue_ms") is None else f"{r['glue_ms']:.2f}"
         lines.append(f"{r['code'][:9]:9} {r['engine']:18} {r['batch']:5} {str(r['budget']):6} {str(r['ngram']):5} "
-                     f"{r['lookup']:6} {r['device_ops']:11.0f} {copies:>12} {glue:>8}")
+                     f"{r['lookup']:6} {r['device_ops']:11.0f} {copies:>12} {py:>9} {glue:>8}")
     return "\n".join(lines)
 
 

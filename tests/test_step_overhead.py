@@ -77,6 +77,7 @@ def test_the_step_reads_device_data_once(ngram, lookup):
     row = count(8, 8, ngram, lookup)
     assert row["host_copies"] == 1 and row["counted_host_reads"] == 1, row
     assert row["nodes"] >= 1 and row["accepted"] >= 1  # a real step: trees verified, nodes accepted
+    assert row["python_lines"] > 0  # and the lines of vllm_ddtree's Python it ran, counted
 
 
 def test_the_counters_see_what_they_count():
@@ -124,3 +125,30 @@ def test_a_captured_step_is_the_ops_outside_plan_trees_its_input_copies_and_one_
     assert captured["captured_ops"] >= 50  # the build alone is dozens of ops
     assert captured["device_ops"] - inputs - 1 + captured["captured_ops"] == eager["device_ops"]
     assert captured["host_copies"] == eager["host_copies"] == 1
+
+
+def test_the_host_held_tokens_go_to_the_n_gram_tables_without_python_per_request():
+    """A step where every request brings tokens the host holds (prompts, prefill chunks) cuts them
+    into windows with tensor ops over all rows: the same lines of vllm_ddtree's Python run for 1 and
+    for 32 such requests. Negative control: building the same input from per-request lists
+    (`HostTokens.from_lists`, a loop) runs more lines for more requests."""
+    from vllm_ddtree.tree import HostTokens, NGramModel
+
+    def lines(r: int, code) -> int:
+        model = NGramModel(VOCAB, 3, scoring=False)
+        g = torch.Generator().manual_seed(r)
+        texts = [torch.randint(0, VOCAB, (40,), generator=g).tolist() for _ in range(r)]
+        host = HostTokens(torch.tensor(texts), torch.zeros(r, dtype=torch.int64), torch.full((r,), 40))
+        step = torch.randint(0, VOCAB, (r, 3), generator=g)
+        with step_overhead.LineCounter() as counted:
+            code(model, r, texts, host, step)
+        return counted.lines
+
+    def observe(model, r, texts, host, step):
+        model.observe_step(list(range(r)), step, host)
+
+    def from_lists(model, r, texts, host, step):
+        HostTokens.from_lists([([], t) for t in texts])
+
+    assert lines(1, observe) == lines(32, observe) > 0
+    assert lines(32, from_lists) > lines(1, from_lists)
