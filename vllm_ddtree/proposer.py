@@ -597,7 +597,9 @@ class DDTreeProposer(DFlashProposer):
         # -1 (None): the tables have seen everything the batch holds (last step's tokens, counted on
         # the device then, are the ones the bookkeeping has appended since)
         seen = torch.tensor([-1 if k is None else k for k in map(self._seen.__getitem__, req_ids)], dtype=torch.int64)
-        host = HostTokens(torch.as_tensor(batch.token_ids_cpu[:r]), torch.where(seen < 0, n, seen), n)
+        start = torch.where(seen < 0, n, seen)
+        # None in the steady state, where every row's tokens came through the device last step
+        host = HostTokens(torch.as_tensor(batch.token_ids_cpu[:r]), start, n) if bool((start < n).any()) else None
         # a discarded row's sampled token is not kept: the batch's count stands
         self._seen.update(zip(req_ids, [k if d else None for k, d in zip(n.tolist(), discard.tolist())]))
         slots = [self._slots[rid] for rid in req_ids]
