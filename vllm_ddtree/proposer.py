@@ -519,7 +519,7 @@ class DDTreeProposer(DFlashProposer):
         if self.auto is not None:
             self.auto.record_plan(plan, r)
             self.auto.grow(host.ranked)  # the next build follows the largest tree the drafter's ranking kept
-        return [list(t) for t in host.tokens]  # the scheduler's own lists: our copy stays as proposed
+        return host.tokens  # the scheduler takes these lists; what we keep of the trees is `self.proposed`
 
     def _graph_key(self, r: int, build: int, scorer, inputs: tuple) -> tuple | None:
         """The key of this step's captured `plan_trees` (`step_graphs`), or None to run it eagerly:

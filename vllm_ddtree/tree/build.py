@@ -170,23 +170,40 @@ class HostTrees:
     """A `DraftTree` batch on the host: each request's kept nodes as Python lists, best-first.
 
     What a scheduler that takes draft tokens as lists needs (vLLM's does), plus the deepest kept
-    node of the batch (the next step's drafted depth follows it).
+    node of the batch (the next step's drafted depth follows it). Only the tokens are made lists
+    at once (the scheduler's); the other fields' lists are made when read, from `padded`.
     """
 
     tokens: list[list[int]]
-    parents: list[list[int]]
-    depths: list[list[int]]
-    scores: list[list[float]] | None  # with_scores only
     deepest: int  # the largest depth of any kept node the drafter ranked (finite score; 0 if none)
     ranked: int  # the most nodes the drafter ranked in one request's tree (an `add_branch` path not counted)
     padded: tuple[Tensor, Tensor, Tensor, Tensor | None]  # host [R, B] tokens, parents, depths, scores (padding: 0, -1, 0, -inf)
+
+    def _kept(self, block: Tensor) -> list[list]:
+        return [row[: len(t)] for row, t in zip(block.tolist(), self.tokens)]
+
+    @property
+    def parents(self) -> list[list[int]]:
+        """Each request's kept nodes' parents (-1: the root)."""
+        return self._kept(self.padded[1])
+
+    @property
+    def depths(self) -> list[list[int]]:
+        """Each request's kept nodes' depths (1: a child of the root)."""
+        return self._kept(self.padded[2])
+
+    @property
+    def scores(self) -> list[list[float]] | None:
+        """Each request's kept nodes' scores (None unless copied `with_scores`)."""
+        return None if self.padded[3] is None else self._kept(self.padded[3])
 
 
 def tree_to_host(tree: DraftTree, with_scores: bool = False) -> HostTrees:
     """One device-to-host copy of the kept nodes (scores included), not one `.tolist()` per field.
 
     The fields are packed into one float64 block (token ids, rows and depths are exact in float64,
-    and so are float32 scores), copied with `to_host`, and split into lists on the host.
+    and so are float32 scores), copied with `to_host`, and split on the host: the tokens into the
+    scheduler's lists, the rest into padded host tensors.
     """
     w = tree.max_nodes
     # On the device: the drafter-ranked nodes' depths (an `add_branch` path scores -inf), one host max below.
@@ -197,20 +214,14 @@ def tree_to_host(tree: DraftTree, with_scores: bool = False) -> HostTrees:
     # one cast: `cat` promotes the other fields to the first one's float64
     packed = to_host(torch.cat([fields[0].double(), *fields[1:]], dim=1))
     counts = packed[:, 3 * w].long().tolist()
-
-    def kept(block: Tensor, as_int: bool = True) -> list[list]:
-        rows = (block.long() if as_int else block.float()).tolist()
-        return [row[:n] for row, n in zip(rows, counts)]
-
-    scores = kept(packed[:, 4 * w + 2 :], as_int=False) if with_scores else None
+    tokens = [row[:n] for row, n in zip(packed[:, :w].long().tolist(), counts)]
     deepest = int(packed[:, 3 * w + 1 : 4 * w + 1].max()) if w and packed.shape[0] else 0
     most = int(packed[:, 4 * w + 1].max()) if packed.shape[0] else 0
     valid = torch.arange(w)[None, :] < packed[:, 3 * w : 3 * w + 1].long()
     padded = (torch.where(valid, packed[:, :w].long(), 0), torch.where(valid, packed[:, w : 2 * w].long(), NO_PARENT),
               torch.where(valid, packed[:, 2 * w : 3 * w].long(), 0),
               torch.where(valid, packed[:, 4 * w + 2 :].float(), -math.inf) if with_scores else None)
-    return HostTrees(kept(packed[:, :w]), kept(packed[:, w : 2 * w]), kept(packed[:, 2 * w : 3 * w]), scores, deepest,
-                     most, padded)
+    return HostTrees(tokens, deepest, most, padded)
 
 
 def topk_per_depth(logits: Tensor, k: int, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
