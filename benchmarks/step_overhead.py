@@ -640,10 +640,11 @@ def plot(rows: list[dict], path: Path) -> None:
 
     # the lookup branch on, rescoring off: the GPU's defaults (with the automatic budget)
     pipe = [r for r in rows if r["engine"] == "pipeline" and not r["ngram"] and r["lookup"]]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    lines = any(r.get("python_lines") is not None for r in pipe)
+    fig, axes = plt.subplots(1, 3 if lines else 2, figsize=(16 if lines else 11, 4))
     for code in sorted({r["code"] for r in pipe}):
         for budget in sorted({str(r["budget"]) for r in pipe}):
-            pts = sorted((r["batch"], r["device_ops"], r["glue_ms"]) for r in pipe
+            pts = sorted((r["batch"], r["device_ops"], r["glue_ms"], r.get("python_lines")) for r in pipe
                          if r["code"] == code and str(r["budget"]) == budget)
             if not pts:
                 continue
@@ -651,11 +652,14 @@ def plot(rows: list[dict], path: Path) -> None:
             style = "--" if code == pipe[0]["code"] and len({r["code"] for r in pipe}) > 1 else "-"
             axes[0].plot(xs, [p[1] for p in pts], style, marker="o", label=f"{code}, budget {budget}")
             axes[1].plot(xs, [p[2] for p in pts], style, marker="o", label=f"{code}, budget {budget}")
+            if lines:
+                axes[2].plot(xs, [p[3] for p in pts], style, marker="o", label=f"{code}, budget {budget}")
     captured = [r for r in rows if r["engine"] == "pipeline, captured"]
     for code, budget in sorted({(r["code"], str(r["budget"])) for r in captured}):
         pts = sorted((r["batch"], r["device_ops"]) for r in captured if r["code"] == code and str(r["budget"]) == budget)
         axes[0].plot(*zip(*pts), ":", marker="s", label=f"{code}, budget {budget}, plan_trees captured (launches)")
-    for ax, title in zip(axes, ("device ops per step (Qwen3-8B sizes)", "glue host ms per step (V = 512)")):
+    for ax, title in zip(axes, ("device ops per step (Qwen3-8B sizes)", "glue host ms per step (V = 512)",
+                                "lines of ddtree's Python per step")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("requests in the step")
         ax.set_title(title)
