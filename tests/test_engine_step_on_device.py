@@ -158,10 +158,10 @@ def _engine_like_observation(catch_up: bool) -> tuple[dict, dict, object]:
         tokens = torch.randint(0, vocab, (len(ids), k), generator=g)
         kept = torch.randint(1, k + 1, (len(ids),), generator=g)
         tokens = torch.where(torch.arange(k) < kept[:, None], tokens, -1) if step < 13 else torch.full_like(tokens, -1)
-        if catch_up:
-            p._catch_up()  # what propose does at every step
         if step % 3 != 1 or step == 13:  # drafted (the last step counts what the host holds)
             p._observe(ids, tokens)
+        elif catch_up:
+            p._catch_up()  # what propose does at an undrafted step
         for i, rid in enumerate(ids):  # vLLM's bookkeeping: the step's kept tokens join the host batch
             if rid not in discarded:
                 texts[rid] += [t for t in tokens[i].tolist() if t >= 0]

@@ -26,11 +26,16 @@ def count(batch: int, budget, ngram: bool, lookup: int) -> dict:
 
 
 @pytest.mark.parametrize("budget, ngram, lookup", [(8, False, 0), (64, False, 0), ("auto", False, 8), ("auto", True, 8)])
-def test_device_ops_do_not_grow_with_the_batch(budget, ngram, lookup):
+def test_device_ops_and_python_lines_do_not_grow_with_the_batch(budget, ngram, lookup):
     """No loop over requests or nodes on the device: the same ops at 1, 8 and 32 requests, the n-gram
-    tables' ops (merge, lookups) included."""
-    ops = {batch: count(batch, budget, ngram, lookup)["device_ops"] for batch in (1, 8, 32)}
+    tables' ops (merge, lookups) included. No Python loop over requests on the host either: the
+    step (every request's first, with its prompt) runs fewer added lines of vllm_ddtree's Python than
+    it has added requests (a loop over requests runs one or more per request)."""
+    rows = {batch: count(batch, budget, ngram, lookup) for batch in (1, 8, 32)}
+    ops = {batch: row["device_ops"] for batch, row in rows.items()}
+    lines = {batch: row["python_lines"] for batch, row in rows.items()}
     assert len(set(ops.values())) == 1, ops
+    assert lines[1] > 0 and lines[32] - lines[1] < 32 - 1, lines
 
 
 def test_counting_the_gpu_code_paths_leaves_the_cpu_s_in_place():

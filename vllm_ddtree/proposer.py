@@ -11,6 +11,7 @@ verify step (`vllm_ddtree.verify`).
 from __future__ import annotations
 
 import copy
+import itertools
 import os
 import statistics
 import time
@@ -93,6 +94,12 @@ class ProposedTrees:
 
 
 NO_TREES = ProposedTrees({}, *(torch.zeros(0, 0, dtype=torch.int64) for _ in range(3)), None)
+
+# The proposer's per-request n-gram count (`_seen`) when the request's last step was counted on the
+# device: the tables hold everything the host batch will hold at its next step. _NOT_MET: a request
+# of the batch with no count yet (the tables have not taken it in).
+_COUNTED_ON_DEVICE = -1
+_NOT_MET = -2
 
 
 @dataclass
@@ -236,9 +243,10 @@ class DDTreeProposer(DFlashProposer):
             self.ngram = NGramModel(target.get_vocab_size(), options.ngram_order, corpus=options.ngram_corpus,
                                     device=device, scoring=options.ngram_weight > 0)
         self._slots: dict[str, int] = {}
-        # request id -> how many of its tokens the n-gram tables have counted (None: all the host batch
-        # will hold at the next step, whose bookkeeping appends exactly the tokens counted on the device)
-        self._seen: dict[str, int | None] = {}
+        # request id -> how many of its tokens the n-gram tables have counted (_COUNTED_ON_DEVICE: all
+        # the host batch will hold at the next step, whose bookkeeping appends exactly the tokens
+        # counted on the device)
+        self._seen: dict[str, int] = {}
         self.auto: AutoBudget | None = None
         self.live_timing = True  # step times feed the budget (off under tensor parallelism: calibrate_at_startup)
         self._last_propose: float | None = None
@@ -274,8 +282,6 @@ class DDTreeProposer(DFlashProposer):
         # the one token vLLM's sampler drew (the DFlash input's next token).
         step_tokens = self.step_tokens if self.step_tokens is not None else kwargs["next_token_ids"].view(-1, 1)
         self.step_tokens = None
-        if self.ngram is not None:
-            self._catch_up()
         if order is not None:  # after a tree step: each request's accepted path first (sample_tree_step)
             n = order.shape[0]
             for key in ("target_hidden_states", "target_token_ids"):
@@ -289,6 +295,8 @@ class DDTreeProposer(DFlashProposer):
         self.undrafted = self._cap == 0 or (self.auto is not None and not self.auto.speculate(r))
         if self.undrafted:
             self._proposed = None  # no lookup proposals this step: none to score next step
+            if self.ngram is not None:
+                self._catch_up()  # this step's tokens are read from the host batch at the next drafted one
             if self.vllm_k0_pass:
                 super().propose(0, **kwargs)
             else:
@@ -538,7 +546,7 @@ class DDTreeProposer(DFlashProposer):
         with gpu_sync_allowed():  # deliberate: vLLM's scheduler reads the drafts on the host next
             host = tree_to_host(tree, with_scores=self.auto is not None)
         self.depth_cap.observe(host.deepest)
-        self.proposed = ProposedTrees({rid: i for i, rid in enumerate(req_ids)}, *host.padded)
+        self.proposed = ProposedTrees(dict(zip(req_ids, range(len(req_ids)))), *host.padded)
         return host
 
     def _observe_lookup(self, req_ids: list[str], step_tokens: Tensor) -> None:
@@ -558,15 +566,17 @@ class DDTreeProposer(DFlashProposer):
         self.auto.observe_lookup(proposed, valid, step_tokens)
 
     def _catch_up(self) -> None:
-        """At every step, drafted or not: a request whose last observed step's tokens were counted on
-        the device has, in the host batch now, exactly those tokens appended; from here on its count
-        is the batch's. (An undrafted step counts nothing: its tokens are counted from the host batch,
-        with their history, at the next drafted step.)"""
-        stale = [rid for rid, seen in self._seen.items() if seen is None]
-        if stale:
-            batch = self.runner.input_batch
-            index, counts = batch.req_id_to_index, batch.num_tokens_no_spec
-            self._seen.update({rid: int(counts[index[rid]]) for rid in stale if rid in index})
+        """At an undrafted step (no `_observe`): a request whose last observed step's tokens were
+        counted on the device has, in the host batch now, exactly those tokens appended; pin its count
+        to the batch's, so that the next drafted step reads this step's tokens, with their history,
+        from the host batch. Tensor ops over the batch's rows, no Python per request."""
+        batch = self.runner.input_batch
+        req_ids = list(batch.req_ids)
+        r = len(req_ids)
+        seen = torch.tensor(list(map(self._seen.get, req_ids, itertools.repeat(_NOT_MET, r))), dtype=torch.int64)
+        held = torch.as_tensor(batch.num_tokens_no_spec[:r], dtype=torch.int64)
+        pinned = torch.where(seen == _COUNTED_ON_DEVICE, held, seen).tolist()
+        self._seen.update(itertools.compress(zip(req_ids, pinned), (seen != _NOT_MET).tolist()))
 
     def _observe(self, req_ids: list[str], step_tokens: Tensor) -> Tensor:
         """Feed each request's newly committed tokens to the online n-gram model; its slot per row
@@ -584,25 +594,24 @@ class DDTreeProposer(DFlashProposer):
         batch = self.runner.input_batch
         r = len(req_ids)
         discard = torch.as_tensor(self.runner.discard_request_mask.np[:r], dtype=torch.bool)
-        live = set(req_ids)
-        finished = [x for x in self._slots if x not in live]
-        self.ngram.release_batch([self._slots.pop(rid) for rid in finished])
-        for rid in finished:
+        finished = list(itertools.filterfalse(set(req_ids).__contains__, self._slots))
+        self.ngram.release_batch(list(map(self._slots.pop, finished)))
+        for rid in finished:  # (once per request's life, not per step)
             self._seen.pop(rid, None)
-        arrivals = [rid for rid in req_ids if rid not in self._slots]
+        arrivals = list(itertools.filterfalse(self._slots.__contains__, req_ids))
         free = sorted(set(range(len(self._slots) + len(req_ids))) - set(self._slots.values()))
         self._slots.update(zip(arrivals, free))
         self._seen.update(dict.fromkeys(arrivals, 0))
         n = torch.as_tensor(batch.num_tokens_no_spec[:r], dtype=torch.int64)  # [R] tokens the batch holds
-        # -1 (None): the tables have seen everything the batch holds (last step's tokens, counted on
-        # the device then, are the ones the bookkeeping has appended since)
-        seen = torch.tensor([-1 if k is None else k for k in map(self._seen.__getitem__, req_ids)], dtype=torch.int64)
-        start = torch.where(seen < 0, n, seen)
+        # _COUNTED_ON_DEVICE: the tables have seen everything the batch holds (last step's tokens,
+        # counted on the device then, are the ones the bookkeeping has appended since)
+        seen = torch.tensor(list(map(self._seen.__getitem__, req_ids)), dtype=torch.int64)
+        start = torch.where(seen == _COUNTED_ON_DEVICE, n, seen)
         # None in the steady state, where every row's tokens came through the device last step
         host = HostTokens(torch.as_tensor(batch.token_ids_cpu[:r]), start, n) if bool((start < n).any()) else None
         # a discarded row's sampled token is not kept: the batch's count stands
-        self._seen.update(zip(req_ids, [k if d else None for k, d in zip(n.tolist(), discard.tolist())]))
-        slots = [self._slots[rid] for rid in req_ids]
+        self._seen.update(zip(req_ids, torch.where(discard, n, _COUNTED_ON_DEVICE).tolist()))
+        slots = list(map(self._slots.__getitem__, req_ids))
         discarded = to_device(discard.view(r, 1), step_tokens.device)
         return self.ngram.observe_step(slots, torch.where(discarded, -1, step_tokens[:r]), host)
 

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -97,7 +98,7 @@ def prepare_tree_step(runner, spec_decode_metadata, total_tokens: int) -> TreeSt
     at = ((root_index + 1)[:, None] + cols).clamp(max=step_ids.shape[0] - 1)
     drafts = torch.where(in_draft, step_ids[at].long(), 0)
     proposed = proposer.proposed
-    prow = torch.tensor([proposed.row_of.get(rid, -1) for rid in req_ids], dtype=torch.int64)
+    prow = torch.tensor(list(map(proposed.row_of.get, req_ids, itertools.repeat(-1, r))), dtype=torch.int64)
     b = min(proposed.tokens.shape[1], width)
 
     def proposed_rows(x: Tensor, fill) -> Tensor:  # [R, width]: each request's proposed row, padded
@@ -163,7 +164,7 @@ def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadat
     batch = step.batch
     rows = step.logit_rows.to(logits.device)  # (made in prepare_tree_step from the same host counts)
     md = runner.input_batch.sampling_metadata
-    counts = [n + 1 for n in spec_decode_metadata.num_draft_tokens]  # host counts: ragged chunks, no device read
+    counts = (torch.tensor(spec_decode_metadata.num_draft_tokens) + 1).tolist()  # host counts: ragged chunks, no device read
     row_tokens = sample_rows(logits, rows, md, batch, counts)
     walk = walk_tree(batch, torch.where(batch.valid, row_tokens, -1))
     # [R, depth + 1], the rejection sampler's layout: the walk covers the deepest node, the step's

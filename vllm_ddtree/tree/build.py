@@ -214,7 +214,7 @@ def tree_to_host(tree: DraftTree, with_scores: bool = False) -> HostTrees:
     # one cast: `cat` promotes the other fields to the first one's float64
     packed = to_host(torch.cat([fields[0].double(), *fields[1:]], dim=1))
     counts = packed[:, 3 * w].long().tolist()
-    tokens = [row[:n] for row, n in zip(packed[:, :w].long().tolist(), counts)]
+    tokens = list(map(list.__getitem__, packed[:, :w].long().tolist(), map(slice, counts)))  # each row[:count], in C
     deepest = int(packed[:, 3 * w + 1 : 4 * w + 1].max()) if w and packed.shape[0] else 0
     most = int(packed[:, 4 * w + 1].max()) if packed.shape[0] else 0
     valid = torch.arange(w)[None, :] < packed[:, 3 * w : 3 * w + 1].long()
