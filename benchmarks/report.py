@@ -358,7 +358,8 @@ def render_step_overhead(study: dict, rows: list[dict]) -> list[str]:
     codes = unique(r["code"] for r in rows)
     by = {}
     for r in rows:
-        by.setdefault((r["engine"], r["batch"], str(r["budget"]), r["ngram"], r["lookup"]), {})[r["code"]] = r
+        engine = r["engine"] + (", steady" if r.get("step") == "steady" else "")  # (rows before steps: first ones)
+        by.setdefault((engine, r["batch"], str(r["budget"]), r["ngram"], r["lookup"]), {})[r["code"]] = r
     arrow = " → ".join(codes)
     views = any(r.get("device_views") is not None for r in rows)  # recorded by later runs
     lines = any(r.get("python_lines") is not None for r in rows)

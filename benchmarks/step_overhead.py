@@ -33,6 +33,10 @@ leaves the GPU idle. Neither shows as time on a CPU, so this counts them, on the
   The automatic budget starts calibrated (step costs from the roofline, one measured acceptance),
   its state on the device as the proposer puts it; the step drafts all W depths, a first step's
   shape (the engine's depth cap drafts fewer later).
+  ``step``: ``first``, every request's first step (each brings its prompt, which the n-gram tables
+  take in from the host batch); ``steady``, the step after it, once the first step's tokens were
+  committed to the host batch (nothing new from the host; the last step's lookup paths are scored
+  for the budget): what a server runs most of the time. Steady rows without n-gram rescoring.
   Where the product picks its code path by device (the ancestor mask, the best-score selection of
   the tree build, the n-gram orders' search, the lookup chain's context entries), the GPU's path is
   counted, and timed in ``glue_ms``.
@@ -77,6 +81,7 @@ QWEN3_8B = dict(num_hidden_layers=36, hidden_size=4096, num_attention_heads=32, 
                 intermediate_size=12288, vocab_size=151936)
 WIDTH = 15  # the drafter's block (z-lab's DFlash b16 drafters)
 CONTEXT = 600  # tokens in each request's KV cache before the step
+ROOM = 128  # the host batch's room past them, for committed tokens
 
 
 def ctx_len() -> int:
@@ -270,6 +275,7 @@ def make_runner(proposer, batch: int, ctx: int, vocab: int, rng: random.Random):
     """The runner attributes the proposer's tree part reads (host token history of every request)."""
     history = torch.tensor([[rng.randrange(vocab // 4) for _ in range(ctx)] for _ in range(batch)], dtype=torch.int32)
     history[:, ctx // 2 :] = history[:, : ctx - ctx // 2]  # a repetition, for the lookup branch to find
+    history = torch.cat([history, torch.zeros(batch, ROOM, dtype=torch.int32)], dim=1)  # room for a step's tokens
     runner = SimpleNamespace(
         input_batch=SimpleNamespace(req_ids=[f"r{i}" for i in range(batch)], num_tokens_no_spec=[ctx] * batch,
                                     token_ids_cpu=history.numpy()),
@@ -339,42 +345,72 @@ def verify_inputs(code, proposer, drafts: list[list[int]], ctx: int, vocab: int,
 
 
 def one_step(code, batch: int, budget, ngram: bool, lookup: int, vocab: int, layers: int, seed: int,
-             count: bool, counter_class: type = None) -> dict:
+             count: bool, counter_class: type = None, steady: bool = False) -> dict:
     """One engine step of ddtree's code (propose's tree part, prepare, sample) on the stand-in runner.
 
+    `steady` False: every request's first step (each brings its prompt, which the n-gram tables take
+    in from the host batch); True: the requests' second step, after the first's tokens were committed
+    (the steady state of a server: nothing new comes from the host).
     Counted after one uncounted step of the same shapes: the constants ddtree makes once per shape and
     device (cached index tables, digit weights) are start-up work, not the step's.
     """
     if count:
-        _one_step(code, batch, budget, ngram, lookup, vocab, layers, seed, False, warm_up=True)
-    return _one_step(code, batch, budget, ngram, lookup, vocab, layers, seed, count, counter_class=counter_class)
+        _one_step(code, batch, budget, ngram, lookup, vocab, layers, seed, False, warm_up=True, steady=steady)
+    return _one_step(code, batch, budget, ngram, lookup, vocab, layers, seed, count, counter_class=counter_class,
+                     steady=steady)
 
 
 def _one_step(code, batch: int, budget, ngram: bool, lookup: int, vocab: int, layers: int, seed: int,
-              count: bool, warm_up: bool = False, counter_class: type = None) -> dict:
+              count: bool, warm_up: bool = False, counter_class: type = None, steady: bool = False) -> dict:
     MARK[0] = count or warm_up
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     ctx = CONTEXT
     p = make_proposer(code, batch, budget, ngram, lookup, vocab, layers)
-    make_runner(p, batch, ctx, vocab, rng)
+    runner = make_runner(p, batch, ctx, vocab, rng)
     if p.auto is not None:
         p._build = min(p.auto.build_width(batch), 64)
     else:
         p._build = budget
     p._depth = min(WIDTH, p._build)
     p._draft_to_target = None
-    logits = draft_logits(batch, p._depth, vocab, gen)
-    step_tokens = torch.randint(0, vocab, (batch, 3), generator=gen)
     cad = SimpleNamespace(seq_lens=device(torch.full((batch,), ctx + 1, dtype=torch.int32)))
+    steps = device(torch.randint(0, vocab, (batch, 3), generator=gen))
+    if steady:  # the first step, uncounted; its committed tokens join the host batch, as vLLM's bookkeeping does
+        # (under a counter of its own when counting: what it copies to the stand-in device is device data)
+        first = OpCounter() if count or warm_up else contextlib.nullcontext()
+        out = _run_step(code, p, cad, steps, ctx, vocab, layers, gen, first)[1]
+        committed = out.sampled_token_ids.as_subclass(torch.Tensor).long()
+        batch_ = runner.input_batch
+        for i, row in enumerate(committed.tolist()):
+            kept = [t for t in row if t >= 0]
+            n = batch_.num_tokens_no_spec[i]
+            batch_.token_ids_cpu[i, n : n + len(kept)] = kept
+            batch_.num_tokens_no_spec[i] = n + len(kept)
+        steps = device(committed)
     # the warm-up counts too (its counts unused): a copy to the stand-in device makes device data only then
     counter = (counter_class or OpCounter)() if count or warm_up else contextlib.nullcontext()
     lines = LineCounter() if count else contextlib.nullcontext()
     DeviceData.reads = 0
     if code.host_reads is not None:
         code.host_reads.count = 0
+    (drafts, out, glue_s) = _run_step(code, p, cad, steps, ctx, vocab, layers, gen, counter, lines)
+    reads = DeviceData.reads
+    accepted = (out.sampled_token_ids >= 0).sum(dim=1).float().mean().item() - 1
+    row = dict(nodes=sum(len(d) for d in drafts) / batch, accepted=accepted, glue_ms=1e3 * glue_s)
+    if count:
+        row |= dict(captured_ops=getattr(counter, "captured_ops", None))
+        row |= dict(device_ops=counter.device_ops, device_views=counter.device_views, host_ops=counter.host_ops,
+                    host_copies=reads, python_lines=lines.lines,
+                    counted_host_reads=code.host_reads.count if code.host_reads is not None else None)
+    return row
+
+
+def _run_step(code, p, cad, steps, ctx: int, vocab: int, layers: int, gen: torch.Generator,
+              counter=contextlib.nullcontext(), lines=contextlib.nullcontext()):
+    """propose's tree part, then prepare and sample after the stand-in scheduler took the drafts;
+    (drafts, sampler output, host seconds of the product's code)."""
     # propose: the tree part (vLLM's DFlash forward and LM head excluded)
-    p._logits = device(logits)
-    steps = device(step_tokens)
+    p._logits = device(draft_logits(len(p.runner.input_batch.req_ids), p._depth, vocab, gen))
     t0 = time.perf_counter()
     with counter, lines:
         drafts = p._tree_drafts(cad, steps)
@@ -385,15 +421,7 @@ def _one_step(code, batch: int, budget, ngram: bool, lookup: int, vocab: int, la
         step = code.prepare(p.runner, spec, total)
         out = code.sample(p.runner, step, target_logits, spec)
     t3 = time.perf_counter()
-    reads = DeviceData.reads
-    accepted = (out.sampled_token_ids >= 0).sum(dim=1).float().mean().item() - 1
-    row = dict(nodes=sum(len(d) for d in drafts) / batch, accepted=accepted, glue_ms=1e3 * ((t1 - t0) + (t3 - t2)))
-    if count:
-        row |= dict(captured_ops=getattr(counter, "captured_ops", None))
-        row |= dict(device_ops=counter.device_ops, device_views=counter.device_views, host_ops=counter.host_ops,
-                    host_copies=reads, python_lines=lines.lines,
-                    counted_host_reads=code.host_reads.count if code.host_reads is not None else None)
-    return row
+    return drafts, out, (t1 - t0) + (t3 - t2)
 
 
 def inside(function: str, filename: str) -> bool:
@@ -473,22 +501,28 @@ def pipeline_rows(quick: bool, repeats: int) -> list[dict]:
         for budget in budgets:
             for ngram in (False, True):
                 for lookup in (0, 8):
-                    with torch.no_grad(), gpu_code_paths():
-                        counted = one_step(code, batch, budget, ngram, lookup, QWEN3_8B["vocab_size"], 36, 0, True)
-                        glue = [one_step(code, batch, budget, ngram, lookup, 512, 36, s, False)["glue_ms"]
-                                for s in range(repeats)]
-                    rows.append(dict(engine="pipeline", batch=batch, budget=budget, ngram=ngram, lookup=lookup,
-                                     **{k: counted[k] for k in ("device_ops", "device_views", "host_ops",
-                                                                "host_copies", "counted_host_reads", "python_lines",
-                                                                "nodes", "accepted")},
-                                     glue_ms=statistics.median(glue)))
-                    print(json.dumps(rows[-1]), flush=True)
-                    gc.collect()
+                    # every request's first step; the step after it (the steady state) without rescoring,
+                    # the configurations a GPU runs
+                    for steady in (False, True) if not ngram else (False,):
+                        with torch.no_grad(), gpu_code_paths():
+                            counted = one_step(code, batch, budget, ngram, lookup, QWEN3_8B["vocab_size"], 36, 0,
+                                               True, steady=steady)
+                            glue = [one_step(code, batch, budget, ngram, lookup, 512, 36, s, False,
+                                             steady=steady)["glue_ms"] for s in range(repeats)]
+                        rows.append(dict(engine="pipeline", step="steady" if steady else "first", batch=batch,
+                                         budget=budget, ngram=ngram, lookup=lookup,
+                                         **{k: counted[k] for k in ("device_ops", "device_views", "host_ops",
+                                                                    "host_copies", "counted_host_reads",
+                                                                    "python_lines", "nodes", "accepted")},
+                                         glue_ms=statistics.median(glue)))
+                        print(json.dumps(rows[-1]), flush=True)
+                        gc.collect()
         for budget in ("auto", 8):  # the GPU defaults, and a fixed budget, with plan_trees captured
             with torch.no_grad(), gpu_code_paths():
                 counted = captured_step(code, batch, budget, 8, QWEN3_8B["vocab_size"], 36)
             if counted is not None:
-                rows.append(dict(engine="pipeline, captured", batch=batch, budget=budget, ngram=False, lookup=8,
+                rows.append(dict(engine="pipeline, captured", step="first", batch=batch, budget=budget, ngram=False,
+                                 lookup=8,
                                  **{k: counted[k] for k in ("device_ops", "device_views", "host_ops", "host_copies",
                                                             "counted_host_reads", "nodes", "accepted", "captured_ops")},
                                  glue_ms=None))
@@ -622,12 +656,13 @@ def _dirty() -> bool:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["code      engine             batch budget ngram lookup  device_ops  host_copies  py_lines  glue_ms"]
+    lines = ["code      engine             step   batch budget ngram lookup  device_ops  host_copies  py_lines  glue_ms"]
     for r in rows:
         copies = "-" if r.get("host_copies") is None else f"{r['host_copies']:.1f}"
         py = "-" if r.get("python_lines") is None else str(r["python_lines"])
         glue = "-" if r.get("glue_ms") is None else f"{r['glue_ms']:.2f}"
-        lines.append(f"{r['code'][:9]:9} {r['engine']:18} {r['batch']:5} {str(r['budget']):6} {str(r['ngram']):5} "
+        lines.append(f"{r['code'][:9]:9} {r['engine']:18} {r.get('step', '-'):6} {r['batch']:5} {str(r['budget']):6} "
+                     f"{str(r['ngram']):5} "
                      f"{r['lookup']:6} {r['device_ops']:11.0f} {copies:>12} {py:>9} {glue:>8}")
     return "\n".join(lines)
 
@@ -639,7 +674,10 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     # the lookup branch on, rescoring off: the GPU's defaults (with the automatic budget)
-    pipe = [r for r in rows if r["engine"] == "pipeline" and not r["ngram"] and r["lookup"]]
+    pipe = [r for r in rows if r["engine"] == "pipeline" and not r["ngram"] and r["lookup"]
+            and r.get("step", "first") == "first"]
+    steady = [r for r in rows if r["engine"] == "pipeline" and not r["ngram"] and r["lookup"]
+              and r.get("step") == "steady" and r["code"] == rows[-1]["code"]]
     lines = any(r.get("python_lines") is not None for r in pipe)
     fig, axes = plt.subplots(1, 3 if lines else 2, figsize=(16 if lines else 11, 4))
     for code in sorted({r["code"] for r in pipe}):
@@ -654,6 +692,12 @@ def plot(rows: list[dict], path: Path) -> None:
             axes[1].plot(xs, [p[2] for p in pts], style, marker="o", label=f"{code}, budget {budget}")
             if lines:
                 axes[2].plot(xs, [p[3] for p in pts], style, marker="o", label=f"{code}, budget {budget}")
+    for budget in sorted({str(r["budget"]) for r in steady}):
+        pts = sorted((r["batch"], r["device_ops"], r["glue_ms"], r.get("python_lines")) for r in steady
+                     if str(r["budget"]) == budget)
+        label = f"{steady[0]['code']}, budget {budget}, steady step"
+        for i in range(3 if lines else 2):
+            axes[i].plot([p[0] for p in pts], [p[i + 1] for p in pts], "-.", marker="^", label=label)
     captured = [r for r in rows if r["engine"] == "pipeline, captured"]
     for code, budget in sorted({(r["code"], str(r["budget"])) for r in captured}):
         pts = sorted((r["batch"], r["device_ops"]) for r in captured if r["code"] == code and str(r["budget"]) == budget)
@@ -665,7 +709,8 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_title(title)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
-    fig.suptitle("ddtree step overhead, lookup branch on, n-gram rescoring off (dashed: the earlier code)")
+    fig.suptitle("ddtree step overhead, lookup branch on, n-gram rescoring off: every request's first step "
+                 "(dashed: the earlier code) and the step after it (steady)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

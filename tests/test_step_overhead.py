@@ -20,18 +20,21 @@ import step_overhead  # noqa: E402
 VOCAB, LAYERS = 2048, 4
 
 
-def count(batch: int, budget, ngram: bool, lookup: int) -> dict:
+def count(batch: int, budget, ngram: bool, lookup: int, steady: bool = False) -> dict:
     with torch.no_grad(), step_overhead.gpu_code_paths():
-        return step_overhead.one_step(step_overhead.product(), batch, budget, ngram, lookup, VOCAB, LAYERS, 0, True)
+        return step_overhead.one_step(step_overhead.product(), batch, budget, ngram, lookup, VOCAB, LAYERS, 0, True,
+                                      steady=steady)
 
 
+@pytest.mark.parametrize("steady", [False, True], ids=["first step", "steady step"])
 @pytest.mark.parametrize("budget, ngram, lookup", [(8, False, 0), (64, False, 0), ("auto", False, 8), ("auto", True, 8)])
-def test_device_ops_and_python_lines_do_not_grow_with_the_batch(budget, ngram, lookup):
+def test_device_ops_and_python_lines_do_not_grow_with_the_batch(budget, ngram, lookup, steady):
     """No loop over requests or nodes on the device: the same ops at 1, 8 and 32 requests, the n-gram
     tables' ops (merge, lookups) included. No Python loop over requests on the host either: the
-    step (every request's first, with its prompt) runs fewer added lines of vllm_ddtree's Python than
-    it has added requests (a loop over requests runs one or more per request)."""
-    rows = {batch: count(batch, budget, ngram, lookup) for batch in (1, 8, 32)}
+    step runs fewer added lines of vllm_ddtree's Python than it has added requests (a loop over
+    requests runs one or more per request). Both for every request's first step (each brings its
+    prompt) and for the step after (the last step's lookup paths scored, nothing new from the host)."""
+    rows = {batch: count(batch, budget, ngram, lookup, steady) for batch in (1, 8, 32)}
     ops = {batch: row["device_ops"] for batch, row in rows.items()}
     lines = {batch: row["python_lines"] for batch, row in rows.items()}
     assert len(set(ops.values())) == 1, ops

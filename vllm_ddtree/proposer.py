@@ -556,11 +556,11 @@ class DDTreeProposer(DFlashProposer):
         if self._proposed is None:
             return
         before, proposed, valid = self._proposed
-        row = {rid: i for i, rid in enumerate(before)}
-        discard = self.runner.discard_request_mask.np[: len(req_ids)].tolist()
-        none = len(before)  # an all-invalid row appended below
-        rows = [none if discard[i] else row.get(rid, none) for i, rid in enumerate(req_ids)]
-        index = to_device(torch.tensor(rows, dtype=torch.int64), valid.device)
+        r, none = len(req_ids), len(before)  # none: an all-invalid row appended below
+        row = dict(zip(before, range(none)))
+        discard = torch.as_tensor(self.runner.discard_request_mask.np[:r], dtype=torch.bool)
+        rows = torch.tensor(list(map(row.get, req_ids, itertools.repeat(none, r))), dtype=torch.int64)
+        index = to_device(torch.where(discard, none, rows), valid.device)
         proposed = torch.cat([proposed, proposed.new_zeros(1, proposed.shape[1])])[index]
         valid = torch.cat([valid, valid.new_zeros(1, valid.shape[1])])[index]
         self.auto.observe_lookup(proposed, valid, step_tokens)
