@@ -797,7 +797,7 @@ def tree_step(x: StepInputs, st: StepState, variant: str,
     with stage("compaction"):
         row_index = torch.where(batch.valid, torch.arange(r, device=x.roots.device)[:, None] * n
                                 + torch.arange(n, device=x.roots.device), 0)
-        moves = accepted_path_moves(batch, walk.path_rows, row_index, x.slot_mapping[: r * n])
+        moves = accepted_path_moves(batch, walk, row_index, x.slot_mapping[: r * n])
     return {"top_logp": top_logp, "top_ids": top_ids, "built_tokens": built.tokens, "built_parents": built.parents, "budgets": plan.budgets,
             "extra": extra, "tokens": batch.tokens,
             "parents": batch.parents, "valid": batch.valid, "row_tokens": walk.output_tokens,

@@ -29,7 +29,6 @@ from vllm_ddtree.tree import (
     greedy_tokens,
     sample_tokens,
     topk_per_depth,
-    walk_position,
     walk_tree,
 )
 from vllm_ddtree.compaction import accepted_path_moves
@@ -100,8 +99,7 @@ def test_a_whole_tree_step_runs_on_the_device_without_a_host_sync():
                        sample_tokens(torch.softmax(target_logits, -1), torch.empty_like(target_logits).exponential_())):
         walk = walk_tree(batch, row_tokens)
         moves = compaction_plan(batch, walk.path_rows)
-        order = walk_position(walk.path_rows, WIDTH + 1)
-        assert walk.output_tokens.device == moves.src.device == order.device == META
+        assert walk.output_tokens.device == moves.src.device == walk.accepted_rows.device == META
 
 
 def test_a_host_read_does_fail_on_the_meta_device():
@@ -113,10 +111,20 @@ def test_a_host_read_does_fail_on_the_meta_device():
         t.tolist()
 
 
-def test_walk_position_gives_each_row_its_index_on_the_accepted_path():
-    path_rows = torch.tensor([[0, 2, 5, -1], [0, -1, -1, -1]])
-    got = walk_position(path_rows, 6)
-    assert got.tolist() == [[0, -1, 1, -1, -1, 2], [0, -1, -1, -1, -1, -1]]
+def test_the_walk_s_accepted_rows_are_its_path_s_rows_each_at_its_depth():
+    """`accepted_rows` (what compaction and the calibration read) holds exactly the rows of
+    `path_rows`, and each such row's index on the path is its depth."""
+    longer = 0
+    for seed in range(6):
+        batch, walk, _, _ = _walked_step(torch.device("cpu"), seed)
+        for r in range(batch.batch_size):
+            path = [p for p in walk.path_rows[r].tolist() if p >= 0]
+            want = [-1] * batch.max_rows
+            for index, row in enumerate(path):
+                want[row] = index
+            assert torch.where(walk.accepted_rows[r], batch.depths[r], -1).tolist() == want
+            longer += len(path) > 1
+    assert longer  # the cases accept nodes, not only roots
 
 
 def _walked_step(device, seed=0):
@@ -148,7 +156,7 @@ def test_accepted_path_moves_match_the_plain_host_computation():
     reordered = 0
     for seed in range(6):
         batch, walk, row_index, slots = _walked_step(torch.device("cpu"), seed)
-        moves = accepted_path_moves(batch, walk.path_rows, row_index, slots)
+        moves = accepted_path_moves(batch, walk, row_index, slots)
         # The same with host-side boolean indexing (what the engine did before).
         plan = compaction_plan(batch, walk.path_rows)
         root = batch.context_lens.view(-1, 1)
@@ -172,5 +180,5 @@ def test_accepted_path_moves_run_on_the_device_without_a_host_sync():
     assert all(v.device == META for v in vars(meta_batch).values() if isinstance(v, torch.Tensor))
     meta_walk = walk_tree(meta_batch, torch.zeros(meta_batch.tokens.shape, dtype=torch.int64, device=META))
     assert meta_walk.path_rows.device == META
-    moves = accepted_path_moves(meta_batch, to(walk.path_rows), to(row_index), to(slots))
+    moves = accepted_path_moves(meta_batch, meta_walk, to(row_index), to(slots))
     assert moves.context_order.device == META and moves.context_order.shape == slots.shape

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from vllm_ddtree.tree import KVCompaction, TreeBatch, constants, path_row_moves, walk_position
+from vllm_ddtree.tree import KVCompaction, TreeBatch, WalkResult, constants, path_row_moves
 
 
 def positions_to_slots(block_table: Tensor, positions: Tensor, block_size: int) -> Tensor:
@@ -155,22 +155,22 @@ class PathMoves:
     context_order: Tensor
 
 
-def accepted_path_moves(batch: TreeBatch, path_rows: Tensor, row_index: Tensor, slot_mapping: Tensor) -> PathMoves:
+def accepted_path_moves(batch: TreeBatch, walk: WalkResult, row_index: Tensor, slot_mapping: Tensor) -> PathMoves:
     """KV moves and the drafter's context order for a walked verify step, on the tensors' device.
 
-    batch: the step's `TreeBatch` [R, N]; path_rows [R, L + 1] from `walk_tree`; row_index [R, N]
+    batch: the step's `TreeBatch` [R, N]; walk: its `walk_tree` result; row_index [R, N]
     the flat index of each verify row among the step's T scheduled tokens (0 where padding);
     slot_mapping [T] each token's physical KV slot. No host synchronisation (no boolean-mask
     indexing: padding rows write to a spare last entry that is dropped).
     """
     r, n = batch.tokens.shape
     dev = row_index.device
-    src_rows, dst_rows = (row_index.gather(1, rows) for rows in path_row_moves(path_rows))
+    src_rows, dst_rows = (row_index.gather(1, rows) for rows in path_row_moves(walk.path_rows))
     src, dst = slot_mapping[src_rows.reshape(-1)], slot_mapping[dst_rows.reshape(-1)]
     # Accepted path first within each request: valid rows come first in a TreeBatch, and after the
-    # sort path rows (keys = path index < n) precede the other valid rows (n + row) and the padding.
-    on_path = walk_position(path_rows, n)
-    order = torch.where(on_path >= 0, on_path, constants.arange(2 * n, dev, start=n)).argsort(dim=1)
+    # sort path rows (keys = path index, the row's depth, < n) precede the other valid rows (n + row)
+    # and the padding.
+    order = torch.where(walk.accepted_rows, batch.depths, constants.arange(2 * n, dev, start=n)).argsort(dim=1)
     t = slot_mapping.shape[0]
     context_order = constants.arange(t + 1, dev).scatter(0, torch.where(batch.valid, row_index, t).reshape(-1),
                                                          torch.where(batch.valid, row_index.gather(1, order), t).reshape(-1))

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from vllm_ddtree.tree import NO_PARENT, DraftTree, TreeBatch, compile_tree, constants, to_device, walk_tree
+from vllm_ddtree.tree import (NO_PARENT, DraftTree, TreeBatch, compile_tree, constants, to_device, to_device_together,
+                               walk_tree)
 
 from vllm_ddtree.compaction import accepted_path_moves, move_slots_
 from vllm_ddtree.proposer import DDTreeProposer
@@ -57,7 +58,7 @@ def prepare_tree_step(runner, spec_decode_metadata, total_tokens: int) -> TreeSt
     Reads only the runner's host buffers (no device-to-host copy): the step's token ids
     (`input_ids.cpu`), query starts and sequence lengths (`optimistic_seq_lens_cpu`) are exact on
     the host because ddtree never runs with async scheduling (vLLM then writes every sampled token
-    to the host before the next step). The compiled tree goes to the device in one copy.
+    to the host before the next step). The compiled tree goes to the device in queued copies.
     Returns None without spec-decode metadata, UNDRAFTED for a step in which no request has drafts.
     """
     from vllm_ddtree.attention.tree_mask import TreeStepMasks, set_step_tree_masks
@@ -142,13 +143,17 @@ def prepare_tree_step(runner, spec_decode_metadata, total_tokens: int) -> TreeSt
     if calibrating and width > 0 and int(rows.sum()) == total_tokens:  # trees, and nothing else
         c = ctx.double()
         step_size = (float(rows.sum()), float((rows * (c + rows)).sum()), float(c.sum()))
-    # One copy to the device (queued, not waited for); everything after the forward (walk,
-    # compaction, masks) runs there.
-    batch = batch.to(dev)
+    # To the device in queued copies, never waited for (the integer [R, N] fields in one); everything
+    # after the forward (walk, compaction, masks) runs there.
+    tokens, parents, depths, positions, row_index, logit_rows = to_device_together(
+        [batch.tokens, batch.parents, batch.depths, batch.positions, row_index, logit_rows], dev)
+    batch = TreeBatch(tokens, parents, depths, positions,
+                      *(to_device(t, dev) for t in (batch.valid, batch.num_rows, batch.context_lens, batch.ancestors)),
+                      batch.max_depth)
     set_step_tree_masks(TreeStepMasks(has_tree=to_device(drafted_t > 0, dev), num_rows=batch.num_rows,
                                       ancestors=batch.ancestors, has_tree_cpu=drafted_t > 0))
     slot_mapping = runner.input_batch.block_table[0].slot_mapping.gpu[:total_tokens].clone()
-    return TreeStep(batch=batch, row_index=to_device(row_index, dev), logit_rows=to_device(logit_rows, dev),
+    return TreeStep(batch=batch, row_index=row_index, logit_rows=logit_rows,
                     slot_mapping=slot_mapping,
                     node_scores=None if node_scores is None else to_device(node_scores, dev),
                     from_tree=to_device(from_tree, dev), sequential_positions=sequential, step_size=step_size)
@@ -178,7 +183,7 @@ def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadat
     # of the step's tokens with each request's accepted path first: vLLM's DFlash input prep trims
     # a rejected suffix. The proposer applies that order to the context it is handed (the runner's
     # own buffers stay as they are: they are the target's step state).
-    moves = accepted_path_moves(batch, walk.path_rows, step.row_index, step.slot_mapping)
+    moves = accepted_path_moves(batch, walk, step.row_index, step.slot_mapping)
     _compact_target_caches(runner, moves.src_slots, moves.dst_slots)
     runner.drafter.context_order = moves.context_order
     # The drafter's context positions stay sequential: after the reorder the accepted path sits at
@@ -190,7 +195,7 @@ def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadat
     proposer: DDTreeProposer = runner.drafter
     proposer.stats.record(batch.num_rows - 1, batch.depths.max(dim=1).values, walk.num_accepted)
     if proposer.auto is not None:
-        _calibrate(proposer, step, walk.path_rows)
+        _calibrate(proposer, step, walk.accepted_rows)
         if proposer.auto.gate is not None:  # what the step committed, for the gate's next decision
             proposer.auto.gate.observe_tokens(walk.num_accepted.sum() + walk.num_accepted.shape[0])
     logprobs = None
@@ -200,21 +205,16 @@ def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadat
     return SamplerOutput(sampled_token_ids=out, logprobs_tensors=logprobs)
 
 
-def _calibrate(proposer: DDTreeProposer, step: TreeStep, path_rows: Tensor) -> None:
+def _calibrate(proposer: DDTreeProposer, step: TreeStep, accepted_rows: Tensor) -> None:
     """Feed the automatic budget's calibrations: the step's measured acceptance and its size.
 
-    Only nodes the drafter ranked count (finite score): a prompt-lookup branch's nodes are neither
-    predicted nor counted as accepted, so the drafter's confidence is fitted to its own nodes.
+    accepted_rows [R, N]: the walk's rows on the accepted path. Only nodes the drafter ranked count
+    (finite score): a prompt-lookup branch's nodes are neither predicted nor counted as accepted
+    (the calibration leaves infinite scores out), so the drafter's confidence is fitted to its own nodes.
     """
-    batch = step.batch
-    verified = batch.valid[:, 1:] & step.from_tree.view(-1, 1)
-    r, n = step.node_scores.shape  # [R, N - 1]: node j is verify row j + 1
-    nodes = path_rows[:, 1:]  # accepted rows after the root, -1 padded: node row - 1, at most n - 1
-    node_index = torch.where(nodes > 0, nodes - 1, n)
-    # [R, N - 1]: the accepted nodes (padding lands in an extra column, dropped); infinite scores
-    # (lookup nodes) are left out by the calibration itself.
-    on_path = constants.filled((r, n + 1), False, torch.bool, path_rows.device).scatter(1, node_index, nodes > 0)
-    accepted = on_path[:, :-1] & step.from_tree.to(path_rows.device).view(-1, 1)
+    from_tree = step.from_tree.view(-1, 1)
+    verified = step.batch.valid[:, 1:] & from_tree  # [R, N - 1]: node j is verify row j + 1
+    accepted = accepted_rows[:, 1:] & from_tree
     proposer.auto.observe_acceptance(step.node_scores, verified, accepted)
     if step.step_size is not None:  # the step verified trees only: its cost is known
         proposer.pending_step = step.step_size

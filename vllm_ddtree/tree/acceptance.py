@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from . import constants
+
 @dataclass
 class AcceptanceCalibration:
     """How far to trust the drafter's prefix probabilities, learnt while decoding.
@@ -155,29 +157,35 @@ class LookupCalibration:
             self.at_risk = torch.ones(self.length)
         if self.hits is None:
             self.hits = torch.full((self.length,), float(self.prior))
+        self._keep(torch.stack([self.hits.float(), self.at_risk.float()]))
+
+    def _keep(self, state: Tensor) -> None:
+        # One [2, L] tensor, `hits` and `at_risk` its rows: an update is two in-place ops on it.
+        self._state = state
+        self.hits, self.at_risk = state.unbind(0)
 
     def to(self, device: torch.device | str) -> "LookupCalibration":
         """This calibration with its state on `device` (in place; returns self)."""
-        self.hits, self.at_risk = self.hits.to(device), self.at_risk.to(device)
+        self._keep(self._state.to(device))
         return self
 
     def update(self, proposed: Tensor, valid: Tensor, committed: Tensor) -> None:
         """proposed/valid [R, L]: last step's lookup paths; committed [R, K]: the tokens that step
         committed, -1 padded (a row with none, e.g. a request new to the batch, has valid all False)."""
-        dev = self.hits.device
+        dev = self._state.device
         proposed, valid, committed = proposed.to(dev), valid.to(dev), committed.to(dev)
-        r, length = proposed.shape
-        k = min(length, committed.shape[1])
-        same = torch.zeros(r, length, dtype=torch.bool, device=dev)
-        same[:, :k] = (proposed[:, :k] == committed[:, :k]) & (committed[:, :k] >= 0)
-        same &= valid
-        matched = same.long().cummin(dim=1).values.sum(dim=1, keepdim=True)  # [R, 1] accepted depth
-        count = (committed >= 0).sum(dim=1, keepdim=True)
-        depth = torch.arange(1, length + 1, device=dev)[None, :]
-        hit = depth <= matched
-        at_risk = valid & (depth <= matched + 1) & (depth <= count)
-        self.hits.mul_(1 - self.alpha).add_(hit.float().sum(dim=0), alpha=self.alpha)
-        self.at_risk.mul_(1 - self.alpha).add_(at_risk.float().sum(dim=0), alpha=self.alpha)
+        length = proposed.shape[1]
+        # committed cut or -1 padded to the path's length (-1 matches no token)
+        step = (committed[:, :length] if committed.shape[1] >= length
+                else torch.nn.functional.pad(committed, (0, length - committed.shape[1]), value=-1))
+        committed_at = step >= 0  # [R, L] the step committed a token at this depth (a prefix)
+        same = (proposed == step) & committed_at & valid
+        matched = same.int().cummin(dim=1).values.sum(dim=1, keepdim=True)  # [R, 1] accepted depth
+        index = constants.arange(length, dev)  # [L] depth - 1
+        hit = index < matched
+        at_risk = valid & (index <= matched) & committed_at
+        self._state.mul_(1 - self.alpha).add_(torch.stack([hit, at_risk]).sum(dim=1, dtype=torch.float32),
+                                              alpha=self.alpha)
 
     @property
     def acceptance(self) -> Tensor:

@@ -126,9 +126,10 @@ def add_branch(tree: DraftTree, tokens: Tensor, valid: Tensor, max_nodes: int) -
     # path's token at their depth. Ancestors by pointer doubling over [R, B + 1] (column B is the
     # root, its own parent): ceil(log2 L) passes, not one per path depth (siblings hold distinct
     # tokens, so the nodes on the path form one chain).
-    index = tree.depths - 1  # the node's path position; a node is on the path only within 1..L
-    at = index.clamp(0, max(length - 1, 0))
-    holds = (at == index) & (tokens.gather(1, at) == tree.tokens) & valid.gather(1, at)  # (no node: depth 0)
+    # [R, 1 + max(L, depth)]: the path's token at each depth, -1 (no token) at depth 0, where the
+    # path is not valid and past its end; a node holds the path's token when it matches its depth's
+    path_at = torch.nn.functional.pad(torch.where(valid, tokens, -1), (1, max(tree.max_depth - length, 0)), value=-1)
+    holds = path_at.gather(1, tree.depths) == tree.tokens  # (padding: depth 0)
     ok = torch.cat([holds, constants.filled((r, 1), True, torch.bool, dev)], dim=1)
     # parents, the root's children's (-1) made the root column B
     up = torch.cat([tree.parents.remainder(b + 1), constants.filled((r, 1), b, torch.int64, dev)], dim=1)

@@ -9,6 +9,7 @@ has made it (a table's length, for the next step), which never waits.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -25,6 +26,12 @@ def to_device(t: Tensor, device: torch.device | str) -> Tensor:
     if t.device.type == "cpu" and device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
+
+
+def to_device_together(tensors: Sequence[Tensor], device: torch.device | str) -> tuple[Tensor, ...]:
+    """Host tensors of one shape and dtype on `device` in one copy: stacked on the host, unbound on
+    the device (two device ops, whatever their number)."""
+    return tuple(to_device(torch.stack(list(tensors)), device).unbind(0))
 
 
 class HostReads:

@@ -30,11 +30,14 @@ class WalkResult:
                                   (the [batch, max_spec_len + 1] layout vLLM's samplers return)
     num_emitted   [R]      int64  accepted nodes + 1
     path_rows     [R, L+1] int64  verify rows visited: 0 (root), then accepted nodes' rows; -1 pad
+    accepted_rows [R, N]   bool   the verify rows on the accepted path, the root included (a row's
+                                  index on the path is its depth)
     """
 
     output_tokens: Tensor
     num_emitted: Tensor
     path_rows: Tensor
+    accepted_rows: Tensor
 
     @property
     def num_accepted(self) -> Tensor:
@@ -87,14 +90,5 @@ def walk_tree(batch: TreeBatch, row_tokens: Tensor) -> WalkResult:
         1, torch.where(accepted, batch.depths.clamp(max=steps - 1), steps), constants.arange(n, device).expand(r, n))
     path = path[:, :steps]
     out = torch.where(path >= 0, row_tokens.gather(1, path.clamp(min=0)), PAD_TOKEN)
-    return WalkResult(output_tokens=out, num_emitted=accepted.sum(dim=1), path_rows=path)
+    return WalkResult(output_tokens=out, num_emitted=accepted.sum(dim=1), path_rows=path, accepted_rows=accepted)
 
-
-def walk_position(path_rows: Tensor, n: int) -> Tensor:
-    """[R, N]: for each verify row, its index on the accepted path, or -1."""
-    r, steps = path_rows.shape
-    dev = path_rows.device
-    # Padding (-1) goes to an extra column that is dropped: a boolean-mask index would sync.
-    cols = torch.where(path_rows >= 0, path_rows, n)
-    pos = constants.filled((r, n + 1), -1, torch.int64, dev).scatter(1, cols, constants.arange(steps, dev).expand(r, steps))
-    return pos[:, :n]
