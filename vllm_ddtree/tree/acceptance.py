@@ -53,19 +53,34 @@ class AcceptanceCalibration:
             raise ValueError(f"bin_decay must be in (0, 1], got {self.bin_decay}")
         if self.prior <= 0:
             raise ValueError(f"prior must be > 0 pseudo-nodes, got {self.prior}")
+        dev = self.betas.device
         if self.predicted is None:
             self.predicted = torch.zeros_like(self.betas)
         if self.accepted is None:
-            self.accepted = torch.zeros((), device=self.betas.device)
-        self.bin_edges = self.bin_edges.to(self.betas.device)
+            self.accepted = torch.zeros((), device=dev)
+        self.bin_edges = self.bin_edges.to(dev)
         bins = self.bin_edges.numel() + 1
         if self.bin_predicted is None:
-            self.bin_predicted = torch.zeros(bins, device=self.bin_edges.device)
+            self.bin_predicted = torch.zeros(bins, device=dev)
         if self.bin_accepted is None:
-            self.bin_accepted = torch.zeros(bins, device=self.bin_edges.device)
-        self._beta = torch.ones((), device=self.betas.device)
+            self.bin_accepted = torch.zeros(bins, device=dev)
+        self._keep(torch.cat([self.predicted.float().reshape(-1), self.accepted.float().reshape(1)]).to(dev),
+                   torch.stack([self.bin_predicted.float(), self.bin_accepted.float()]).to(dev))
+        self._keep_beta(torch.ones((), device=dev))
         if self.updates:  # made with a state: its exponent
             self._fit_beta()
+
+    def _keep_beta(self, beta: Tensor) -> None:
+        self._beta, self._beta_out = beta, beta.view(1)
+
+    def _keep(self, ema: Tensor, bin_sums: Tensor) -> None:
+        # The state as two tensors, each updated by two in-place ops a step: `ema` [K + 1] the
+        # candidates' predicted sums, then the measured one; `bin_sums` [2, E + 1] the bins' predicted
+        # and accepted sums. The named fields are views of them.
+        self._ema, self._bin_sums = ema, bin_sums
+        self.predicted, self.accepted = ema[:-1], ema[-1]
+        self.bin_predicted, self.bin_accepted = bin_sums.unbind(0)
+        self._betas_column = self.betas.view(-1, 1)
 
     def _bins(self, draft_logp: Tensor) -> Tensor:
         # -inf (no node) lands in bin 0 with the lowest finite scores; callers mask it out or keep -inf.
@@ -75,25 +90,22 @@ class AcceptanceCalibration:
         """draft_logp/verified/accepted [R, N] of the step: each node's score, whether it was verified,
         whether it is on the accepted path (nodes of infinite score are neither predicted nor counted)."""
         dev = self.betas.device
-        lp = draft_logp.to(dev).float()
-        counted = verified.to(dev) & torch.isfinite(lp)
-        hit = (accepted.to(dev) & counted).float()
+        lp = draft_logp.to(dev).float().reshape(-1)  # [R * N]
+        counted = verified.to(dev).reshape(-1) & (lp > -math.inf)  # (log-probabilities: never +inf)
+        hit = (accepted.to(dev).reshape(-1) & counted).float()
         lp = torch.where(counted, lp, -math.inf)
-        beta = self.beta  # the bins' predictions use the exponent the budget uses right now
-        bins = self._bins(lp).reshape(-1)
-        self.bin_predicted.mul_(self.bin_decay).index_add_(0, bins, torch.exp(beta * lp).reshape(-1))
-        self.bin_accepted.mul_(self.bin_decay).index_add_(0, bins, hit.reshape(-1))
-        pred = torch.exp(self.betas.view(-1, 1) * lp.reshape(1, -1)).sum(1)  # [K]
-        self.predicted.mul_(1 - self.alpha).add_(pred, alpha=self.alpha)
-        self.accepted.mul_(1 - self.alpha).add_(hit.sum(), alpha=self.alpha)
+        # the bins' predictions use the exponent the budget uses right now
+        self._bin_sums.mul_(self.bin_decay).index_add_(1, self._bins(lp), torch.stack([torch.exp(self.beta * lp), hit]))
+        pred = torch.exp(self._betas_column * lp).sum(dim=1)  # [K]
+        self._ema.mul_(1 - self.alpha).add_(torch.cat([pred, hit.sum(dim=0, keepdim=True)]), alpha=self.alpha)
         self.updates += 1
         self._fit_beta()
 
     def _fit_beta(self) -> None:
         # Into the same tensor each time: a captured step (CUDA graph) reads the exponent where it lies.
-        gap = (self.predicted.clamp(min=1e-6).log() - self.accepted.clamp(min=1e-6).log()).abs()
+        gap = (self.predicted.clamp(min=1e-6) / self.accepted.clamp(min=1e-6)).log().abs()
         # index_select, not betas[argmin]: indexing with a 0-d tensor reads it on the host (a sync).
-        torch.index_select(self.betas, 0, gap.argmin().view(1), out=self._beta.view(1))
+        torch.index_select(self.betas, 0, gap.argmin(dim=0, keepdim=True), out=self._beta_out)
 
     @property
     def beta(self) -> Tensor:
@@ -108,10 +120,9 @@ class AcceptanceCalibration:
 
     def to(self, device: torch.device | str) -> "AcceptanceCalibration":
         """This calibration with its state on `device` (in place; returns self)."""
-        self.betas, self.predicted, self.accepted, self.bin_edges, self.bin_predicted, self.bin_accepted = (
-            x.to(device) for x in (self.betas, self.predicted, self.accepted, self.bin_edges,
-                                   self.bin_predicted, self.bin_accepted))
-        self._beta = self._beta.to(device)
+        self.betas, self.bin_edges = self.betas.to(device), self.bin_edges.to(device)
+        self._keep(self._ema.to(device), self._bin_sums.to(device))
+        self._keep_beta(self._beta.to(device))
         return self
 
     def rescale(self, draft_logp: Tensor) -> Tensor:
