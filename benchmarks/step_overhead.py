@@ -31,8 +31,8 @@ leaves the GPU idle. Neither shows as time on a CPU, so this counts them, on the
     the batch where the step has no Python per request; what grows with it, per request, is Python
     a GPU's host pays whatever the ops cost.
   The automatic budget starts calibrated (step costs from the roofline, one measured acceptance),
-  its state on the device as the proposer puts it; the step drafts all W depths, a first step's
-  shape (the engine's depth cap drafts fewer later).
+  its state on the device as the proposer puts it; both steps draft all W depths, a first step's
+  shape (the engine's depth cap drafts fewer later, so its steady steps run at most these ops).
   ``step``: ``first``, every request's first step (each brings its prompt, which the n-gram tables
   take in from the host batch); ``steady``, the step after it, once the first step's tokens were
   committed to the host batch (nothing new from the host; the last step's lookup paths are scored

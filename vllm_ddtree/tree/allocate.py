@@ -136,7 +136,7 @@ def allocate_batch(
     flat = optional.reshape(-1)
     # Stable sort: equal gains keep (request, position) order, so each request's picks stay a prefix.
     ranked, order = torch.sort(flat, descending=True, stable=True)
-    cum = torch.cat([constants.filled((1,), 0.0, flat.dtype, flat.device), torch.cumsum(ranked, dim=0)])  # [R*W + 1]
+    cum = torch.nn.functional.pad(torch.cumsum(ranked, dim=0), (1, 0))  # [R*W + 1]: 0, then the running sums
     extra = constants.arange(r * w + 1, flat.device)  # optional nodes bought
     total_nodes = extra + float(r * min_budget)
     expected = r + forced + cum

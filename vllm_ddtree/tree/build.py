@@ -208,7 +208,7 @@ def tree_to_host(tree: DraftTree, with_scores: bool = False) -> HostTrees:
     """
     w = tree.max_nodes
     # On the device: the drafter-ranked nodes' depths (an `add_branch` path scores -inf), one host max below.
-    is_ranked = torch.isfinite(tree.scores)  # (a node that is not valid scores -inf)
+    is_ranked = tree.scores > -math.inf  # (a node that is not valid scores -inf; scores are never +inf)
     ranked = torch.where(is_ranked, tree.depths, 0)
     fields = [tree.tokens, tree.parents, tree.depths, tree.num_nodes[:, None], ranked,
               is_ranked.sum(dim=1, keepdim=True)] + ([tree.scores] if with_scores else [])
@@ -370,7 +370,7 @@ def build_tree(
         1, sel, constants.arange(width, device).expand(r, width))
     sel_parent = all_parent.gather(1, sel)
     parents = torch.where(sel_parent >= 0, final_pos.gather(1, sel_parent.clamp(min=0)), NO_PARENT)
-    valid = torch.isfinite(scores)
+    valid = scores > -math.inf  # (log-probability sums: finite or -inf, never +inf; NaN is not valid)
     if not (isinstance(budgets, int) and budgets >= width):  # one budget for all that keeps every column: no cut
         valid = valid & (constants.arange(width, device) < budgets_t[:, None])
     tree = DraftTree(

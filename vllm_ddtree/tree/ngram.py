@@ -371,8 +371,8 @@ class NGramCounts:
             shifted = context  # no context digits: the namespace alone
         after = torch.searchsorted(context, shifted).clamp_(max=n - 1)
         after = torch.where(context[after] == shifted, after, n)
-        none = torch.full((1,), n, dtype=torch.int64, device=keys.device)
-        self._best = (self._best or {}) | {m: (context, torch.cat([digit, none * 0]), torch.cat([after, none]))}
+        pad = torch.nn.functional.pad  # the extra entry: digit 0, after it entry n (none)
+        self._best = (self._best or {}) | {m: (context, pad(digit, (0, 1)), pad(after, (0, 1), value=n))}
         return self._best[m]
 
     def save(self, path: str | Path) -> None:

@@ -81,8 +81,9 @@ def walk_tree(batch: TreeBatch, row_tokens: Tensor) -> WalkResult:
     # (The root's and the padding's matches do not matter: the root is on every path, and a padding
     # row is no valid row's ancestor.)
     matches = batch.tokens == row_tokens.gather(1, batch.parents.clamp(min=0))
-    ok = matches | (constants.arange(n, device) == 0)  # the root is on every path
-    accepted = batch.valid & ~(batch.ancestors & ~ok[:, None, :]).any(dim=2)  # [R, N], the root included
+    ok = matches | (batch.parents < 0)  # the root (parent -1) is on every path
+    # [R, N], the root included: every ancestor (the row itself included) matches
+    accepted = batch.valid & (ok[:, None, :] | ~batch.ancestors).all(dim=2)
 
     steps = batch.max_depth + 1
     # path[r, d] = the accepted row at depth d: one scatter (the others land in a spare column).
