@@ -679,7 +679,7 @@ def plot(rows: list[dict], path: Path) -> None:
     steady = [r for r in rows if r["engine"] == "pipeline" and not r["ngram"] and r["lookup"]
               and r.get("step") == "steady" and r["code"] == rows[-1]["code"]]
     lines = any(r.get("python_lines") is not None for r in pipe)
-    fig, axes = plt.subplots(1, 3 if lines else 2, figsize=(16 if lines else 11, 4))
+    fig, axes = plt.subplots(1, 3 if lines else 2, figsize=(20 if lines else 14, 4.5))
     for code in sorted({r["code"] for r in pipe}):
         for budget in sorted({str(r["budget"]) for r in pipe}):
             pts = sorted((r["batch"], r["device_ops"], r["glue_ms"], r.get("python_lines")) for r in pipe
@@ -708,10 +708,11 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_xlabel("requests in the step")
         ax.set_title(title)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, loc="center right")
     fig.suptitle("ddtree step overhead, lookup branch on, n-gram rescoring off: every request's first step "
                  "(dashed: the earlier code) and the step after it (steady)")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 0.86, 1))  # the legend to the right of the panels
     fig.savefig(path, dpi=120)
 
 
