@@ -589,7 +589,9 @@ class DDTreeProposer(DFlashProposer):
         n-gram context ends at the new tree's root. Rows vLLM discards (a prefill chunk that is not
         the last) add none. Tokens the host holds that the tables have not seen (a prompt, a prefill
         chunk) go in the same merge, with their history, read from the host batch's token buffer by
-        tensor ops over all rows (`HostTokens`): no Python per request beyond its id's bookkeeping.
+        tensor ops over all rows (`HostTokens`); the ids' bookkeeping (slots, counts seen) is dict
+        lookups mapped in C and tensor ops: no Python runs per request of the batch (only once per
+        finished request, dropping its entries).
         """
         batch = self.runner.input_batch
         r = len(req_ids)
