@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from vllm_ddtree.tree import (NO_PARENT, DraftTree, TreeBatch, compile_tree, constants, to_device, to_device_together,
+from vllm_ddtree.tree import (NO_PARENT, DraftTree, TreeBatch, compile_tree, to_device, to_device_together,
                                walk_tree)
 
 from vllm_ddtree.compaction import accepted_path_moves, move_slots_

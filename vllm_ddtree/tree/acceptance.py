@@ -13,6 +13,7 @@ from torch import Tensor
 
 from . import constants
 
+
 @dataclass
 class AcceptanceCalibration:
     """How far to trust the drafter's prefix probabilities, learnt while decoding.
