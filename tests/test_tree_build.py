@@ -300,3 +300,38 @@ def test_best_score_selection_by_sort_and_by_keys_agree(monkeypatch):
     by_sort = build_tree(*top, 20)
     for name in ("tokens", "parents", "depths", "valid"):
         assert torch.equal(getattr(by_sort, name), getattr(by_keys, name)), name
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_topk_per_depth_in_chunks_of_rows_is_the_same_as_at_once(temperature):
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(5, 7, 300, generator=g) * 3
+    logits[1, 2, :40] = logits[1, 2, 40]  # equal logits: ties within a row
+    whole = topk_per_depth(logits, 16, temperature)
+    for rows in (1, 4, 34, 35):  # a chunk of one row, uneven chunks, one chunk short of all 35 rows
+        chunked = topk_per_depth(logits, 16, temperature, chunk_bytes=rows * 4 * 300)
+        assert torch.equal(chunked[0], whole[0]) and torch.equal(chunked[1], whole[1]), rows
+
+
+def _peak_bytes(fn) -> int:
+    """The peak of the torch CPU memory held while `fn` runs (torch.profiler's memory timeline)."""
+    import numpy as np
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import MemoryProfileTimeline
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        fn()
+    _, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline(torch.device("cpu"))
+    return int(np.asarray(sizes).sum(1).max())
+
+
+def test_topk_per_depth_holds_one_chunk_of_log_probs_at_a_time():
+    # 64 requests x 15 depths x V = 4096: 15.7 MB of float32 log-probs at once; in chunks of 1 MiB.
+    logits = torch.randn(64, 15, 4096, generator=torch.Generator().manual_seed(0))
+    logits_bytes = logits.numel() * 4
+    chunk = 1 << 20
+    at_once = _peak_bytes(lambda: topk_per_depth(logits, 32, chunk_bytes=logits_bytes)) - logits_bytes
+    chunked = _peak_bytes(lambda: topk_per_depth(logits, 32, chunk_bytes=chunk)) - logits_bytes
+    out_bytes = 64 * 15 * 32 * (4 + 8)  # the top-k values and ids
+    assert at_once >= logits_bytes  # the negative control: every row's log-probs at once
+    assert chunked <= chunk + 2 * out_bytes, (chunked, at_once)  # a chunk, the chunks' results and their concatenation

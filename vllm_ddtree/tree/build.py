@@ -225,24 +225,43 @@ def tree_to_host(tree: DraftTree, with_scores: bool = False) -> HostTrees:
     return HostTrees(tokens, deepest, most, padded)
 
 
-def topk_per_depth(logits: Tensor, k: int, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+#: At most this many bytes of float32 log-probabilities `topk_per_depth` holds at once. vLLM's memory
+#: profiling never runs the tree step, so its transients must stay small beside what it profiled: the
+#: log-probs of a whole batch at Qwen3's vocabulary are 9.1 MB per request and depth (256 requests x 15
+#: depths: 2.3 GB), in chunks of rows at most 512 MiB (883 rows at V = 151936; a chunk's result is the
+#: same, rows are independent).
+TOPK_CHUNK_BYTES = 512 << 20
+
+
+def topk_per_depth(logits: Tensor, k: int, temperature: float = 1.0,
+                   chunk_bytes: int = TOPK_CHUNK_BYTES) -> tuple[Tensor, Tensor]:
     """Drafter logits [R, L, V] -> (log-probs [R, L, k] sorted descending, token ids [R, L, k]).
 
-    The candidates of each depth for `build_tree`. Runs on the logits' device.
+    The candidates of each depth for `build_tree`. Runs on the logits' device, on at most
+    `chunk_bytes` of float32 log-probabilities at a time (whole rows; one chunk, two ops, up to
+    `chunk_bytes` / (4 V) rows).
     """
     if logits.dim() != 3:
         raise ValueError(f"logits must be [requests, depths, vocab], got shape {tuple(logits.shape)}")
-    vocab = logits.shape[-1]
+    r, depth, vocab = logits.shape
     if vocab == 0:
         raise ValueError("logits have an empty vocabulary dimension")
     if not 1 <= k <= vocab:
         raise ValueError(f"top-k must be in [1, vocab={vocab}], got {k}")
     if temperature <= 0:
         raise ValueError(f"drafter temperature must be > 0, got {temperature}")
-    x = logits if temperature == 1.0 else logits.float() / temperature  # a division is a full [R, L, V] copy
+    rows_per_chunk = max(1, chunk_bytes // (4 * vocab))
+    if r * depth <= rows_per_chunk:
+        return _top_logp(logits, k, temperature)
+    parts = [_top_logp(rows, k, temperature) for rows in logits.reshape(r * depth, vocab).split(rows_per_chunk)]
+    return (torch.cat([lp for lp, _ in parts]).view(r, depth, k),
+            torch.cat([ids for _, ids in parts]).view(r, depth, k))
+
+
+def _top_logp(logits: Tensor, k: int, temperature: float) -> tuple[Tensor, Tensor]:
+    x = logits if temperature == 1.0 else logits.float() / temperature  # a division is a full float copy
     logp = torch.log_softmax(x, dim=-1, dtype=torch.float32)  # the cast happens inside the kernel: no float copy
-    top_logp, top_ids = torch.topk(logp, k, dim=-1, sorted=True)
-    return top_logp, top_ids
+    return torch.topk(logp, k, dim=-1, sorted=True)
 
 
 def _budget_tensor(budgets: Tensor | int, num_requests: int, device: torch.device) -> Tensor:
