@@ -226,10 +226,9 @@ def tree_to_host(tree: DraftTree, with_scores: bool = False) -> HostTrees:
 
 
 #: At most this many bytes of float32 log-probabilities `topk_per_depth` holds at once. vLLM's memory
-#: profiling never runs the tree step, so its transients must stay small beside what it profiled: the
-#: log-probs of a whole batch at Qwen3's vocabulary are 9.1 MB per request and depth (256 requests x 15
-#: depths: 2.3 GB), in chunks of rows at most 512 MiB (883 rows at V = 151936; a chunk's result is the
-#: same, rows are independent).
+#: profiling never runs the tree step, so its transients must stay small beside what it profiled: at
+#: Qwen3's vocabulary a row (one request's depth) is 0.6 MB of log-probs, 2.3 GB for 256 requests x 15
+#: depths; in chunks of 512 MiB, 883 rows (rows are independent: the result is the same).
 TOPK_CHUNK_BYTES = 512 << 20
 
 
@@ -238,8 +237,8 @@ def topk_per_depth(logits: Tensor, k: int, temperature: float = 1.0,
     """Drafter logits [R, L, V] -> (log-probs [R, L, k] sorted descending, token ids [R, L, k]).
 
     The candidates of each depth for `build_tree`. Runs on the logits' device, on at most
-    `chunk_bytes` of float32 log-probabilities at a time (whole rows; one chunk, two ops, up to
-    `chunk_bytes` / (4 V) rows).
+    `chunk_bytes` of float32 log-probabilities at a time: chunks of whole rows, each two ops (one
+    chunk, and no concatenation, up to `chunk_bytes` / (4 V) rows).
     """
     if logits.dim() != 3:
         raise ValueError(f"logits must be [requests, depths, vocab], got shape {tuple(logits.shape)}")
