@@ -732,7 +732,9 @@ def step_state(r: int, vocab: int, device: torch.device, seed: int) -> tuple[Ste
         texts.append(torch.cat([phrase, torch.randint(vocab, (20,), generator=g), phrase, phrase[:5]]))
     ngram.observe_batch(list(range(r)), texts)
     shape = ModelShape.from_hf_config(QWEN3_8B, "bfloat16")
-    auto = AutoBudget(CostModel(shape, get_profile("h100")), 1, BUILD, lookup=LookupCalibration(LOOKUP)).to(device)
+    # The check's largest step stands for an engine's max_num_batched_tokens (the residual's buffer).
+    cost = CostModel(shape, get_profile("h100"), max_step_rows=r * (1 + BUILD + LOOKUP))
+    auto = AutoBudget(cost, 1, BUILD, lookup=LookupCalibration(LOOKUP)).to(device)
     ctx = 500.0 * r
     while auto.exploring:
         b = auto.calibration.explore_budget(r)
@@ -1116,13 +1118,14 @@ def step_graphs_run(r: int, vocab: int, device: torch.device, backend: str, reps
     first = inputs_for(r)
     step(*first)  # the batch size's first plan seeds its rate: the proposer runs it eagerly
     assert state.auto.capture_state(r, device) is not None
-    key = ("plan_trees", r)
     for _ in range(graphs.capture_after):  # eager, then captured
-        graphs(key, step, *first)
+        graphs(("plan_trees", r, state.auto.capture_state(r, device)), step, *first)
     advance_state(state, r, seed=3000 + r)
     x = inputs_for(4000 + r)
     saved = [t.clone() for t in state_tensors(state)]
-    replayed = named(graphs(key, step, *x))
+    # The proposer's key holds the budget's capture state: a replaced buffer would be a new key (run
+    # eagerly, no replay), which this check counts as a failure.
+    replayed = named(graphs(("plan_trees", r, state.auto.capture_state(r, device)), step, *x))
     for t, v in zip(state_tensors(state), saved):
         t.copy_(v)
     eager = named(step(*x))
@@ -1166,9 +1169,12 @@ def part_b_graphs(ctx: "Check") -> dict:
                             raise
                 except BaseException as exc:
                     raise (inside[0] if inside else exc) from None
+                captured_state = state.auto.capture_state(r, ctx.device)
                 x.copy_(step_inputs(r, ctx.sizes.vocab, tail, seed=1000 + r, dtype=torch.bfloat16, device=ctx.device))
                 advance_state(state, r, seed=2000 + r)
                 rec["state_moved"] = True
+                # What the proposer would capture again (a buffer the capture reads was replaced).
+                rec["capture_state_kept"] = state.auto.capture_state(r, ctx.device) == captured_state
                 saved = [t.clone() for t in state_tensors(state)]
                 graph.replay()
                 torch.cuda.synchronize()
@@ -1176,7 +1182,7 @@ def part_b_graphs(ctx: "Check") -> dict:
                 for t, s in zip(state_tensors(state), saved):
                     t.copy_(s)
                 eager = tree_step(x, state, variant)
-                differ = outputs_differ(replayed, eager)
+                differ = outputs_differ(replayed, eager) + ([] if rec["capture_state_kept"] else ["capture_state"])
                 rec["replay_equals_eager"] = not differ
                 rec["differs"] = differ
                 rec["eager_ms"] = timed_ms(lambda: tree_step(x, state, variant), ctx.device, ctx.sizes.reps)

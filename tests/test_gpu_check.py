@@ -22,6 +22,8 @@ CUDA_PARTS = {"a.kernel", "b.sync", "b.graphs"}
 sys.path.insert(0, str(REPO / "benchmarks"))
 import gpu_check  # noqa: E402
 
+from vllm_ddtree.tree import CostModel  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
@@ -175,9 +177,21 @@ def test_the_state_moved_on_between_capture_and_replay_is_what_a_capture_reads()
     assert moved[3] and moved[4], moved
 
 
-def test_the_proposers_captured_step_replays_equal_to_eager_after_the_state_moves_on():
+@pytest.mark.parametrize("requests", [4, 64])
+def test_the_proposers_captured_step_replays_equal_to_eager_after_the_state_moves_on(requests):
     """`b.graphs`' rows of the proposer's own captures (`step_graphs_run`), with `make_fx` traces for
-    CUDA graphs: the same calls, keys and comparison the GPU runs."""
-    rec = gpu_check.step_graphs_run(4, 512, torch.device("cpu"), "trace", reps=0)
+    CUDA graphs: the same calls, keys and comparison the GPU runs. At 64 requests the refit's residual
+    table covers steps of up to 64 x 65 rows, longer than the cost model's default device buffer."""
+    rec = gpu_check.step_graphs_run(requests, 512, torch.device("cpu"), "trace", reps=0)
     assert rec["replay_equals_eager"] and not rec["differs"], rec
     assert rec["graphs"] == {"captures": 1, "replays": 1, "failed": None}
+
+
+def test_a_cost_model_sized_for_less_than_its_steps_makes_the_capture_stale(monkeypatch):
+    """The negative control of the test above: without `max_step_rows` the refit at 64 requests
+    replaces the residual's device buffer. The proposer's key then changes (the step runs eagerly,
+    nothing replays), and the old capture would have read the replaced buffer (`b.graphs`' direct
+    captures: budgets and trees that differ from eager on an H200)."""
+    monkeypatch.setattr(gpu_check, "CostModel", lambda shape, profile, max_step_rows: CostModel(shape, profile))
+    rec = gpu_check.step_graphs_run(64, 512, torch.device("cpu"), "trace", reps=0)
+    assert not rec["replay_equals_eager"] and rec["graphs"]["replays"] == 0, rec

@@ -172,6 +172,26 @@ def test_the_budget_is_captured_only_when_calibrated_and_its_class_has_a_rate():
     assert torch.all(coefficients.residual[:n] == torch.tensor(1e-4)) and not coefficients.residual[n:].any()
 
 
+def test_a_cost_model_sized_for_its_largest_step_never_replaces_the_buffer_a_capture_reads():
+    """`max_step_rows` (the proposer passes the scheduler's max_num_batched_tokens): the residual's
+    buffer covers every step size from the start, so tables up to that size are written in place."""
+    shape = ModelShape.from_hf_config(QWEN3_8B, "bfloat16")
+    cost = CostModel(shape, get_profile("h100"), max_step_rows=5000)
+    coefficients = cost.coefficients("cpu")
+    buffer = coefficients.residual
+    assert buffer.numel() == 5002  # sizes 0..5000, then the zero a larger size reads
+    cost.residual = torch.full((5001,), 2e-4)  # a table measured up to a 5000-row step
+    assert coefficients.residual is buffer and coefficients.generation == 0
+    assert torch.all(buffer[:5001] == torch.tensor(2e-4)) and buffer[5001] == 0
+    torch.testing.assert_close(cost.verify_seconds(torch.tensor(5000.0), torch.tensor(0.0), torch.tensor(0.0)),
+                               CostModel(shape, get_profile("h100")).verify_seconds(
+                                   torch.tensor(5000.0), torch.tensor(0.0), torch.tensor(0.0)) + 2e-4)
+    cost.residual = torch.full((5002,), 2e-4)  # past what the model was sized for: replaced, as before
+    assert coefficients.residual is not buffer and coefficients.generation == 1
+    with pytest.raises(ValueError, match="max_step_rows must be >= 0"):
+        CostModel(shape, get_profile("h100"), max_step_rows=-1)
+
+
 def test_the_switch_names_its_values_and_captures_only_on_cuda(monkeypatch):
     proposer = pytest.importorskip("vllm_ddtree.proposer")
     for value, expect in (("", None), ("0", None), ("1", None), ("trace", "trace")):  # "1" on a CPU: eager

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import vllm_env
 
+from vllm_ddtree.tree.cost import CostCoefficients
+
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 HELPER = Path(__file__).parent / "engine" / "generate_spec.py"
 # Every engine counter, the prefix cache, the acceptance fit, a deliberately wrong tree sampler.
@@ -57,6 +59,12 @@ def test_ddtree_greedy_is_token_identical_to_no_speculation(tmp_path, drafter):
     auto = res["ddtree"][4]
     assert auto["cost_calibrated"] and auto["cost_intercept_ms"] + auto["cost_per_token_ms"] > 0
     assert 1 <= auto["mean_tree_nodes"] <= 64
+    # Its residual table's device buffer covers the scheduler's largest step from the start: no refit
+    # replaced it (a replacement makes every captured tree step be captured again).
+    largest = res["config"][4]["max_num_batched_tokens"]
+    rows = max(CostCoefficients.MIN_CAPACITY, largest + 2)
+    assert auto["residual_buffers"] and all(b == {"rows": rows, "generation": 0}
+                                            for b in auto["residual_buffers"]), (largest, auto["residual_buffers"])
     # What the drafter-confidence fit must achieve: of its grid of exponents, the one whose predicted
     # accepted nodes per step (EMA) come nearest (in ratio) the measured ones. The predictions fall
     # as the exponent grows, so the measured value lies between its grid neighbours' predictions,

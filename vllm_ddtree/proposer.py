@@ -258,7 +258,10 @@ class DDTreeProposer(DFlashProposer):
                                               str(target.dtype))
             # The profile's roofline is a starting point: the cost is refit to this engine's measured
             # step times, and the drafter's confidence to its measured acceptance, while it serves.
-            cost = CostModel(shape, get_profile(options.device_profile))
+            # Sized for the scheduler's largest step, the residual's device buffer is never replaced
+            # (a replacement would make every captured step be captured again).
+            cost = CostModel(shape, get_profile(options.device_profile),
+                             max_step_rows=vllm_config.scheduler_config.max_num_batched_tokens)
             # With a lookup path, its nodes compete with the tree's for the step at their measured
             # acceptance (LookupCalibration), so the budget pays for the rows it adds.
             lookup = LookupCalibration(self.lookup) if self.lookup > 0 else None

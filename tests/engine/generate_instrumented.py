@@ -141,6 +141,10 @@ if __name__ == "__main__":
         summary = generate_spec.ddtree_summary(llm)
         if summary is not None and auto is not None:
             summary["acceptance_fit"] = acceptance_fit(drafter, totals)
+            # The cost model's device buffers (one per device and dtype a step read it in): their length and
+            # how often a refit had to replace them (what would make a captured step be captured again).
+            summary["residual_buffers"] = [{"rows": c.residual.numel(), "generation": c.generation}
+                                           for c in auto.cost.__dict__.get("_mirrors", {}).values()]
         result["ddtree"].append(summary)
         result["config"].append({"max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
                                  "enable_chunked_prefill": cfg.scheduler_config.enable_chunked_prefill,

@@ -132,9 +132,10 @@ _MIRRORED = ("slope", "per_token", "knee", "intercept", "correction", "t_draft",
 @dataclass
 class CostCoefficients:
     """A `CostModel`'s numbers as 0-dim tensors on one device (`fixed` = t_draft + t_aux), and its
-    residual table in a buffer with zeros past the table's end. Updated in place when the model's
-    attributes change; the buffer is replaced (twice as long) only when a table outgrows it, and a
-    capture made before then must be made again."""
+    residual table in a buffer with zeros past the table's end, as long as the model's `max_step_rows`
+    (at least `MIN_CAPACITY`). Updated in place when the model's attributes change; the buffer is
+    replaced (twice as long) only when a table outgrows it, and a capture made before then must be
+    made again."""
 
     slope: Tensor
     per_token: Tensor
@@ -150,9 +151,11 @@ class CostCoefficients:
     @classmethod
     def of(cls, model: "CostModel", device: torch.device, dtype: torch.dtype) -> "CostCoefficients":
         scalar = lambda v: torch.tensor(float(v), dtype=dtype, device=device)  # noqa: E731
+        # sizes 0..max_step_rows, and one zero past them (what a larger size reads)
+        capacity = max(cls.MIN_CAPACITY, model.max_step_rows + 2)
         out = cls(scalar(model.slope), scalar(model.per_token), scalar(model.knee), scalar(model.intercept),
                   scalar(model.correction), scalar(model.t_draft + model.t_aux),
-                  torch.zeros(cls.MIN_CAPACITY, dtype=torch.float32, device=device))
+                  torch.zeros(capacity, dtype=torch.float32, device=device))
         out.refresh(model, "residual")
         return out
 
@@ -198,8 +201,15 @@ class CostModel:
     per_token: float = 0.0  # seconds per step token beyond the roofline (fitted; kernels that scale with rows)
     knee: float = 0.0  # step tokens the per-token term starts after (fitted; a step this small costs the same)
     residual: Tensor | None = None  # [S] seconds added at a step of s rows (measured minus fitted; 0 past S)
+    # The largest step in rows the model is asked about (the scheduler's max_num_batched_tokens), 0 if
+    # unknown. The residual's device buffer (`coefficients`) covers it from the start, so no refit has
+    # to replace it, and no captured step has to be captured again: at 64 requests a 65-row tree each
+    # is a 4160-row step, past the default buffer.
+    max_step_rows: int = 0
 
     def __post_init__(self) -> None:
+        if self.max_step_rows < 0:
+            raise ValueError(f"max_step_rows must be >= 0 (0: unknown), got {self.max_step_rows}")
         if min(self.intercept, self.t_draft, self.t_aux, self.per_token, self.knee) < 0 or self.slope <= 0:
             raise ValueError("cost model needs slope > 0 and non-negative intercept, per_token, knee, t_draft, t_aux")
         if not 0 < self.ema_alpha <= 1:
