@@ -1125,7 +1125,8 @@ def step_graphs_run(r: int, vocab: int, device: torch.device, backend: str, reps
     saved = [t.clone() for t in state_tensors(state)]
     # The proposer's key holds the budget's capture state: a replaced buffer would be a new key (run
     # eagerly, no replay), which this check counts as a failure.
-    replayed = named(graphs(("plan_trees", r, state.auto.capture_state(r, device)), step, *x))
+    key = ("plan_trees", r, state.auto.capture_state(r, device))
+    replayed = named(graphs(key, step, *x))
     for t, v in zip(state_tensors(state), saved):
         t.copy_(v)
     eager = named(step(*x))
