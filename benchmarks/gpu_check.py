@@ -1118,8 +1118,17 @@ def step_graphs_run(r: int, vocab: int, device: torch.device, backend: str, reps
     first = inputs_for(r)
     step(*first)  # the batch size's first plan seeds its rate: the proposer runs it eagerly
     assert state.auto.capture_state(r, device) is not None
-    for _ in range(graphs.capture_after):  # eager, then captured
+    for _ in range(graphs.capture_after - 1):  # eager
         graphs(("plan_trees", r, state.auto.capture_state(r, device)), step, *first)
+    # The capture: its time, and the memory its graph keeps (its private pool, which vLLM's memory
+    # profiling does not see; the proposer keeps up to `max_graphs` of them).
+    sync(device)
+    held = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+    t0 = time.perf_counter()
+    graphs(("plan_trees", r, state.auto.capture_state(r, device)), step, *first)
+    sync(device)
+    capture_ms = 1e3 * (time.perf_counter() - t0)
+    pool_bytes = torch.cuda.memory_reserved(device) - held if device.type == "cuda" else None
     advance_state(state, r, seed=3000 + r)
     x = inputs_for(4000 + r)
     saved = [t.clone() for t in state_tensors(state)]
@@ -1133,6 +1142,7 @@ def step_graphs_run(r: int, vocab: int, device: torch.device, backend: str, reps
     rec = {"differs": outputs_differ(replayed, eager),
            "graphs": {"captures": graphs.captures, "replays": graphs.replays, "failed": graphs.failed}}
     rec["replay_equals_eager"] = not rec["differs"] and graphs.failed is None and graphs.replays >= 1
+    rec["capture_ms"], rec["pool_bytes"] = round(capture_ms, 2), pool_bytes
     if reps:
         rec["eager_ms"] = timed_ms(lambda: step(*x), device, reps)
         rec["replay_ms"] = timed_ms(lambda: graphs(key, step, *x), device, reps)
@@ -1210,7 +1220,8 @@ def part_b_graphs(ctx: "Check") -> dict:
             rec.update(step_graphs_run(r, ctx.sizes.vocab, ctx.device, "cuda", ctx.sizes.reps))
             if not rec["replay_equals_eager"]:
                 bad.append(f"{STEP_GRAPHS}@{r}")
-            log(f"  b.graphs batch {r} {STEP_GRAPHS}: replay {rec['replay_ms']:.3f} ms vs eager {rec['eager_ms']:.3f} ms"
+            log(f"  b.graphs batch {r} {STEP_GRAPHS}: replay {rec['replay_ms']:.3f} ms vs eager {rec['eager_ms']:.3f} ms; "
+                f"capture {rec['capture_ms']:.1f} ms, {rec['pool_bytes'] / 2**20:.1f} MiB held"
                 f"{'' if rec['replay_equals_eager'] else ', DIFFERS: ' + str(rec['differs']) + ' ' + str(rec['graphs'])}")
         except Exception as exc:  # noqa: BLE001
             rec.update(failure(exc))
