@@ -47,6 +47,7 @@ imports; `make gpu-wheels`) to the module path, after the machine's own packages
 from __future__ import annotations
 
 import argparse
+import gc
 import inspect
 import json
 import logging
@@ -1123,6 +1124,9 @@ def step_graphs_run(r: int, vocab: int, device: torch.device, backend: str, reps
     # The capture: its time, and the memory its graph keeps (its private pool, which vLLM's memory
     # profiling does not see; the proposer keeps up to `max_graphs` of them).
     sync(device)
+    if device.type == "cuda":  # as torch.cuda.graph does on entering: what stays reserved after is the pool
+        gc.collect()
+        torch.cuda.empty_cache()
     held = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
     t0 = time.perf_counter()
     graphs(("plan_trees", r, state.auto.capture_state(r, device)), step, *first)
