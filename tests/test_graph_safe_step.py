@@ -8,6 +8,8 @@ way (numbers become constants, tensors are held by reference), so on a CPU a tra
 the state has moved on must still equal the eager step: what a captured graph would compute.
 """
 
+import math
+
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -19,7 +21,9 @@ from vllm_ddtree.tree import (
     ModelShape,
     StepGraphs,
     build_tree,
+    capture_width,
     get_profile,
+    pad_depths,
     topk_per_depth,
 )
 from vllm_ddtree.tree.step import plan_trees
@@ -190,6 +194,29 @@ def test_a_cost_model_sized_for_its_largest_step_never_replaces_the_buffer_a_cap
     assert coefficients.residual is not buffer and coefficients.generation == 1
     with pytest.raises(ValueError, match="max_step_rows must be >= 0"):
         CostModel(shape, get_profile("h100"), max_step_rows=-1)
+
+
+def test_depths_padded_for_a_capture_build_the_same_trees():
+    """The proposer pads the drafter's depths to one count per width before a captured step: every
+    field of the trees is the same bit for bit, with ties, -inf log-probs among the real candidates
+    (fewer finite tokens than K), and budgets below and at the width."""
+    g = torch.Generator().manual_seed(5)
+    for depth, k, width in ((2, 8, 8), (3, 16, 16), (6, 8, 8), (1, 4, 4)):
+        logits = torch.randn(R, depth, VOCAB, generator=g).round(decimals=1)  # ties
+        logits[0, :, 6:] = -math.inf  # request 0: six finite tokens per depth, fewer than K at K = 8, 16
+        top_logp, top_ids = topk_per_depth(logits, k)
+        padded = pad_depths(top_logp, top_ids, depth + 5)
+        assert padded[0].shape == (R, depth + 5, k) and torch.isneginf(padded[0][:, depth:]).all()
+        for budgets in (width, torch.tensor([1, 3, width, width - 1])):
+            plain = build_tree(top_logp, top_ids, budgets, max_budget=width, validate=False)
+            wide = build_tree(*padded, budgets, max_budget=width, validate=False)  # as plan_trees builds
+            for name in ("tokens", "parents", "depths", "scores", "draft_logp", "valid", "num_nodes"):
+                assert torch.equal(getattr(plain, name), getattr(wide, name)), (name, depth, k)
+    assert pad_depths(top_logp, top_ids, 1)[0] is top_logp
+    with pytest.raises(ValueError, match="cannot pad 1 depths to 0"):
+        pad_depths(top_logp, top_ids, 0)
+    assert [capture_width(b, 64) for b in (1, 2, 3, 8, 9, 16, 17, 33, 64)] == [1, 2, 4, 8, 16, 16, 32, 64, 64]
+    assert capture_width(33, 40) == 40  # never past the scheduler's cap
 
 
 def test_the_switch_names_its_values_and_captures_only_on_cuda(monkeypatch):

@@ -31,7 +31,9 @@ from vllm_ddtree.tree import (
     NGramModel,
     SpeculationGate,
     StepGraphs,
+    capture_width,
     get_profile,
+    pad_depths,
     plan_trees,
     topk_per_depth,
     to_device,
@@ -419,6 +421,8 @@ class DDTreeProposer(DFlashProposer):
         r = rows // self.width
         tree_cap = min(self._cap, self.options.max_budget)  # the rest of the cap is the lookup branch's
         self._build = min(self.options.tree_budget if self.auto is None else self.auto.build_width(r), tree_cap)
+        if self.step_graphs is not None:  # captured steps: a few widths, each captured once
+            self._build = capture_width(self._build, tree_cap)
         self._depth = min(self.width, self._build, self.depth_cap.depth)
         hidden_states = hidden_states.view(r, self.width, -1)[:, : self._depth].reshape(r * self._depth, -1)
         d2t = getattr(model, "draft_id_to_target_id", None)
@@ -523,6 +527,8 @@ class DDTreeProposer(DFlashProposer):
             return plan_trees(top_logp, top_ids, build, context_lens, self.auto, branch, valid, self._cap,
                               scorer=scorer, context_tail=tail, lam=self.options.ngram_weight)
 
+        if self.step_graphs is not None and scorer is None:  # one shape whatever the depth cap drafted
+            top_logp, top_ids = pad_depths(top_logp, top_ids, min(self.width, build))
         inputs = (top_logp, top_ids, cad.seq_lens[:r] if self.auto is not None else None, branch, valid)
         key = self._graph_key(r, build, scorer, inputs)
         tree, plan = step(*inputs) if key is None else self.step_graphs(key, step, *inputs)

@@ -12,6 +12,9 @@ before it: their sizes follow the text seen so far.
 
 from __future__ import annotations
 
+import math
+
+import torch.nn.functional as F
 from torch import Tensor
 
 from . import constants
@@ -54,3 +57,27 @@ def plan_trees(
     if branch is not None:
         tree = add_branch(tree, branch, valid, max_nodes=max_nodes if max_nodes is not None else build + branch.shape[1])
     return tree, plan
+
+
+def capture_width(build: int, cap: int) -> int:
+    """The build width a captured step uses for `build`: the next power of two, at most `cap`.
+
+    A capture is made per shape, and the automatic budget's width moves by small steps (twice the
+    largest tree kept): on the toy pair's nine greedy requests, 56 steps came in 29 shapes. Widths
+    rounded up take a few values, so a capture is replayed instead of made again. A wider build only
+    offers the budget more candidates: the tree it keeps at a given size is the same (best first)."""
+    return min(cap, 1 << max(build - 1, 0).bit_length())
+
+
+def pad_depths(top_logp: Tensor, top_ids: Tensor, depth: int) -> tuple[Tensor, Tensor]:
+    """top_logp/top_ids [R, D, K] padded to [R, depth, K]: log-probability -inf and token 0 at the added
+    depths. `build_tree` never keeps a -inf candidate where a finite one is left (depth 1 alone holds
+    K >= the tree's width of them), and sets every field of a node it does not keep to the same
+    padding, so the trees are those of the unpadded input, bit for bit; only the shape, what a
+    capture is keyed on, stops following the drafter's depth cap."""
+    extra = depth - top_logp.shape[1]
+    if extra < 0:
+        raise ValueError(f"cannot pad {top_logp.shape[1]} depths to {depth}")
+    if extra == 0:
+        return top_logp, top_ids
+    return F.pad(top_logp, (0, 0, 0, extra), value=-math.inf), F.pad(top_ids, (0, 0, 0, extra), value=0)
