@@ -97,7 +97,10 @@ from vllm_ddtree.tree import (  # noqa: E402
     build_tree_reference,
     compile_tree,
     dense_attention_mask,
+    first_rows,
     get_profile,
+    pad_rows,
+    padded_rows,
     plan_trees,
     topk_per_depth,
     walk_tree,
@@ -1095,7 +1098,8 @@ def advance_state(st: StepState, r: int, seed: int) -> None:
 
 def step_graphs_run(r: int, vocab: int, device: torch.device, backend: str, reps: int) -> dict:
     """The proposer's own captured step: `StepGraphs(backend)` around `plan_trees` (build, automatic
-    budget, lookup path) as `DDTreeProposer` calls it. The class's first plan runs eagerly, then the
+    budget, lookup path) as `DDTreeProposer` calls it, its batch padded to the top of its size class
+    (`padded_rows`: 1 / 15 / 127 / 511 rows at batch 1 / 8 / 64 / 256). The class's first plan runs eagerly, then the
     key's first call, then its capture; the state moves on (`advance_state`) and the replay on new
     inputs must equal the eager step. Returns the comparison, the captures' counters and on request
     (`reps` > 0) eager and replay times. On a CPU the "trace" backend runs the same logic."""
@@ -1106,13 +1110,16 @@ def step_graphs_run(r: int, vocab: int, device: torch.device, backend: str, reps
         x = step_inputs(r, vocab, tail, seed=seed, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
                         device=device)
         branch, valid = state.ngram.continuation(x.slots, x.tail, LOOKUP)
-        return (*topk_per_depth(x.logits, BUILD), x.ctx_lens, branch, valid)
+        # padded to the top of the batch's size class, as the proposer pads a captured step (its drafted
+        # depths are already all DEPTHS here)
+        return pad_rows(padded_rows(r), *topk_per_depth(x.logits, BUILD), x.ctx_lens, branch, valid)
 
     def step(top_logp, top_ids, context_lens, branch, valid):
-        return plan_trees(top_logp, top_ids, BUILD, context_lens, state.auto, branch, valid, BUILD + LOOKUP)
+        return plan_trees(top_logp, top_ids, BUILD, context_lens, state.auto, branch, valid, BUILD + LOOKUP,
+                          rows=torch.count_nonzero(context_lens))
 
     def named(out) -> dict[str, torch.Tensor]:
-        tree, plan = out
+        tree, plan = first_rows(*out, r)
         return {f"tree.{k}": getattr(tree, k).clone() for k in ("tokens", "parents", "depths", "valid", "scores")} | {
             f"plan.{k}": getattr(plan, k).clone() for k in ("budgets", "extra", "expected_tokens", "step_seconds")}
 

@@ -22,8 +22,11 @@ from vllm_ddtree.tree import (
     StepGraphs,
     build_tree,
     capture_width,
+    first_rows,
     get_profile,
     pad_depths,
+    pad_rows,
+    padded_rows,
     topk_per_depth,
 )
 from vllm_ddtree.tree.step import plan_trees
@@ -217,6 +220,43 @@ def test_depths_padded_for_a_capture_build_the_same_trees():
         pad_depths(top_logp, top_ids, 0)
     assert [capture_width(b, 64) for b in (1, 2, 3, 8, 9, 16, 17, 33, 64)] == [1, 2, 4, 8, 16, 16, 32, 64, 64]
     assert capture_width(33, 40) == 40  # never past the scheduler's cap
+
+
+def test_a_batch_padded_to_its_size_class_plans_the_same_trees_and_moves_the_same_rate():
+    """The proposer pads a captured step's batch to the top of its size class (rows of -inf log-probs,
+    context 0, no lookup path): the real rows' trees and the plan are the unpadded batch's, and the
+    class's rate moves as it would; the plan's totals count the real requests only."""
+    assert [padded_rows(n) for n in (1, 2, 3, 4, 5, 7, 8, 9, 255, 256)] == [1, 3, 3, 7, 7, 7, 15, 15, 255, 511]
+    for seed, r in ((0, R), (1, 2), (2, 1)):  # padded to 7, 3 and 1 rows
+        auto_plain, auto_padded = calibrated_budget(seed), calibrated_budget(seed)
+        top_logp, top_ids, ctx, branch, valid = (x[:r] for x in step_inputs(seed))
+        for step in range(3):  # the first plan seeds the class's rate, the next ones move it
+            plain_tree, plain_plan = plan_trees(top_logp, top_ids, BUILD, ctx, auto_plain, branch, valid,
+                                                max_nodes=BUILD + LOOKUP)
+            padded = pad_rows(padded_rows(r), top_logp, top_ids, ctx, branch, valid)
+            assert padded[0].shape[0] == padded_rows(r) and not padded[4][r:].any() and (padded[2][r:] == 0).all()
+            out = plan_trees(
+                padded[0], padded[1], BUILD, padded[2], auto_padded, padded[3], padded[4], max_nodes=BUILD + LOOKUP,
+                rows=torch.count_nonzero(padded[2]))
+            tree, plan = first_rows(*out, r)
+            for name in ("tokens", "parents", "depths", "valid", "scores", "num_nodes"):
+                assert torch.equal(getattr(tree, name), getattr(plain_tree, name)), (name, r, step)
+            for name in ("budgets", "extra", "expected_tokens", "step_seconds", "tokens_per_second"):
+                assert torch.equal(getattr(plan, name), getattr(plain_plan, name)), (name, r, step)
+            assert not out[0].valid[r:].any()  # the padding has no tree
+            for a, b in zip(rate_tensors(auto_padded), rate_tensors(auto_plain)):
+                assert torch.equal(a, b)
+            top_logp = top_logp.roll(1, dims=0)  # other trees, same batch
+    # Counting the padding as requests would plan another step (the negative control).
+    auto = calibrated_budget(0)
+    top_logp, top_ids, ctx, branch, valid = step_inputs(0)
+    plan_trees(top_logp, top_ids, BUILD, ctx, auto, branch, valid, max_nodes=BUILD + LOOKUP)  # seeds the rate
+    plain = plan_trees(top_logp, top_ids, BUILD, ctx, auto, branch, valid, max_nodes=BUILD + LOOKUP)[1]
+    padded = pad_rows(R + 40, top_logp, top_ids, ctx, branch, valid)
+    counted = plan_trees(*padded[:2], BUILD, padded[2], auto, *padded[3:], max_nodes=BUILD + LOOKUP)[1]
+    assert not torch.equal(counted.step_seconds, plain.step_seconds)
+    with pytest.raises(ValueError, match="cannot pad 4 requests to 3"):
+        pad_rows(3, top_logp, top_ids, ctx, branch, valid)
 
 
 def test_the_switch_names_its_values_and_captures_only_on_cuda(monkeypatch):

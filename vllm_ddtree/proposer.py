@@ -32,8 +32,11 @@ from vllm_ddtree.tree import (
     SpeculationGate,
     StepGraphs,
     capture_width,
+    first_rows,
     get_profile,
     pad_depths,
+    pad_rows,
+    padded_rows,
     plan_trees,
     topk_per_depth,
     to_device,
@@ -527,28 +530,32 @@ class DDTreeProposer(DFlashProposer):
             return plan_trees(top_logp, top_ids, build, context_lens, self.auto, branch, valid, self._cap,
                               scorer=scorer, context_tail=tail, lam=self.options.ngram_weight)
 
-        if self.step_graphs is not None and scorer is None:  # one shape whatever the depth cap drafted
-            top_logp, top_ids = pad_depths(top_logp, top_ids, min(self.width, build))
-        inputs = (top_logp, top_ids, cad.seq_lens[:r] if self.auto is not None else None, branch, valid)
-        key = self._graph_key(r, build, scorer, inputs)
-        tree, plan = step(*inputs) if key is None else self.step_graphs(key, step, *inputs)
+        context_lens = cad.seq_lens[:r] if self.auto is not None else None
+        state = self._capture_state(r, scorer, top_logp.device)
+        if state is None:
+            tree, plan = step(top_logp, top_ids, context_lens, branch, valid)
+        else:  # captured: one shape per (size class, width), whatever the batch and the depth cap drafted
+            def padded_step(top_logp, top_ids, context_lens, branch, valid):
+                rows = None if context_lens is None else torch.count_nonzero(context_lens)  # padding: context 0
+                return plan_trees(top_logp, top_ids, build, context_lens, self.auto, branch, valid, self._cap, rows=rows)
+
+            inputs = pad_rows(padded_rows(r), *pad_depths(top_logp, top_ids, min(self.width, build)), context_lens,
+                              branch, valid)
+            shapes = tuple(None if x is None else (tuple(x.shape), x.dtype) for x in inputs)
+            tree, plan = first_rows(*self.step_graphs((build, self._cap, shapes, state), padded_step, *inputs), r)
         host = self._store(req_ids, tree)
         if self.auto is not None:
             self.auto.record_plan(plan, r)
             self.auto.grow(host.ranked)  # the next build follows the largest tree the drafter's ranking kept
         return host.tokens  # the scheduler takes these lists; what we keep of the trees is `self.proposed`
 
-    def _graph_key(self, r: int, build: int, scorer, inputs: tuple) -> tuple | None:
-        """The key of this step's captured `plan_trees` (`step_graphs`), or None to run it eagerly:
-        without graphs, with n-gram rescoring (its tables grow with the text), or while the
-        automatic budget cannot be captured (`AutoBudget.capture_state`)."""
+    def _capture_state(self, r: int, scorer, device: torch.device) -> tuple | None:
+        """What keys this step's captured `plan_trees` (`step_graphs`) beside its shapes, or None to
+        run it eagerly: without graphs, with n-gram rescoring (its tables grow with the text), or while
+        the automatic budget cannot be captured (`AutoBudget.capture_state`)."""
         if self.step_graphs is None or scorer is not None:
             return None
-        state = () if self.auto is None else self.auto.capture_state(r, inputs[0].device)
-        if state is None:
-            return None
-        shapes = tuple(None if x is None else (tuple(x.shape), x.dtype) for x in inputs)
-        return (build, self._cap, shapes, state)
+        return () if self.auto is None else self.auto.capture_state(r, device)
 
     def _store(self, req_ids: list[str], tree: DraftTree) -> HostTrees:
         # The one host copy per step: vLLM's scheduler takes draft tokens as Python lists.

@@ -104,7 +104,7 @@ def choose_budgets(
 
 def allocate_batch(
     draft_logp: Tensor, context_lens: Tensor, cost: CostModel, min_budget: int = 1, max_budget: int | None = None,
-    rate: Tensor | float | None = None, extra_gains: Tensor | None = None,
+    rate: Tensor | float | None = None, extra_gains: Tensor | None = None, rows: Tensor | None = None,
 ) -> BudgetPlan:
     """Batch-aware BASTION: one best-first over all requests' nodes against the batch step cost.
 
@@ -123,6 +123,10 @@ def allocate_batch(
     drafter did not rank (a prompt-lookup continuation, `tree.add_branch`), 0 where there is none.
     Its nodes join the same best-first merge, priced by the same step cost, none forced; the plan's
     `extra` says how many of each request's path to verify.
+
+    `rows` ([] int): the requests of a batch padded with rows past them (a captured step's shape)
+    whose log-probs are -inf, context 0 and extra gains 0. Their nodes gain nothing and sort after
+    every real node (ties keep row order), so the plan of the real rows is the unpadded batch's.
     """
     r, width = draft_logp.shape
     max_budget = max_budget or width
@@ -138,9 +142,10 @@ def allocate_batch(
     ranked, order = torch.sort(flat, descending=True, stable=True)
     cum = torch.nn.functional.pad(torch.cumsum(ranked, dim=0), (1, 0))  # [R*W + 1]: 0, then the running sums
     extra = constants.arange(r * w + 1, flat.device)  # optional nodes bought
-    total_nodes = extra + float(r * min_budget)
-    expected = r + forced + cum
-    secs = cost.step_seconds(total_nodes, context_lens.sum(), r)
+    n = r if rows is None else rows  # the requests the step verifies (padding is not verified)
+    total_nodes = extra + (float(r * min_budget) if rows is None else rows * min_budget)
+    expected = n + forced + cum
+    secs = cost.step_seconds(total_nodes, context_lens.sum(), n)
     score = expected / secs if rate is None else expected - torch.as_tensor(rate, device=secs.device) * secs
     best = score.argmax()
     chosen = extra[: r * w] < best

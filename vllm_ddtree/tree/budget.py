@@ -134,13 +134,18 @@ class AutoBudget:
         if self.gate is not None and not self.exploring:
             self.gate.observe_plan(plan, num_requests)
 
-    def plan(self, scores: Tensor, context_lens: Tensor, lookup_valid: Tensor | None = None) -> BudgetPlan:
+    def plan(self, scores: Tensor, context_lens: Tensor, lookup_valid: Tensor | None = None,
+             rows: Tensor | None = None) -> BudgetPlan:
         """The device's part of `choose_plan`: the plan, and the batch size class's rate moved on.
 
         Once the cost is calibrated and the class has its first plan, every number it reads from
         the state is a tensor updated in place (the cost model's `coefficients`, the drafter's
         confidence exponent, the lookup path's acceptance, the class's rate), so a capture of it (a
-        CUDA graph per batch size) replays what it computes eagerly while the state moves on."""
+        CUDA graph per batch size) replays what it computes eagerly while the state moves on.
+
+        `rows` ([] int): the real requests of a batch padded past them (`allocate_batch`), padded
+        within their size class (`step.padded_rows`), so the class, its rate and capture state are
+        the real batch's."""
         if lookup_valid is not None and self.lookup is None:
             raise ValueError("choose_plan got a lookup path but the AutoBudget has no LookupCalibration")
         logp = self.acceptance.rescale(scores)
@@ -155,7 +160,7 @@ class AutoBudget:
         r = scores.shape[0]
         c = SpeculationGate.size_class(r)
         plan = allocate_batch(logp, context_lens.float(), self.cost, min(self.min_budget, width), width,
-                              self.rate_at(r), extra_gains=extra_gains)
+                              self.rate_at(r), extra_gains=extra_gains, rows=rows)
         if c not in self.planned_tokens:  # the class's first plan (a step's own best ratio) seeds its rate
             self.planned_tokens[c], self.planned_seconds[c] = plan.expected_tokens.clone(), plan.step_seconds.clone()
         else:

@@ -249,7 +249,7 @@ class CostModel:
         size = tokens.round().long().clamp(0, c.residual.numel() - 1)
         return smooth + torch.take(c.residual, size)
 
-    def step_seconds(self, tree_tokens, context_total, num_requests: int = 1):
+    def step_seconds(self, tree_tokens, context_total, num_requests: int | Tensor = 1):
         """Predicted cycle time of a step with `tree_tokens` draft nodes over `num_requests` requests.
 
         Broadcasts over tensors. Each request also verifies its root row. The attention term assumes

@@ -12,8 +12,10 @@ before it: their sizes follow the text seen so far.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -36,6 +38,7 @@ def plan_trees(
     scorer: PrefixScorer | None = None,
     context_tail: Tensor | None = None,
     lam: float = 0.0,
+    rows: Tensor | None = None,
 ) -> tuple[DraftTree, BudgetPlan | None]:
     """Each request's tree for this step: built `build` nodes wide, cut to the automatic budget's
     choice (if `auto`), with its lookup path added (if `branch`) as far as the budget bought it.
@@ -44,13 +47,14 @@ def plan_trees(
     root; branch/valid [R, L]: the lookup path and its valid prefix; max_nodes: node slots per request
     the scheduler takes (the path is cut there). Returns the trees (padded to at most `max_nodes`
     columns) and the budget's plan (None without `auto`). The host keeps its part of the plan:
-    `auto.record_plan(plan, R)`.
+    `auto.record_plan(plan, R)`. `rows` ([] int): the real requests of a batch padded past them
+    (`pad_rows`); the padding's trees are empty and the plan is the real batch's.
     """
     tree = build_tree(top_logp, top_ids, build, max_budget=build, scorer=scorer,
                       context_tail=context_tail if scorer is not None else None, lam=lam, validate=False)
     plan = None
     if auto is not None:
-        plan = auto.plan(tree.scores, context_lens, valid)
+        plan = auto.plan(tree.scores, context_lens, valid, rows=rows)
         tree = tree.truncate(plan.budgets.clamp(max=build))
         if valid is not None:  # the lookup nodes the budget bought
             valid = valid & (constants.arange(valid.shape[1], valid.device) < plan.extra[:, None])
@@ -81,3 +85,39 @@ def pad_depths(top_logp: Tensor, top_ids: Tensor, depth: int) -> tuple[Tensor, T
     if extra == 0:
         return top_logp, top_ids
     return F.pad(top_logp, (0, 0, 0, extra), value=-math.inf), F.pad(top_ids, (0, 0, 0, extra), value=0)
+
+
+def padded_rows(num_requests: int) -> int:
+    """The batch size a captured step of `num_requests` requests is padded to: the largest of its size
+    class (1, 2-3, 4-7, 8-15, ...; `SpeculationGate.size_class`), so the automatic budget's rate and
+    capture state stay the class's, and a class is one capture per width."""
+    return (1 << max(num_requests, 1).bit_length()) - 1
+
+
+def pad_rows(total: int, top_logp: Tensor, top_ids: Tensor, context_lens: Tensor | None,
+             branch: Tensor | None, valid: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None,
+                                                                    Tensor | None]:
+    """`plan_trees`' inputs for R requests padded to `total` rows: top-k log-probs -inf (no tree), token 0,
+    context 0, lookup path 0 and not valid. Pass `rows` = R to `plan_trees` and keep its first R rows."""
+    extra = total - top_logp.shape[0]
+    if extra < 0:
+        raise ValueError(f"cannot pad {top_logp.shape[0]} requests to {total}")
+
+    def grow(x: Tensor | None, fill) -> Tensor | None:
+        if x is None or extra == 0:
+            return x
+        return torch.cat([x, x.new_full((extra, *x.shape[1:]), fill)])
+
+    return (grow(top_logp, -math.inf), grow(top_ids, 0), grow(context_lens, 0), grow(branch, 0),
+            grow(valid, False))
+
+
+def first_rows(tree: DraftTree, plan: BudgetPlan | None, r: int) -> tuple[DraftTree, BudgetPlan | None]:
+    """`plan_trees`' outputs for a padded batch, cut to its first `r` rows (views: a captured step's
+    outputs are overwritten by its next replay, and the caller reads them before then)."""
+    per_row = {f.name: getattr(tree, f.name)[:r] for f in dataclasses.fields(tree)
+               if isinstance(getattr(tree, f.name), Tensor) and getattr(tree, f.name).dim() > 0}
+    tree = dataclasses.replace(tree, **per_row)
+    if plan is not None:
+        plan = dataclasses.replace(plan, budgets=plan.budgets[:r], extra=None if plan.extra is None else plan.extra[:r])
+    return tree, plan
