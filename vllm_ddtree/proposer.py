@@ -194,17 +194,19 @@ def _present_as_dflash(vllm_config, width: int):
 
 
 def step_graphs_from_env(device: torch.device) -> StepGraphs | None:
-    """`VLLM_DDTREE_STEP_GRAPHS`: "1" captures the tree step (`plan_trees`) in CUDA graphs on a CUDA
-    device (nothing elsewhere); "trace" uses `make_fx` traces instead (a CPU check of the same path);
-    unset or "0": eager."""
-    value = os.environ.get("VLLM_DDTREE_STEP_GRAPHS", "0").strip().lower()
-    if value in ("", "0"):
+    """`VLLM_DDTREE_STEP_GRAPHS`: unset or "1" captures the tree step (`plan_trees`) in CUDA graphs on a
+    CUDA device (nothing elsewhere); "0": eager; "trace" uses `make_fx` traces instead (a CPU check of
+    the same path). On by default: eagerly the step's few hundred small ops keep the GPU waiting on
+    the host (on an H200, 3.4-8.4 ms per step eager against 0.7-1.2 ms replayed, beside a 10 ms
+    Qwen3-8B verify forward), and a capture that fails turns itself off (eager, with a warning)."""
+    value = os.environ.get("VLLM_DDTREE_STEP_GRAPHS", "1").strip().lower()
+    if value == "0":
         return None
     if value == "1":
         return StepGraphs("cuda") if torch.device(device).type == "cuda" else None
     if value == "trace":
         return StepGraphs("trace")
-    raise ValueError(f"VLLM_DDTREE_STEP_GRAPHS must be 0, 1 or trace, got {value!r}")
+    raise ValueError(f"VLLM_DDTREE_STEP_GRAPHS must be 0, 1 (the default) or trace, got {value!r}")
 
 
 class DDTreeProposer(DFlashProposer):
