@@ -62,6 +62,7 @@ def test_ddtree_greedy_is_token_identical_to_no_speculation(tmp_path, drafter):
     # Its residual table's device buffer covers the scheduler's largest step from the start: no refit
     # replaced it (a replacement makes every captured tree step be captured again).
     largest = res["config"][4]["max_num_batched_tokens"]
+    assert auto["max_step_rows"] == largest  # the proposer sized the cost model for the scheduler's steps
     rows = max(CostCoefficients.MIN_CAPACITY, largest + 2)
     assert auto["residual_buffers"] and all(b == {"rows": rows, "generation": 0}
                                             for b in auto["residual_buffers"]), (largest, auto["residual_buffers"])

@@ -145,6 +145,7 @@ if __name__ == "__main__":
             # how often a refit had to replace them (what would make a captured step be captured again).
             summary["residual_buffers"] = [{"rows": c.residual.numel(), "generation": c.generation}
                                            for c in auto.cost.__dict__.get("_mirrors", {}).values()]
+            summary["max_step_rows"] = auto.cost.max_step_rows
         result["ddtree"].append(summary)
         result["config"].append({"max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
                                  "enable_chunked_prefill": cfg.scheduler_config.enable_chunked_prefill,
