@@ -67,7 +67,7 @@ def capture_width(build: int, cap: int) -> int:
     """The build width a captured step uses for `build`: the next power of two, at most `cap`.
 
     A capture is made per shape, and the automatic budget's width moves by small steps (twice the
-    largest tree kept): on the toy pair's nine greedy requests, 56 steps came in 29 shapes. Widths
+    largest tree kept), so the step's shape keeps changing (measured in design.md §18). Widths
     rounded up take a few values, so a capture is replayed instead of made again. A wider build only
     offers the budget more candidates: the tree it keeps at a given size is the same (best first)."""
     return min(cap, 1 << max(build - 1, 0).bit_length())
