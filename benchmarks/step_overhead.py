@@ -415,7 +415,10 @@ def _run_step(code, p, cad, steps, ctx: int, vocab: int, layers: int, gen: torch
     """propose's tree part, then prepare and sample after the stand-in scheduler took the drafts;
     (drafts, sampler output, host seconds of the product's code)."""
     # propose: the tree part (vLLM's DFlash forward and LM head excluded)
-    p._logits = device(draft_logits(len(p.runner.input_batch.req_ids), p._depth, vocab, gen))
+    logits = device(draft_logits(len(p.runner.input_batch.req_ids), p._depth, vocab, gen))
+    p._logits = logits  # a proposer that takes the drafter's logits whole
+    # one that runs the head itself (`head_topk`): no head, its input is already the logits
+    p._draft_hidden, p._draft_head, p._draft_vocab = logits.view(-1, vocab), None, vocab
     t0 = time.perf_counter()
     with counter, lines:
         drafts = p._tree_drafts(cad, steps)

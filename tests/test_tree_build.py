@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import vllm_ddtree.tree.build as build_mod
-from vllm_ddtree.tree import NGramModel, add_branch, build_tree, build_tree_reference, topk_per_depth
+from vllm_ddtree.tree import NGramModel, add_branch, build_tree, build_tree_reference, head_topk, topk_per_depth
 from vllm_ddtree.tree.build import NO_PARENT, tree_to_host
 
 
@@ -335,3 +335,29 @@ def test_topk_per_depth_holds_one_chunk_of_log_probs_at_a_time():
     out_bytes = 64 * 15 * 32 * (4 + 8)  # the top-k values and ids
     assert at_once >= logits_bytes  # the negative control: every row's log-probs at once
     assert chunked <= chunk + 2 * out_bytes, (chunked, at_once)  # a chunk, the chunks' results and their concatenation
+
+
+def test_head_topk_runs_the_head_in_chunks_and_holds_one_chunks_logits_at_a_time():
+    # The drafter's head on 64 x 15 rows (H 32, V 4096): its whole logits are 15.7 MB of float32 at once.
+    g = torch.Generator().manual_seed(1)
+    hidden, weight = torch.randn(64 * 15, 32, generator=g), torch.randn(4096, 32, generator=g)
+    calls: list[int] = []
+
+    def head(h):
+        calls.append(h.shape[0])
+        return h @ weight.T
+
+    logits_bytes, chunk = 64 * 15 * 4096 * 4, 1 << 20
+    whole = topk_per_depth((hidden @ weight.T).view(64, 15, 4096), 32)
+    lp, ids = head_topk(hidden, head, 4096, 32, chunk_bytes=chunk)
+    assert calls == [64] * 15  # 1 MiB of float32 log-probs: 64 rows of 4096 per head call
+    # the rows' GEMM in chunks may round differently; the chosen ids and order are the same here
+    assert torch.equal(ids, whole[1].view(-1, 32)) and torch.allclose(lp, whole[0].view(-1, 32), atol=1e-4)
+    at_once = _peak_bytes(lambda: head_topk(hidden, head, 4096, 32, chunk_bytes=logits_bytes))
+    chunked = _peak_bytes(lambda: head_topk(hidden, head, 4096, 32, chunk_bytes=chunk))
+    out_bytes = 64 * 15 * 32 * (4 + 8)
+    assert at_once >= 2 * logits_bytes  # the negative control: every row's logits and log-probs at once
+    # a chunk's logits and log-probs, the results, and room for the top-k's own scratch: a tenth of at once
+    assert chunked <= 3 * chunk + 2 * out_bytes, (chunked, at_once)
+    with pytest.raises(ValueError, match="expected 4000"):
+        head_topk(hidden, head, 4000, 32)

@@ -38,7 +38,7 @@ from vllm_ddtree.tree import (
     pad_rows,
     padded_rows,
     plan_trees,
-    topk_per_depth,
+    head_topk,
     to_device,
     tree_to_host,
 )
@@ -232,7 +232,9 @@ class DDTreeProposer(DFlashProposer):
         self.depth_cap = DepthCap(self.width)
         self.proposed: ProposedTrees = NO_TREES  # the last propose's trees (prepare_tree_step reads them)
         self.stats = DDTreeStats()
-        self._logits: Tensor | None = None
+        self._draft_hidden: Tensor | None = None  # [R * depth, H]: this step's mask rows, for the head
+        self._draft_head = None  # [n, H] -> [n, V] logits
+        self._draft_vocab = 0
         self._draft_to_target: Tensor | None = None
         # The drafter checkpoint's draft-vocabulary subset of the shared target head (draft_vocab):
         # its rows are gathered once, in load_model (the model loads after __init__).
@@ -430,14 +432,23 @@ class DDTreeProposer(DFlashProposer):
             self._build = capture_width(self._build, tree_cap)
         self._depth = min(self.width, self._build, self.depth_cap.depth)
         hidden_states = hidden_states.view(r, self.width, -1)[:, : self._depth].reshape(r * self._depth, -1)
+        # The head itself runs in `_tree_drafts`, on chunks of rows each followed by its top-k
+        # (`head_topk`): the whole [rows, V] logits never exist at once.
+        self._draft_hidden = hidden_states
         d2t = getattr(model, "draft_id_to_target_id", None)
         if self._vocab_ids is not None and d2t is None:
-            self._logits, self._draft_to_target = self._subset_logits(model, hidden_states)
+            if self._vocab_head is None:
+                self._gather_vocab_head(model.lm_head)
+            self._draft_head = lambda h: self._subset_logits(model, h)
+            self._draft_to_target = self._vocab_head[2]  # the draft vocabulary's target ids, on the device
+            self._draft_vocab = self._draft_to_target.numel()
         elif d2t is not None and hasattr(model, "logits_processor") and hasattr(model, "lm_head"):
-            self._logits = model.logits_processor(model.lm_head, hidden_states)
+            self._draft_head = lambda h: model.logits_processor(model.lm_head, h)
+            self._draft_vocab = d2t.shape[0]
             self._draft_to_target = torch.arange(d2t.shape[0], device=d2t.device) + d2t
         else:
-            self._logits = model.compute_logits(hidden_states)
+            self._draft_head = model.compute_logits
+            self._draft_vocab = _head_vocab(model, self.vllm_config)
             self._draft_to_target = None
         return torch.zeros(rows, dtype=torch.int64, device=hidden_states.device), None  # vLLM views it [R, W]
 
@@ -477,8 +488,8 @@ class DDTreeProposer(DFlashProposer):
             method.process_weights_after_loading(sub)
         self._vocab_head = (sub, method, ids, None if group is None else (mine, group))
 
-    def _subset_logits(self, model, hidden_states: Tensor) -> tuple[Tensor, Tensor]:
-        """Draft logits [rows, N] over the checkpoint's draft vocabulary, and its target ids [N].
+    def _subset_logits(self, model, hidden_states: Tensor) -> Tensor:
+        """Draft logits [rows, N] over the checkpoint's draft vocabulary (target ids: ``_vocab_head[2]``).
 
         Replaces ``model.compute_logits`` (the shared target head, [rows, V]) for a drafter that
         ships ``draft_vocab.json``: the same logits on those ids (the head's rows, gathered at
@@ -503,16 +514,18 @@ class DDTreeProposer(DFlashProposer):
             logits = torch.tanh(logits / lp.soft_cap) * lp.soft_cap
         if lp.scale != 1.0:
             logits = logits * lp.scale
-        return logits, ids
+        return logits
 
     def _tree_drafts(self, cad, step_tokens: Tensor) -> list[list[int]]:
         runner = self.runner
         req_ids = list(runner.input_batch.req_ids)
         r = len(req_ids)
-        logits = self._logits.view(r, self._depth, -1)  # [R, depth, V]: the depths a tree can reach
         build = self._build
-        k = min(build, logits.shape[-1])
-        top_logp, top_ids = topk_per_depth(logits, k)
+        k = min(build, self._draft_vocab)
+        # [R * depth, H] -> top-k of [R * depth, V]: the depths a tree can reach
+        top_logp, top_ids = head_topk(self._draft_hidden, self._draft_head, self._draft_vocab, k)
+        top_logp, top_ids = top_logp.view(r, self._depth, k), top_ids.view(r, self._depth, k)
+        self._draft_hidden = None
         if self._draft_to_target is not None:
             top_ids = self._draft_to_target[top_ids]
         scorer = tail = slots = None
@@ -634,6 +647,16 @@ class DDTreeProposer(DFlashProposer):
         slots = list(map(self._slots.__getitem__, req_ids))
         discarded = to_device(discard.view(r, 1), step_tokens.device)
         return self.ngram.observe_step(slots, torch.where(discarded, -1, step_tokens[:r]), host)
+
+
+def _head_vocab(model, vllm_config) -> int:
+    """How many logits the drafter's `compute_logits` gives per row: its LogitsProcessor keeps the
+    original vocabulary (padding columns cut), else the drafter's configured vocabulary."""
+    processor = getattr(model, "logits_processor", None)
+    vocab = getattr(processor, "org_vocab_size", None)
+    if vocab is None:
+        vocab = vllm_config.speculative_config.draft_model_config.get_vocab_size()
+    return int(vocab)
 
 
 def _tensor_parallel_group():

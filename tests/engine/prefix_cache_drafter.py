@@ -50,7 +50,8 @@ if __name__ == "__main__":
 
     def recorded(self, *a, **kw):
         position = int(self.runner.input_batch.num_tokens_no_spec[0])  # one request at a time
-        draft_logp[position] = self._logits.float().log_softmax(-1).amax(-1).flatten().tolist()
+        logits = self._draft_head(self._draft_hidden)  # [depths, V]: this step's drafted depths
+        draft_logp[position] = logits.float().log_softmax(-1).amax(-1).flatten().tolist()
         return tree_drafts(self, *a, **kw)
 
     DDTreeProposer._tree_drafts = recorded

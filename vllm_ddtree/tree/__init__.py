@@ -17,6 +17,7 @@ from .build import (
     build_tree,
     build_tree_reference,
     check_draft_inputs,
+    head_topk,
     topk_per_depth,
     tree_to_host,
 )

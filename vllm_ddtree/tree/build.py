@@ -36,7 +36,7 @@ import functools
 import heapq
 import math
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -243,18 +243,38 @@ def topk_per_depth(logits: Tensor, k: int, temperature: float = 1.0,
     if logits.dim() != 3:
         raise ValueError(f"logits must be [requests, depths, vocab], got shape {tuple(logits.shape)}")
     r, depth, vocab = logits.shape
-    if vocab == 0:
+    top_logp, top_ids = head_topk(logits.reshape(r * depth, vocab), None, vocab, k, temperature, chunk_bytes)
+    return top_logp.view(r, depth, -1), top_ids.view(r, depth, -1)
+
+
+def head_topk(hidden: Tensor, head: Callable[[Tensor], Tensor] | None, vocab: int, k: int,
+              temperature: float = 1.0, chunk_bytes: int = TOPK_CHUNK_BYTES) -> tuple[Tensor, Tensor]:
+    """Drafter hidden states [rows, H] -> its LM head -> (log-probs [rows, k] sorted descending, ids [rows, k]).
+
+    `head` maps [n, H] to logits [n, vocab] (rows are independent); None means `hidden` already is
+    the logits. The head runs on chunks of rows, each followed by its top-k, so neither the logits
+    nor their float32 log-probabilities exist for more than `chunk_bytes` / (4 vocab) rows at once:
+    a drafter sharing Qwen3's head would otherwise hold [256 x 15, 151936] logits (1.2 GB in bf16) at
+    256 requests, a transient vLLM's memory profiling never saw.
+    """
+    if vocab <= 0:
         raise ValueError("logits have an empty vocabulary dimension")
     if not 1 <= k <= vocab:
         raise ValueError(f"top-k must be in [1, vocab={vocab}], got {k}")
     if temperature <= 0:
         raise ValueError(f"drafter temperature must be > 0, got {temperature}")
     rows_per_chunk = max(1, chunk_bytes // (4 * vocab))
-    if r * depth <= rows_per_chunk:
+
+    def top(rows: Tensor) -> tuple[Tensor, Tensor]:
+        logits = rows if head is None else head(rows)
+        if logits.shape[-1] != vocab:
+            raise ValueError(f"the drafter's head gave {logits.shape[-1]} logits per row, expected {vocab}")
         return _top_logp(logits, k, temperature)
-    parts = [_top_logp(rows, k, temperature) for rows in logits.reshape(r * depth, vocab).split(rows_per_chunk)]
-    return (torch.cat([lp for lp, _ in parts]).view(r, depth, k),
-            torch.cat([ids for _, ids in parts]).view(r, depth, k))
+
+    if hidden.shape[0] <= rows_per_chunk:
+        return top(hidden)
+    parts = [top(rows) for rows in hidden.split(rows_per_chunk)]
+    return torch.cat([lp for lp, _ in parts]), torch.cat([ids for _, ids in parts])
 
 
 def _top_logp(logits: Tensor, k: int, temperature: float) -> tuple[Tensor, Tensor]:
