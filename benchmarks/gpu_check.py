@@ -29,6 +29,10 @@ run in the order of `PARTS`):
   d.verify_cost The verify forward of a Qwen3-8B-shaped transformers decoder (random bf16 weights) for
              batch x (1 + N) rows at context 1K, medians; `CostModel` fitted to it; the knee (first N
              whose step is 10% above the one-row step). On a CPU a tiny Qwen3 config in float32.
+  b.topk     The drafter's candidates at Qwen3-8B's head: torch.topk against a top-k by slices of each
+             row (and with --topk-flashinfer FlashInfer's radix top-k) on the same log-probs (same values;
+             ids but for ties at the k-th place), and the head's whole logits against `head_topk`'s
+             chunks of rows: time and peak device memory. Any device.
   b.graphs   The step captured in a CUDA graph per batch size, replayed on new inputs after the serving
              state moved on (calibrations updated, the cost model refit), equal to eager; eager vs
              replay time. Then the proposer's own captures (`StepGraphs` around `plan_trees`, what
@@ -99,6 +103,7 @@ from vllm_ddtree.tree import (  # noqa: E402
     dense_attention_mask,
     first_rows,
     get_profile,
+    head_topk,
     pad_rows,
     padded_rows,
     plan_trees,
@@ -113,6 +118,7 @@ QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, nu
                 rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
 QWEN3_TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, tie_word_embeddings=False)
+TOPK_SEGMENT_CHOICES = (4, 16, 64)  # b.topk: slices per row of the "segmented" top-k
 DEPTHS = 15  # a DFlash drafter of block 16 drafts 15 depths
 BUILD = 64  # tree width built per request (the automatic budget's largest tree)
 LOOKUP = 8  # prompt-lookup branch length
@@ -1071,6 +1077,119 @@ def part_b_profile(ctx: "Check") -> dict:
                         else f"ops outside every stage in {', '.join(bad)}")}
 
 
+def peak_bytes(fn: Callable[[], object], device: torch.device) -> int | None:
+    """Device memory `fn` allocates at its peak beyond what was allocated before it (CUDA only)."""
+    if device.type != "cuda":
+        return None
+    sync(device)
+    gc.collect()
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    fn()
+    sync(device)
+    return torch.cuda.max_memory_allocated(device) - before
+
+
+def boundary_mismatches(ids: torch.Tensor, ref_ids: torch.Tensor, kth: torch.Tensor, next_value: torch.Tensor) -> int:
+    """Rows whose chosen id sets differ, leaving out rows with a tie at the k-th place (either set is right)."""
+    differ = (ids.sort(-1).values != ref_ids.sort(-1).values).any(-1)
+    return int((differ & (kth != next_value)).sum())
+
+
+def segmented_topk(scores: torch.Tensor, k: int, segments: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.topk within `segments` slices of each row [n, V], then over their k-bests (a row's top k
+    lie among its slices' top k's): many short rows instead of a few long ones, for `b.topk`."""
+    n, vocab = scores.shape
+    width = vocab // segments  # [n, segments * width] viewed as [n, segments, width]: no copy
+    if width < k:
+        return torch.topk(scores, k, dim=-1)
+    cut = segments * width
+    part_v, part_i = torch.topk(scores[:, :cut].view(n, segments, width), k, dim=-1, sorted=False)
+    part_i = part_i + torch.arange(0, cut, width, device=scores.device).view(1, segments, 1)
+    values, ids = part_v.view(n, -1), part_i.view(n, -1)
+    if cut < vocab:  # the last vocab % segments columns, whole
+        tail_v, tail_i = torch.topk(scores[:, cut:], min(k, vocab - cut), dim=-1, sorted=False)
+        values, ids = torch.cat([values, tail_v], -1), torch.cat([ids, tail_i + cut], -1)
+    top_v, pick = torch.topk(values, k, dim=-1)
+    return top_v, ids.gather(-1, pick)
+
+
+def flashinfer_topk():
+    """FlashInfer's radix top-k (vLLM's own for a vocabulary-wide top-k on CUDA), or None."""
+    fi = flashinfer_module()
+    fn = getattr(fi, "top_k", None)
+    return None if fn is None else (lambda x, k: fn(x, k, sorted=True, deterministic=True))
+
+
+def part_b_topk(ctx: "Check") -> dict:
+    """The drafter's candidates at Qwen3-8B's head (H 4096, V 151936, random bf16 weights), 15 depths per
+    request, top-64: (1) ways to take the top-k of the same float32 log-probs, against torch.topk (what
+    `topk_per_depth` runs): the same values, and the same ids but for ties at the 64th place; slices
+    of each row first (`segmented_topk`), and with --topk-flashinfer FlashInfer's radix top-k; (2) the
+    whole head's logits then `topk_per_depth`, against `head_topk` (what the proposer runs: the head and
+    the top-k on chunks of rows): time, and the device memory each holds at its peak. On a CPU a small
+    vocabulary, without FlashInfer."""
+    dev, vocab = ctx.device, ctx.sizes.vocab
+    hidden_size = 4096 if dev.type == "cuda" else 64
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    g = torch.Generator(device=dev).manual_seed(0)
+    weight = torch.randn(vocab, hidden_size, device=dev, dtype=dt, generator=g) * (3.0 / hidden_size ** 0.5)
+    head = lambda h: h @ weight.T  # noqa: E731
+    # FlashInfer's top-k is a JIT build of its own: over 6 minutes on a 16-core H200 host (not done
+    # when the run was stopped), so it runs only on request.
+    fi_topk = flashinfer_topk() if ctx.topk_flashinfer and dev.type == "cuda" else None
+    select = {"torch": lambda x: torch.topk(x, BUILD, dim=-1)} | {
+        f"segmented/{n}": (lambda x, n=n: segmented_topk(x, BUILD, n)) for n in TOPK_SEGMENT_CHOICES} | (
+        {"flashinfer": lambda x: fi_topk(x, BUILD)} if fi_topk is not None else {})
+    rows, bad, jit_s = [], [], None
+    for r in ctx.sizes.batches:
+        if ctx.deadline.left() < 30:
+            rows.append({"batch": r, "skipped": "wall-clock budget"})
+            continue
+        n = r * DEPTHS
+        hidden = torch.randn(n, hidden_size, device=dev, dtype=dt, generator=g)
+        logp = torch.log_softmax(head(hidden), -1, dtype=torch.float32)
+        ref_v, ref_i = torch.topk(logp, BUILD + 1, dim=-1)  # the 65th value: ties at the 64th place
+        kth, nxt = ref_v[:, BUILD - 1], ref_v[:, BUILD]
+        rec = {"batch": r, "rows": n, "vocab": vocab, "k": BUILD, "select_ms": {}, "select_mismatches": {}}
+        for b, fn in select.items():
+            if b == "flashinfer" and jit_s is None:
+                t0 = time.perf_counter()
+                fn(logp)
+                sync(dev)
+                jit_s = round(time.perf_counter() - t0, 1)
+            v, i = fn(logp)
+            rec["select_ms"][b] = timed_ms(lambda: fn(logp), dev, ctx.sizes.reps)
+            bad_rows = boundary_mismatches(i, ref_i[:, :BUILD], kth, nxt)
+            values_equal = torch.equal(v, ref_v[:, :BUILD])
+            rec["select_mismatches"][b] = bad_rows + (0 if values_equal else n)
+            if bad_rows or not values_equal:
+                bad.append(f"{b}@{r}")
+        logp = ref_v = ref_i = None  # free them before the memory measurements
+        whole = lambda: topk_per_depth(head(hidden).view(r, DEPTHS, vocab), BUILD)  # noqa: E731
+        chunked = lambda: head_topk(hidden, head, vocab, BUILD)  # noqa: E731
+        rec["whole_ms"], rec["whole_peak_bytes"] = timed_ms(whole, dev, ctx.sizes.reps), peak_bytes(whole, dev)
+        rec["chunked_ms"], rec["chunked_peak_bytes"] = timed_ms(chunked, dev, ctx.sizes.reps), peak_bytes(chunked, dev)
+        v, i = chunked()
+        w_v, w_i = whole()
+        # chunks of rows may round the head's GEMM differently: compare ids off near-ties, values loosely
+        near = (kth - nxt).abs() > 1e-2
+        differ = (i.sort(-1).values != w_i.view(n, -1).sort(-1).values).any(-1) & near
+        rec["chunked_mismatches"] = int(differ.sum())
+        rec["chunked_max_abs_diff"] = float((v - w_v.view(n, -1)).abs().max())
+        if differ.any() or rec["chunked_max_abs_diff"] > 5e-2:
+            bad.append(f"chunked@{r}")
+        rows.append(rec)
+        mem = "" if rec["whole_peak_bytes"] is None else (
+            f"; peak {rec['whole_peak_bytes'] / 2**20:.0f} MiB whole, {rec['chunked_peak_bytes'] / 2**20:.0f} MiB chunked")
+        log(f"  b.topk batch {r} ({n} rows): top-k " + ", ".join(f"{b} {t:.3f} ms" for b, t in rec["select_ms"].items())
+            + f"; head and top-k: whole {rec['whole_ms']:.3f} ms, chunked {rec['chunked_ms']:.3f} ms" + mem)
+    return {"passed": not bad, "batches": rows, "failed": bad, "selections": list(select),
+            "flashinfer_first_call_s": jit_s,
+            "summary": (f"{len(select)} top-k selections agree; the chunked head equals the whole" if not bad
+                        else f"differ: {', '.join(bad)}")}
+
+
 def state_tensors(st: StepState) -> list[torch.Tensor]:
     """The step's mutable device state (the automatic budget's rate), to restore between two runs."""
     return [*st.auto.planned_tokens.values(), *st.auto.planned_seconds.values()]
@@ -1106,13 +1225,16 @@ def step_graphs_run(r: int, vocab: int, device: torch.device, backend: str, reps
     state, tail = step_state(r, vocab, device, seed=7)
     graphs = StepGraphs(backend)
 
-    def inputs_for(seed: int) -> tuple:
+    def unpadded_inputs(seed: int) -> tuple:
         x = step_inputs(r, vocab, tail, seed=seed, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
                         device=device)
         branch, valid = state.ngram.continuation(x.slots, x.tail, LOOKUP)
+        return (*topk_per_depth(x.logits, BUILD), x.ctx_lens, branch, valid)
+
+    def inputs_for(seed: int) -> tuple:
         # padded to the top of the batch's size class, as the proposer pads a captured step (its drafted
         # depths are already all DEPTHS here)
-        return pad_rows(padded_rows(r), *topk_per_depth(x.logits, BUILD), x.ctx_lens, branch, valid)
+        return pad_rows(padded_rows(r), *unpadded_inputs(seed))
 
     def step(top_logp, top_ids, context_lens, branch, valid):
         return plan_trees(top_logp, top_ids, BUILD, context_lens, state.auto, branch, valid, BUILD + LOOKUP,
@@ -1150,9 +1272,17 @@ def step_graphs_run(r: int, vocab: int, device: torch.device, backend: str, reps
     for t, v in zip(state_tensors(state), saved):
         t.copy_(v)
     eager = named(step(*x))
+    # The padding's rows change no real request's tree or plan (on the CPU bit for bit; here the sums
+    # over longer arrays run on this device's kernels).
+    for t, v in zip(state_tensors(state), saved):
+        t.copy_(v)
+    top_logp, top_ids, context_lens, branch, valid = unpadded_inputs(4000 + r)
+    unpadded = named(plan_trees(top_logp, top_ids, BUILD, context_lens, state.auto, branch, valid, BUILD + LOOKUP))
     rec = {"differs": outputs_differ(replayed, eager),
+           "padding_differs": outputs_differ(unpadded, eager),
            "graphs": {"captures": graphs.captures, "replays": graphs.replays, "failed": graphs.failed}}
     rec["replay_equals_eager"] = not rec["differs"] and graphs.failed is None and graphs.replays >= 1
+    rec["padding_kept_plans"] = not rec["padding_differs"]
     rec["capture_ms"], rec["pool_bytes"] = round(capture_ms, 2), pool_bytes
     if reps:
         rec["eager_ms"] = timed_ms(lambda: step(*x), device, reps)
@@ -1231,8 +1361,10 @@ def part_b_graphs(ctx: "Check") -> dict:
             rec.update(step_graphs_run(r, ctx.sizes.vocab, ctx.device, "cuda", ctx.sizes.reps))
             if not rec["replay_equals_eager"]:
                 bad.append(f"{STEP_GRAPHS}@{r}")
+            # reported, not failed: a padded plan that rounds differently moves a budget, never an output
+            pad = "" if rec["padding_kept_plans"] else f", padding changed {rec['padding_differs']}"
             log(f"  b.graphs batch {r} {STEP_GRAPHS}: replay {rec['replay_ms']:.3f} ms vs eager {rec['eager_ms']:.3f} ms; "
-                f"capture {rec['capture_ms']:.1f} ms, {rec['pool_bytes'] / 2**20:.1f} MiB held"
+                f"capture {rec['capture_ms']:.1f} ms, {rec['pool_bytes'] / 2**20:.1f} MiB held{pad}"
                 f"{'' if rec['replay_equals_eager'] else ', DIFFERS: ' + str(rec['differs']) + ' ' + str(rec['graphs'])}")
         except Exception as exc:  # noqa: BLE001
             rec.update(failure(exc))
@@ -1516,6 +1648,7 @@ class Check:
     deadline: Deadline
     outputs: list[Path]
     report: dict = field(default_factory=dict)
+    topk_flashinfer: bool = False  # b.topk: also FlashInfer's top-k (its own JIT build)
 
     def write(self, plot: bool = False) -> None:
         """The JSON (and with `plot` the PNG) to every output path; an interrupted run keeps what it has."""
@@ -1535,6 +1668,7 @@ PARTS: list[tuple[str, Callable[[Check], dict], bool]] = [
     ("b.profile", part_b_profile, False),
     ("c.compaction", part_c_compaction, False),
     ("d.verify_cost", part_d_verify_cost, False),
+    ("b.topk", part_b_topk, False),
     ("a.kernel", part_a_kernel, True),
     ("b.graphs", part_b_graphs, True),
 ]
@@ -1692,6 +1826,8 @@ def main() -> None:
     ap.add_argument("--site", action="append", default=[], help="carried packages' folder, appended to the path")
     ap.add_argument("--budget-s", type=float, default=420.0, help="wall-clock budget: later timing points are skipped")
     ap.add_argument("--only", action="append", help="run only these parts (e.g. b.sync)")
+    ap.add_argument("--topk-flashinfer", action="store_true",
+                    help="b.topk: also time FlashInfer's top-k (its JIT build took over 6 minutes on an H200 host)")
     ap.add_argument("--update", action="store_true",
                     help="with --only: replace those parts in the existing report (the first output that exists)")
     ap.add_argument("--plot", help="only redraw the PNG of this report JSON")
@@ -1709,7 +1845,8 @@ def main() -> None:
         torch.set_num_threads(1)
     slug = device_slug(device)
     outputs = [Path(p) for p in args.json] + [Path(d) / f"{slug}.json" for d in args.json_dir]
-    check = Check(device, sizes_for(args.device, args.quick), Deadline(args.budget_s), outputs)
+    check = Check(device, sizes_for(args.device, args.quick), Deadline(args.budget_s), outputs,
+                  topk_flashinfer=args.topk_flashinfer)
     update = None
     if args.update:
         earlier = next((p for p in outputs if p.is_file()), None)

@@ -16,7 +16,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 FLASHINFER_DIR = Path(sys.prefix) / "flashinfer"
-CPU_PARTS = {"a.plan", "b.pipeline", "b.profile", "c.compaction", "d.verify_cost"}
+CPU_PARTS = {"a.plan", "b.pipeline", "b.profile", "c.compaction", "d.verify_cost", "b.topk"}
 CUDA_PARTS = {"a.kernel", "b.sync", "b.graphs"}
 
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -74,11 +74,40 @@ def test_cpu_parts_checked_what_they_claim(report):
         assert all((p["stages"][s]["ops"] > 0) == (s != "lookup" or p["variant"] == "lookup") for s in gpu_check.STAGES)
         assert p["ops"] == sum(s["ops"] for s in p["stages"].values())
         assert (p.get("observe", {}).get("ops", 0) > 0) == (p["variant"] != "plain")
+    topk = parts["b.topk"]
+    selections = ["torch"] + [f"segmented/{n}" for n in gpu_check.TOPK_SEGMENT_CHOICES]
+    assert topk["selections"] == selections and [b["batch"] for b in topk["batches"]] == [1, 4]
+    for b in topk["batches"]:
+        assert b["select_mismatches"] == dict.fromkeys(selections, 0)
+        assert b["chunked_mismatches"] == 0 and b["chunked_ms"] > 0
     d = parts["d.verify_cost"]
     assert len(d["points"]) == 8 and d["fitted"]["slope"] > 0 and set(d["knee_n"]) == {"1", "4"}
     # the timed static forward (CUDA-graph replayed on a GPU) computes what transformers computes
     assert [c["batch"] for c in d["static_vs_transformers"]] == [1, 4]
     assert all(c["max_abs_diff"] <= 1e-3 * max(1.0, c["max_abs_logit"]) for c in d["static_vs_transformers"])
+
+
+def test_topk_comparison_counts_a_changed_id_set_unless_the_kth_place_is_tied():
+    ref = torch.tensor([[5, 3, 1], [5, 3, 1]])
+    ids = torch.tensor([[3, 5, 1], [5, 3, 2]])  # row 0: same set, other order; row 1: another third id
+    kth, nxt = torch.tensor([0.5, 0.5]), torch.tensor([0.4, 0.4])
+    assert gpu_check.boundary_mismatches(ids, ref, kth, nxt) == 1
+    assert gpu_check.boundary_mismatches(ids, ref, kth, torch.tensor([0.4, 0.5])) == 0  # a tie: either id is right
+
+
+@pytest.mark.parametrize("vocab,k", [(4096, 32), (4100, 32), (151936, 64), (300, 64), (1000, 1)])
+def test_the_topk_by_slices_keeps_the_same_values_and_ids(vocab, k):
+    # whole slices and a remainder (4100 = 16 x 256 + 4), slices shorter than k (300 / 16 < 64)
+    g = torch.Generator().manual_seed(vocab)
+    scores = torch.randn(6, vocab, generator=g)
+    scores[1, ::3] = scores[1, 0]  # equal values across slices
+    scores[2, -3] = 100.0  # the best value in the remainder
+    want = torch.topk(scores, k, dim=-1)
+    v, i = gpu_check.segmented_topk(scores, k, 16)
+    assert torch.equal(v, want.values)
+    assert torch.equal(scores.gather(-1, i), v)  # ids point at their values
+    untied = [r for r in range(6) if r != 1]  # row 1's ties may keep other ids of the same value
+    assert torch.equal(i[untied].sort(-1).values, want.indices[untied].sort(-1).values)
 
 
 def test_static_verify_forward_equals_transformers_and_the_check_has_teeth():
@@ -184,6 +213,7 @@ def test_the_proposers_captured_step_replays_equal_to_eager_after_the_state_move
     table covers steps of up to 64 x 65 rows, longer than the cost model's default device buffer."""
     rec = gpu_check.step_graphs_run(requests, 512, torch.device("cpu"), "trace", reps=1 if requests == 4 else 0)
     assert rec["replay_equals_eager"] and not rec["differs"], rec
+    assert rec["padding_kept_plans"] and not rec["padding_differs"], rec  # the unpadded step, bit for bit
     assert rec["graphs"] == {"captures": 1, "replays": 1, "failed": None}
     assert (rec.get("replay_ms", 0) > 0) == (requests == 4)  # the timed replays, as the GPU run times them
 
