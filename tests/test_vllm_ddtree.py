@@ -134,14 +134,19 @@ def test_prefill_chunks_beside_trees_take_cpu_attn_s_kernel_and_keep_outputs(tmp
     # chunks by CPU_ATTN's kernel as a batch of their own.
     from vllm_ddtree.data.humaneval import load_humaneval
 
+    # The automatic budget (the default) drafts nothing while a prompt is prefilled in chunks with
+    # more to come: its tokens are what the step's drafts would take (`_prompt_waits`).
     path, _ = drafter
     engine = {"max_num_batched_tokens": 128, "max_num_seqs": 8}
-    specs = [None, {"method": "ddtree", "model": str(path), "tree_budget": 4, "prompt_lookup_tokens": 0}]
+    specs = [None, {"method": "ddtree", "model": str(path), "tree_budget": 4, "prompt_lookup_tokens": 0},
+             {"method": "ddtree", "model": str(path)}]
     prompts = [p["prompt"] for p in load_humaneval(8)]
     res = run(tmp_path / "out.json", specs, "--engine", json.dumps(engine), "--prompts", json.dumps(prompts),
               "--sampling", json.dumps({"temperature": 0, "max_tokens": 32}), helper=INSTRUMENTED)
     assert res["split_steps"][0] == 0 and res["split_steps"][1] > 0, res["split_steps"]
-    assert res["outputs"][1] == res["outputs"][0]
+    assert res["outputs"][1] == res["outputs"][0] and res["outputs"][2] == res["outputs"][0]
+    assert res["ddtree"][1].get("admission_undrafted_steps") is None  # a fixed budget drafts regardless
+    assert res["ddtree"][2]["admission_undrafted_steps"] > 0, res["ddtree"][2]
 
 
 def test_prompt_lookup_branch_keeps_outputs_and_finds_the_request_s_repetitions(tmp_path, drafter):

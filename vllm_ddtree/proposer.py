@@ -262,6 +262,7 @@ class DDTreeProposer(DFlashProposer):
         self.pending_step: tuple[float, float, float] | None = None  # set by sample_tree_step: the step's size
         self.undrafted = False  # this propose drafted nothing: the next step decodes alone
         self.pending_ar_step: int | None = None  # set by prepare_tree_step: that step's requests, if decode only
+        self.admission_undrafted_steps = 0  # steps left undrafted while a prompt waited (`_prompt_waits`)
         if options.tree_budget == "auto":
             shape = ModelShape.from_hf_config(target.hf_config.to_dict() | {"vocab_size": target.get_vocab_size()},
                                               str(target.dtype))
@@ -303,8 +304,11 @@ class DDTreeProposer(DFlashProposer):
             positions = positions.to(x.device, x.dtype)
             kwargs["target_positions"] = torch.cat([positions, x[n:]]) if x.shape[0] > n else positions
         r = kwargs["common_attn_metadata"].batch_size()
-        # Dynamic SD turned drafting off at this batch size, or the automatic budget chose no tree.
-        self.undrafted = self._cap == 0 or (self.auto is not None and not self.auto.speculate(r))
+        # Dynamic SD turned drafting off at this batch size, or the automatic budget chose no tree:
+        # while a prompt waits for the step's tokens (`_prompt_waits`), or by its gate.
+        waits = self.auto is not None and self._prompt_waits(r)
+        self.admission_undrafted_steps += waits
+        self.undrafted = self._cap == 0 or waits or (self.auto is not None and not self.auto.speculate(r))
         if self.undrafted:
             self._proposed = None  # no lookup proposals this step: none to score next step
             if self.ngram is not None:
@@ -316,6 +320,19 @@ class DDTreeProposer(DFlashProposer):
             return [[] for _ in range(r)]
         super().propose(self.width, **kwargs)
         return self._tree_drafts(kwargs["common_attn_metadata"], step_tokens)
+
+    def _prompt_waits(self, r: int) -> bool:
+        """Whether a prompt of this step is prefilled in chunks and has more to come (vLLM discards
+        that row's sampled token: `discard_request_mask`, a host array).
+
+        Then the scheduler's token budget (max_num_batched_tokens) ran out before the prompt did, and
+        the next step's drafts would be paid in that prompt's tokens and those of the requests queued
+        behind it: vLLM schedules the running requests' drafts first and admits waiting ones with
+        what is left. The automatic budget drafts only with tokens no prompt is waiting for; the
+        step runs as without speculation. Without this, a server at a small step budget kept fewer
+        requests running than without speculation (`benchmarks/results/serve_load.json`).
+        """
+        return bool(self.runner.discard_request_mask.np[:r].any())
 
     def _take_in_context(self, **kwargs) -> None:
         """vLLM's K = 0 pass without its forward (replaces ``LLMBaseProposer.propose(0, ...)``).
@@ -395,7 +412,8 @@ class DDTreeProposer(DFlashProposer):
 
     def budget_summary(self) -> dict:
         """The automatic budget's calibrated state (empty for a fixed budget)."""
-        return {} if self.auto is None else self.auto.summary()
+        return {} if self.auto is None else self.auto.summary() | {
+            "admission_undrafted_steps": self.admission_undrafted_steps}
 
     def _time_step(self) -> None:
         """Cycle time of the last step (propose to propose: verify forward, walk, drafting, scheduling).
