@@ -329,8 +329,8 @@ class DDTreeProposer(DFlashProposer):
         the next step's drafts would be paid in that prompt's tokens and those of the requests queued
         behind it: vLLM schedules the running requests' drafts first and admits waiting ones with
         what is left. The automatic budget drafts only with tokens no prompt is waiting for; the
-        step runs as without speculation. Without this, a server at a small step budget kept fewer
-        requests running than without speculation (`benchmarks/results/serve_load.json`).
+        step runs as without speculation. Every rank of a tensor-parallel group sees the same mask.
+        Measured at a small step budget in design.md §7 ("Prompts waiting for the step's tokens").
         """
         return bool(self.runner.discard_request_mask.np[:r].any())
 
