@@ -111,7 +111,9 @@ def test_engine_config_ddtree_widths(dirs):
     assert spec.num_speculative_tokens == 40  # verify width = tree budget + the default lookup branch (8)
     assert spec.ddtree.drafter_width == 15  # block_size 16 - 1
     assert spec.ddtree.tree_budget == 32 and spec.ddtree.device_profile == "cpu"
-    assert spec.max_num_new_slots_for_drafting == 15  # drafter's mask queries, not the tree
+    # No input slots held per request for the drafter's mask queries: the proposer drafts a step only
+    # when they fit (DDTreeProposer._drafter_fits), and the scheduler admits prompts as without speculation.
+    assert spec.max_num_new_slots_for_drafting == 0
     assert vc.num_lookahead_tokens == 16  # the drafter's block, 15 + 1 KV slots past the scheduled tokens
     # The DFlash branch of __post_init__ ran: DFlash draft model config and parallel drafting.
     assert spec.parallel_drafting
@@ -171,7 +173,7 @@ def test_auto_budget_and_small_fixed_budget(dirs, target_configs):
     assert (spec.ddtree.min_budget, spec.ddtree.max_budget) == (4, 48)
     assert spec.ddtree.device_profile == "h200" and not spec.ddtree.ngram_enabled
     small = _spec(target_configs, method="ddtree", model=str(dirs["drafter"]), tree_budget=4, prompt_lookup_tokens=0)
-    assert small.num_speculative_tokens == 4 and small.max_num_new_slots_for_drafting == 15
+    assert small.num_speculative_tokens == 4 and small.max_num_new_slots_for_drafting == 0
     assert small.compute_hash() != spec.compute_hash()
     # The prompt-lookup branch widens what vLLM verifies (num_speculative_tokens), not the tree.
     looked = _spec(target_configs, method="ddtree", model=str(dirs["drafter"]), tree_budget=4, prompt_lookup_tokens=8)

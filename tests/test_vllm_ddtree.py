@@ -117,6 +117,7 @@ def test_ddtree_keeps_outputs_under_preemption_chunked_prefill_and_prefix_cachin
     res = run(tmp_path / "out.json", specs, "--engine", json.dumps(engine), "--sampling", json.dumps(sampling),
               "--prefix", PREAMBLE, helper=INSTRUMENTED)
     assert res["outputs"][1] == res["outputs"][0]
+    assert res["metrics"][1].get("vllm:spec_decode_num_drafts", 0) > 0  # steps of up to 3 requests draft
     for m, cfg, cached, prompt in zip(res["metrics"], res["config"], res["cached_tokens"], res["prompt_tokens"]):
         assert cfg["block_size"] == 32 and cfg["enable_prefix_caching"], cfg
         assert m["vllm:num_preemptions"] > 0, m  # the scenario really preempts
@@ -129,15 +130,19 @@ def test_ddtree_keeps_outputs_under_preemption_chunked_prefill_and_prefix_cachin
 
 
 def test_prefill_chunks_beside_trees_take_cpu_attn_s_kernel_and_keep_outputs(tmp_path, drafter):
-    # 8 HumanEval prompts (100-200 tokens) with a 128-token step budget: later prompts are prefilled
+    # 8 HumanEval prompts (100-200 tokens) with a 96-token step budget: later prompts are prefilled
     # in chunks while earlier requests verify trees, so those steps are split: the trees by SDPA, the
     # chunks by CPU_ATTN's kernel as a batch of their own.
     from vllm_ddtree.data.humaneval import load_humaneval
 
     # The automatic budget (the default) drafts nothing while a prompt is prefilled in chunks with
     # more to come: its tokens are what the step's drafts would take (`_prompt_waits`).
+    # The drafter's forward holds 96 // 16 = 6 requests' query rows: steps of 7 or 8 requests run
+    # undrafted (`_drafter_fits`), their context pass writing 16 query rows per request past the 96
+    # vLLM sized the ids for. Holding DFlash's 15 input slots per request, the scheduler would never
+    # have run more than 6 requests at once.
     path, _ = drafter
-    engine = {"max_num_batched_tokens": 128, "max_num_seqs": 8}
+    engine = {"max_num_batched_tokens": 96, "max_num_seqs": 8}
     specs = [None, {"method": "ddtree", "model": str(path), "tree_budget": 4, "prompt_lookup_tokens": 0},
              {"method": "ddtree", "model": str(path)}]
     prompts = [p["prompt"] for p in load_humaneval(8)]
@@ -147,15 +152,17 @@ def test_prefill_chunks_beside_trees_take_cpu_attn_s_kernel_and_keep_outputs(tmp
     assert res["outputs"][1] == res["outputs"][0] and res["outputs"][2] == res["outputs"][0]
     assert res["ddtree"][1].get("admission_undrafted_steps") is None  # a fixed budget drafts regardless
     assert res["ddtree"][2]["admission_undrafted_steps"] > 0, res["ddtree"][2]
+    assert all(res["ddtree"][i]["capacity_undrafted_steps"] > 0 for i in (1, 2)), res["ddtree"]
 
 
 def test_prompt_lookup_branch_keeps_outputs_and_finds_the_request_s_repetitions(tmp_path, drafter):
     # The branch continues each request's own text from the n-gram counts, which must include the
     # tokens sampled in the step being drafted from (vLLM drafts before its bookkeeping writes them):
     # a count lagging one step behind proposes a path shifted by one token, rarely accepted. Small
-    # steps (48 tokens) chunk prefills, whose discarded samples must not enter the counts.
+    # steps (48 tokens) chunk prefills, whose discarded samples must not enter the counts; 3 requests
+    # at a time, whose drafter query rows (16 each) those steps hold, so that every step may draft.
     path, _ = drafter
-    engine = {"max_num_batched_tokens": 48, "max_num_seqs": 9}
+    engine = {"max_num_batched_tokens": 48, "max_num_seqs": 3}
     sampling = {"temperature": 0, "max_tokens": 96, "ignore_eos": True}  # past EOS this small model repeats
     plain = {"method": "ddtree", "model": str(path), "tree_budget": 1, "ngram_weight": 0, "prompt_lookup_tokens": 0}
     auto = {"method": "ddtree", "model": str(path), "tree_budget": "auto", "prompt_lookup_tokens": 8}

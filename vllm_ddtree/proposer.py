@@ -263,6 +263,14 @@ class DDTreeProposer(DFlashProposer):
         self.undrafted = False  # this propose drafted nothing: the next step decodes alone
         self.pending_ar_step: int | None = None  # set by prepare_tree_step: that step's requests, if decode only
         self.admission_undrafted_steps = 0  # steps left undrafted while a prompt waited (`_prompt_waits`)
+        self.capacity_undrafted_steps = 0  # steps left undrafted: their query rows did not fit (`_drafter_fits`)
+        # The scheduler holds no input slots for the drafter (vllm_patches P5), so a step may have more
+        # requests than the drafter's buffers hold query rows for; DFlash sized its query positions and
+        # slot mapping for every request, its query input ids (shared with the base proposer) for
+        # `max_num_batched_tokens`. An undrafted step's context pass still writes every request's query
+        # rows (set_inputs_first_pass), so the ids get DFlash's query size too.
+        if self.input_ids.shape[0] < self.max_padded_query_tokens:
+            self.input_ids = torch.zeros(self.max_padded_query_tokens, dtype=self.input_ids.dtype, device=device)
         if options.tree_budget == "auto":
             shape = ModelShape.from_hf_config(target.hf_config.to_dict() | {"vocab_size": target.get_vocab_size()},
                                               str(target.dtype))
@@ -306,20 +314,41 @@ class DDTreeProposer(DFlashProposer):
         r = kwargs["common_attn_metadata"].batch_size()
         # Dynamic SD turned drafting off at this batch size, or the automatic budget chose no tree:
         # while a prompt waits for the step's tokens (`_prompt_waits`), or by its gate.
-        waits = self.auto is not None and self._prompt_waits(r)
+        fits = self._drafter_fits(r)
+        self.capacity_undrafted_steps += not fits
+        waits = fits and self.auto is not None and self._prompt_waits(r)
         self.admission_undrafted_steps += waits
-        self.undrafted = self._cap == 0 or waits or (self.auto is not None and not self.auto.speculate(r))
+        self.undrafted = (self._cap == 0 or not fits or waits
+                          or (self.auto is not None and not self.auto.speculate(r)))
         if self.undrafted:
             self._proposed = None  # no lookup proposals this step: none to score next step
             if self.ngram is not None:
                 self._catch_up()  # this step's tokens are read from the host batch at the next drafted one
-            if self.vllm_k0_pass:
+            if self.vllm_k0_pass and fits:
                 super().propose(0, **kwargs)
             else:
                 self._take_in_context(**kwargs)  # the drafter still takes in the context
             return [[] for _ in range(r)]
         super().propose(self.width, **kwargs)
         return self._tree_drafts(kwargs["common_attn_metadata"], step_tokens)
+
+    def _drafter_fits(self, r: int) -> bool:
+        """Whether the drafter's forward holds this step's query rows: 1 + W per request (the bonus
+        token and W mask queries) within ``max_num_batched_tokens``, the size vLLM gives the
+        drafter's forward (its buffers, attention metadata and memory profile).
+
+        vLLM's DFlash reserves W input slots per scheduled request so that every step fits; at 256
+        step tokens that kept at most 16 requests running, with or without a tree to gain. ddtree
+        reserves none (vllm_patches P5): a step with more requests runs as without speculation, and
+        the drafter only takes in its context. Logged once, with the setting that changes it.
+        """
+        if r * (1 + self.width) <= self.max_num_tokens:
+            return True
+        if not self.capacity_undrafted_steps:
+            logger.info("ddtree: steps of more than %d requests run without drafts: the drafter's %d query rows "
+                        "per request must fit max_num_batched_tokens (%d); raise it to draft at larger batches",
+                        self.max_num_tokens // (1 + self.width), 1 + self.width, self.max_num_tokens)
+        return False
 
     def _prompt_waits(self, r: int) -> bool:
         """Whether a prompt of this step is prefilled in chunks and has more to come (vLLM discards
@@ -411,8 +440,10 @@ class DDTreeProposer(DFlashProposer):
         return None if self._vocab_ids is None else int(self._vocab_ids.numel())
 
     def budget_summary(self) -> dict:
-        """The automatic budget's calibrated state (empty for a fixed budget)."""
-        return {} if self.auto is None else self.auto.summary() | {
+        """Steps left undrafted because their query rows did not fit the drafter (`_drafter_fits`),
+        and the automatic budget's calibrated state (absent for a fixed budget)."""
+        summary = {"capacity_undrafted_steps": self.capacity_undrafted_steps}
+        return summary if self.auto is None else summary | self.auto.summary() | {
             "admission_undrafted_steps": self.admission_undrafted_steps}
 
     def _time_step(self) -> None:

@@ -36,8 +36,12 @@ P3  ``SpeculativeConfig.__post_init__`` (config/speculative.py:1121) — wrapped
 P4  ``SpeculativeConfig.use_eagle`` (:1944) and ``use_dflash`` (:1954) — True for ddtree: it is a
     DFlash drafter fed by target hidden states. The call sites and the decision for each are
     listed at :data:`CALL_SITES`.
-P5  ``SpeculativeConfig.max_num_new_slots_for_drafting`` (:1888, property) — for ddtree, the drafter
-    width (block_size − 1 mask queries per request), not ``num_speculative_tokens`` (= tree budget).
+P5  ``SpeculativeConfig.max_num_new_slots_for_drafting`` (:1888, property) — for ddtree, 0: the
+    scheduler reserves no input slots per request for the drafter's mask queries (DFlash reserves
+    K, so at 256 step tokens no more than 16 requests ever ran). The proposer drafts a step only when
+    its 1 + W query rows per request fit the drafter's buffers (``DDTreeProposer._drafter_fits``),
+    and its query input ids get a buffer of DFlash's own query size, so an undrafted step's context
+    pass never writes past it.
 P6  ``VllmConfig.num_lookahead_tokens`` (config/vllm.py:615, property) — for ddtree, KV slots past
     the scheduled tokens for the drafter's block, ``drafter width + 1``, not ``verify width + 1``:
     the target's 1 + B tree rows are scheduled tokens (allocated as such), and after the walk the
@@ -160,7 +164,7 @@ CALL_SITES: tuple[tuple[str, str], ...] = (
     ("config/vllm.py:1945 kv_sharing_fast_prefill use_eagle()", "P4 True: refused, as for EAGLE/DFlash"),
     ("config/vllm.py:2154 chunked local attention use_eagle()", "P4 True: hybrid KV manager off, as DFlash"),
     ("config/vllm.py:2260 _set_max_num_scheduled_tokens max_num_new_slots_for_drafting",
-     "patched (P5): drafter width W"),
+     "patched (P5): 0, the step's tokens are max_num_batched_tokens"),
     ("config/vllm.py:2941 V2 runner unsupported: parallel_drafting and method not in (dflash, dspark)",
      "name: ddtree lands in V2's unsupported list, so the V1 runner is used — wanted (docs/design.md §13)"),
     ("config/speculative.py:626 compute_hash aux-hidden-states tuple", "patched (P7)"),
@@ -171,7 +175,8 @@ CALL_SITES: tuple[tuple[str, str], ...] = (
      "P2 sets disable_eagle_block_drop by default: the trailing prefix-cache block is kept (the drafter's "
      "K/V of a full block is complete; tests/engine/prefix_cache_drafter.py), unlike DFlash; vLLM then "
      "logs that dropping is disabled"),
-    ("v1/core/sched/scheduler.py:613 max_num_new_slots_for_drafting", "P5: W"),
+    ("v1/core/sched/scheduler.py:613 max_num_new_slots_for_drafting",
+     "P5: 0, no input slots held per scheduled request; the proposer drafts when its rows fit"),
     ("v1/core/kv_cache_utils.py:2005,2066,2099 use_eagle()/use_eagle_block_drop()",
      "P4 True: draft KV-cache group handling as DFlash"),
     ("v1/simple_kv_offload/manager.py:205, kv_connector offloading/mooncake/nixl/lmcache use_eagle*()",
@@ -330,7 +335,7 @@ def _patch_speculative_config(cls: type) -> None:
 
     def max_num_new_slots_for_drafting(self) -> int:
         if self.method == METHOD:
-            return self.ddtree.drafter_width
+            return 0  # the proposer checks its rows fit (DDTreeProposer._drafter_fits)
         return slots(self)
 
     _set(cls, "max_num_new_slots_for_drafting", property(max_num_new_slots_for_drafting, doc=slots.__doc__))
