@@ -322,17 +322,20 @@ def test_ddtree_sampling_matches_the_target_distribution(tmp_path, drafter):
     sampling = {"temperature": 1.0, "top_k": 3, "max_tokens": 3}
     # The second spec verifies prompt-lookup nodes too: one drafter node, so any more are the path's
     # (order 2: the lookup continues any token seen earlier in the prompt). The third drafts only
-    # while at most 8 requests run (batches hold 11-16 here): most steps are undrafted (vLLM's plain
-    # sampler under top-k), then trees for the last requests. The fourth is the first with a wrong
-    # sampler (the negative control): its verify rows are drawn as at temperature 0.25, not 1.
+    # while at most 12 requests run: undrafted, the 300 requests (6-token prompts) run in waves of 16
+    # and a last one of 12, so most steps are undrafted (vLLM's plain sampler under top-k), then
+    # trees for the last requests. The fourth is the first with a wrong sampler (the negative
+    # control): its verify rows are drawn as at temperature 0.25, not 1. At most 16 requests at a
+    # time: their drafter query rows (16 each) fit the 256-token steps, so any step may draft (with
+    # more requests, a step runs undrafted: `_drafter_fits`).
     tree8 = {"method": "ddtree", "model": str(path), "tree_budget": 8}
     specs = [None, tree8,
              {"method": "ddtree", "model": str(path), "tree_budget": 1, "ngram_weight": 0, "prompt_lookup_tokens": 4,
               "ngram_order": 2},
-             {**tree8, "num_speculative_tokens_per_batch_size": [[1, 8, 8], [9, 1024, 0]]},
+             {**tree8, "num_speculative_tokens_per_batch_size": [[1, 12, 8], [13, 1024, 0]]},
              tree8]
     res = run(tmp_path / "out.json", specs, "--sampling", json.dumps(sampling), "--repeat", "300",
-              "--distort", "4:0.25", helper=INSTRUMENTED)
+              "--engine", json.dumps({"max_num_seqs": 16}), "--distort", "4:0.25", helper=INSTRUMENTED)
     base, *trees = ([tuple(o) for o in outs] for outs in res["outputs"])
     # Budget 1 is one drafter node per tree: a mean above 1 means lookup nodes were verified.
     assert res["ddtree"][2]["mean_tree_nodes"] > 1, res["ddtree"][2]
