@@ -138,9 +138,9 @@ def test_prefill_chunks_beside_trees_take_cpu_attn_s_kernel_and_keep_outputs(tmp
     # The automatic budget (the default) drafts nothing while a prompt is prefilled in chunks with
     # more to come: its tokens are what the step's drafts would take (`_prompt_waits`).
     # The drafter's forward holds 96 // 16 = 6 requests' query rows: steps of 7 or 8 requests run
-    # undrafted (`_drafter_fits`), their context pass writing 16 query rows per request past the 96
-    # vLLM sized the ids for. Holding DFlash's 15 input slots per request, the scheduler would never
-    # have run more than 6 requests at once.
+    # undrafted (`_drafter_fits`), their context pass writing one query row per request. DFlash's input
+    # kernel checks no bounds: the helper fails the run if a call would write past its buffers. Holding
+    # DFlash's 15 input slots per request, the scheduler would never have run more than 6 requests at once.
     path, _ = drafter
     engine = {"max_num_batched_tokens": 96, "max_num_seqs": 8}
     specs = [None, {"method": "ddtree", "model": str(path), "tree_budget": 4, "prompt_lookup_tokens": 0},
@@ -153,6 +153,9 @@ def test_prefill_chunks_beside_trees_take_cpu_attn_s_kernel_and_keep_outputs(tmp
     assert res["ddtree"][1].get("admission_undrafted_steps") is None  # a fixed budget drafts regardless
     assert res["ddtree"][2]["admission_undrafted_steps"] > 0, res["ddtree"][2]
     assert all(res["ddtree"][i]["capacity_undrafted_steps"] > 0 for i in (1, 2)), res["ddtree"]
+    # Drafted steps filled the drafter's query rows, within the buffers (else the run had failed).
+    writes = res["dflash_input_writes"]
+    assert all(writes[i]["calls"] > 0 and writes[i]["max_query_rows"] == 96 for i in (1, 2)), writes
 
 
 def test_prompt_lookup_branch_keeps_outputs_and_finds_the_request_s_repetitions(tmp_path, drafter):

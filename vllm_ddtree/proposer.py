@@ -264,13 +264,6 @@ class DDTreeProposer(DFlashProposer):
         self.pending_ar_step: int | None = None  # set by prepare_tree_step: that step's requests, if decode only
         self.admission_undrafted_steps = 0  # steps left undrafted while a prompt waited (`_prompt_waits`)
         self.capacity_undrafted_steps = 0  # steps left undrafted: their query rows did not fit (`_drafter_fits`)
-        # The scheduler holds no input slots for the drafter (vllm_patches P5), so a step may have more
-        # requests than the drafter's buffers hold query rows for; DFlash sized its query positions and
-        # slot mapping for every request, its query input ids (shared with the base proposer) for
-        # `max_num_batched_tokens`. An undrafted step's context pass still writes every request's query
-        # rows (set_inputs_first_pass), so the ids get DFlash's query size too.
-        if self.input_ids.shape[0] < self.max_padded_query_tokens:
-            self.input_ids = torch.zeros(self.max_padded_query_tokens, dtype=self.input_ids.dtype, device=device)
         if options.tree_budget == "auto":
             shape = ModelShape.from_hf_config(target.hf_config.to_dict() | {"vocab_size": target.get_vocab_size()},
                                               str(target.dtype))
@@ -341,6 +334,8 @@ class DDTreeProposer(DFlashProposer):
         step tokens that kept at most 16 requests running, with or without a tree to gain. ddtree
         reserves none (vllm_patches P5): a step with more requests runs as without speculation, and
         the drafter only takes in its context. Logged once, with the setting that changes it.
+        That context pass (`_take_in_context`, K = 0) writes one query row per request, which DFlash's
+        buffers hold at any batch (vLLM requires max_num_batched_tokens >= max_num_seqs).
         """
         if r * (1 + self.width) <= self.max_num_tokens:
             return True

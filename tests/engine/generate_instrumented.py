@@ -17,7 +17,9 @@ series summed, histograms as {"count", "sum"}], "split_steps": [per spec: CPU ve
 without a tree ran CPU_ATTN's kernel], "target_layer_stacks": [per spec: [target layers, strided stacks
 KV compaction moves them as] once a compaction ran, else null], "ddtree": [per spec: the tree proposer's summary
 (with the automatic budget: its acceptance fit, "acceptance_fit"), or null], "config": [per spec:
-the scheduler and cache settings the engine resolved]}.
+the scheduler and cache settings the engine resolved], "dflash_input_writes": [per spec: calls of DFlash's
+input kernel and the most query and context rows one wrote, against its buffers' rows; a call that
+would write past them fails the run]}.
 """
 
 import gc
@@ -63,6 +65,34 @@ def acceptance_fit(drafter, totals: dict) -> dict:
     cal = drafter.auto.acceptance
     return {"betas": cal.betas.tolist(), "predicted": cal.predicted.tolist(), "measured": float(cal.accepted),
             "beta": float(cal.beta), "updates": cal.updates, **{f"fed_{k}": v for k, v in totals.items()}}
+
+
+def record_dflash_input_writes() -> dict:
+    """Wraps DFlash's input kernel (`_copy_and_expand_dflash_inputs`, C++ on the CPU, Triton on a GPU),
+    which writes every request's query rows and every context token into fixed buffers with no bounds
+    check: a call that would write past them raises here instead (the kernel would corrupt memory, or
+    silently on a GPU). Returns the totals of what it was asked to write."""
+    from vllm.v1.spec_decode import dflash
+
+    kernel, totals = dflash._copy_and_expand_dflash_inputs, {}
+
+    def checked(**kw):
+        query_rows = (kw["query_start_loc_ptr"].numel() - 1) * kw["num_query_per_req"]
+        context_rows = kw["total_input_tokens"]
+        query_room = min(kw[k].numel() for k in ("out_input_ids_ptr", "out_query_positions_ptr", "out_query_slot_mapping_ptr"))
+        context_room = min(kw[k].numel() for k in ("out_context_positions_ptr", "out_context_slot_mapping_ptr"))
+        if query_rows > query_room or context_rows > context_room:
+            raise RuntimeError(f"DFlash's input kernel asked to write {query_rows} query rows into {query_room} "
+                               f"and {context_rows} context rows into {context_room}")
+        totals["calls"] += 1
+        totals["max_query_rows"] = max(totals["max_query_rows"], query_rows)
+        totals["max_context_rows"] = max(totals["max_context_rows"], context_rows)
+        totals["query_buffer_rows"], totals["context_buffer_rows"] = query_room, context_room
+        return kernel(**kw)
+
+    checked.register_warmup = kernel.register_warmup  # DFlashProposer.__init__ registers its warm-up shapes
+    dflash._copy_and_expand_dflash_inputs = checked
+    return totals
 
 
 def distort_tree_sampler(temperature: float):
@@ -117,7 +147,8 @@ if __name__ == "__main__":
     from vllm_ddtree.compaction import layer_stacks
 
     result = {k: [] for k in ("outputs", "prompt_tokens", "cached_tokens", "metrics", "ddtree", "config", "split_steps",
-                              "target_layer_stacks")}
+                              "target_layer_stacks", "dflash_input_writes")}
+    writes = record_dflash_input_writes()
     for i, arg in enumerate(args.specs):
         spec = None if arg == "none" else json.loads(arg)
         undo = distort_tree_sampler(distort_t) if i == distort_index else None
@@ -126,8 +157,11 @@ if __name__ == "__main__":
         auto = getattr(drafter, "auto", None)
         totals = record_acceptance_fit(drafter) if auto is not None else None
         split_before = TreeAttentionMetadataBuilder.split_steps
+        writes.clear()
+        writes.update(calls=0, max_query_rows=0, max_context_rows=0)
         outs = llm.generate(prompts, sampling)
         result["split_steps"].append(TreeAttentionMetadataBuilder.split_steps - split_before)
+        result["dflash_input_writes"].append(dict(writes))
         runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
         found = getattr(runner, "_ddtree_target_caches", None)  # set at the first KV compaction
         result["target_layer_stacks"].append(None if found is None else [len(found[0]), len(layer_stacks(found[0]))])
