@@ -153,9 +153,10 @@ def test_prefill_chunks_beside_trees_take_cpu_attn_s_kernel_and_keep_outputs(tmp
     assert res["ddtree"][1].get("admission_undrafted_steps") is None  # a fixed budget drafts regardless
     assert res["ddtree"][2]["admission_undrafted_steps"] > 0, res["ddtree"][2]
     assert all(res["ddtree"][i]["capacity_undrafted_steps"] > 0 for i in (1, 2)), res["ddtree"]
-    # Drafted steps filled the drafter's query rows, within the buffers (else the run had failed).
+    # Steps drafted through DFlash's input kernel (16 query rows per request), within its buffers (else
+    # the run had failed), and never more rows than the step budget.
     writes = res["dflash_input_writes"]
-    assert all(writes[i]["calls"] > 0 and writes[i]["max_query_rows"] == 96 for i in (1, 2)), writes
+    assert all(16 <= writes[i]["max_query_rows"] <= 96 for i in (1, 2)), writes
 
 
 def test_prompt_lookup_branch_keeps_outputs_and_finds_the_request_s_repetitions(tmp_path, drafter):
