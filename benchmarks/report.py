@@ -355,7 +355,7 @@ def render_serve_load(study: dict, data: dict) -> list[str]:
     out += table(["", *names], body)
     bw = data["meta"].get("by_streams_workload", {})
     repeats = bw.get("repeats", 1)
-    rounds = (f"; {repeats} rounds each, base then ddtree: medians, and the rounds' ratios in brackets"
+    rounds = (f"; {repeats} rounds each, base then ddtree: medians, each round's ratio in parentheses"
               if repeats > 1 else "")
     out += ["", f"Greedy completions per stream count ({bw.get('prompts', '')}, max_tokens {bw.get('max_tokens', '–')}"
             f"{rounds}):", ""]
