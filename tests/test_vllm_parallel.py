@@ -42,7 +42,7 @@ TP = 3
 BIND = "0|1|0"
 # Code and lists (generate_spec.PROMPTS 0, 4, 7, 8): the toy drafter's trees are accepted on them.
 PROMPTS = "0,4,7,8"
-SAMPLING = {"temperature": 0, "max_tokens": 96, "ignore_eos": True}
+SAMPLING = {"temperature": 0, "max_tokens": 64, "ignore_eos": True}
 # 128-token steps: the automatic budget times start-up steps up to this size (3 ranks on 2 cores).
 ENGINE = {"max_num_batched_tokens": 128, "max_num_seqs": 4}
 
