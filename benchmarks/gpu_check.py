@@ -88,12 +88,14 @@ from vllm_ddtree.attention.tree_mask import (  # noqa: E402
     prebuild_tree_kernels,
 )
 from vllm_ddtree.compaction import accepted_path_moves, layer_stacks, move_slots_  # noqa: E402
+from vllm_ddtree.tree.lookup import LOOKUP_WINDOW  # noqa: E402
 from vllm_ddtree.tree import (  # noqa: E402
     AutoBudget,
     CostModel,
     LookupCalibration,
     ModelShape,
     NGramModel,
+    TokenHistory,
     StepGraphs,
     TreeBatch,
     add_branch,
@@ -702,9 +704,10 @@ class StepInputs:
 
 @dataclass
 class StepState:
-    """What persists between steps: the n-gram tables and the automatic budget."""
+    """What persists between steps: the n-gram tables, the lookup's token history and the automatic budget."""
 
     ngram: NGramModel
+    history: TokenHistory
     auto: AutoBudget
 
 
@@ -731,8 +734,8 @@ def step_inputs(r: int, vocab: int, ngram_tail: torch.Tensor, seed: int, dtype: 
 
 
 def step_state(r: int, vocab: int, device: torch.device, seed: int) -> tuple[StepState, torch.Tensor]:
-    """Fresh n-gram tables (each request's own random text, with repeats) and a calibrated automatic
-    budget (its exploration fed the published-figure H100 roofline's step times), on `device`; and the
+    """Fresh n-gram tables and token history (each request's own random text, with repeats) and a
+    calibrated automatic budget (its exploration fed the published-figure H100 roofline's step times), on `device`; and the
     requests' context tails [R, 2] (host)."""
     g = torch.Generator().manual_seed(seed)
     ngram = NGramModel(vocab, 3, device=device)
@@ -741,6 +744,10 @@ def step_state(r: int, vocab: int, device: torch.device, seed: int) -> tuple[Ste
         phrase = torch.randint(min(vocab, 64), (12,), generator=g)
         texts.append(torch.cat([phrase, torch.randint(vocab, (20,), generator=g), phrase, phrase[:5]]))
     ngram.observe_batch(list(range(r)), texts)
+    # The engine's window (LOOKUP_WINDOW tokens, where max_model_len is longer) on a GPU; a short one
+    # elsewhere, where the check's CPU runs stand in for its logic only.
+    history = TokenHistory(LOOKUP_WINDOW if device.type == "cuda" else 256, 2, slots=r, device=device)
+    history.observe_step(list(range(r)), torch.stack(texts).to(device))
     shape = ModelShape.from_hf_config(QWEN3_8B, "bfloat16")
     # The check's largest step stands for an engine's max_num_batched_tokens (the residual's buffer).
     cost = CostModel(shape, get_profile("h100"), max_step_rows=r * (1 + BUILD + LOOKUP))
@@ -750,7 +757,7 @@ def step_state(r: int, vocab: int, device: torch.device, seed: int) -> tuple[Ste
         b = auto.calibration.explore_budget(r)
         tokens = r * (1 + b)
         auto.observe_step(tokens, tokens * (500 + 1 + b), ctx, float(auto.cost.step_seconds(r * b, ctx, r)))
-    return StepState(ngram, auto), ngram.context_tail(list(range(r))).cpu()
+    return StepState(ngram, history, auto), ngram.context_tail(list(range(r))).cpu()
 
 
 def stand_in_target(batch: TreeBatch, coin: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
@@ -792,7 +799,7 @@ def tree_step(x: StepInputs, st: StepState, variant: str,
     branch = valid = None
     if variant == "lookup":
         with stage("lookup"):
-            branch, valid = st.ngram.continuation(x.slots, x.tail, LOOKUP)
+            branch, valid = st.history.continuation(x.slots, LOOKUP)
     with stage("budget"):
         plan = st.auto.choose_plan(built.scores, x.ctx_lens, valid)
         tree = built.truncate(plan.budgets.clamp(max=BUILD))
@@ -947,7 +954,6 @@ def part_b_sync(ctx: "Check") -> dict:
         x = step_inputs(r, ctx.sizes.vocab, tail, seed=r, dtype=torch.bfloat16, device=ctx.device)
         tree_step(x, state, variant)  # warm-up: one-time host work (cached index tables) happens here
         torch.cuda.synchronize()
-        state.ngram.online._best = None  # as after an engine step's table merge: the lookup chain is remade
         rec = {"batch": r, "variant": variant}
         torch.cuda.set_sync_debug_mode("error")
         try:
@@ -972,16 +978,18 @@ def part_b_sync(ctx: "Check") -> dict:
 
 
 def observe_tokens(x: StepInputs, st: StepState) -> None:
-    """What the engine does with a step's sampled tokens when it keeps n-gram tables: [R, 16] tokens
-    on the device (a prefix of each row, -1 after it) counted twice, a finished request's slot
-    released between (the second count also cuts the tables' padding once their lengths are back).
-    The check's tables are a rescoring model's, every order: 2n merges a count, where the engine's
-    lookup branch alone keeps one."""
+    """What the engine does with a step's sampled tokens: [R, 16] tokens on the device (a prefix of
+    each row, -1 after it) counted into the n-gram tables (a rescoring engine's; every order: 2n
+    merges a count) and written into the lookup's token history, twice, a finished request's slot
+    released between (the second count also cuts the tables' padding once their lengths are back)."""
     r = x.roots.shape[0]
     tokens = torch.where(torch.arange(16, device=x.roots.device) < (x.noise[:, :1] % 17), x.noise[:, :16], -1)
-    st.ngram.observe_step(list(range(r)), tokens)
+    for model in (st.ngram, st.history):
+        model.observe_step(list(range(r)), tokens)
     st.ngram.release_batch([0])
-    st.ngram.observe_step(list(range(r)), tokens)
+    st.history.release([0])
+    for model in (st.ngram, st.history):
+        model.observe_step(list(range(r)), tokens)
 
 
 def profile_counts(event, inside_op: bool = False) -> tuple[int, int, float]:
@@ -1058,7 +1066,6 @@ def part_b_profile(ctx: "Check") -> dict:
             for _ in range(2):
                 tree_step(x, state, variant)
             sync(ctx.device)
-            state.ngram.online._best = None  # as after an engine step's table merge: the lookup chain is remade
             rec = {"batch": r, "variant": variant, **profile_step(lambda: tree_step(x, state, variant), ctx.device)}
             if variant != "plain":  # the tables' count of the step's tokens, before the next step's tree work
                 seen = profile_step(lambda: observe_tokens(x, state), ctx.device)
@@ -1228,7 +1235,7 @@ def step_graphs_run(r: int, vocab: int, device: torch.device, backend: str, reps
     def unpadded_inputs(seed: int) -> tuple:
         x = step_inputs(r, vocab, tail, seed=seed, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
                         device=device)
-        branch, valid = state.ngram.continuation(x.slots, x.tail, LOOKUP)
+        branch, valid = state.history.continuation(x.slots, LOOKUP)
         return (*topk_per_depth(x.logits, BUILD), x.ctx_lens, branch, valid)
 
     def inputs_for(seed: int) -> tuple:

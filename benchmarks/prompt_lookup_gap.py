@@ -4,7 +4,7 @@
 
 Replay on the target's greedy outputs (HumanEval chat prompts, float32): at every output position,
 the drafter's block from that root (context = the target's hidden states, as in decoding) and the
-prompt-lookup path of `NGramModel.continuation` (the request's prompt and output so far). Reports:
+prompt-lookup path of `TokenHistory.continuation` (the request's prompt and output so far). Reports:
 
 - how often the lookup has a next token, how often it is right, and the drafter's first-token
   accuracy at those positions and elsewhere;
@@ -25,7 +25,8 @@ from tqdm import tqdm
 from vllm_ddtree.data.humaneval import chat_prompt, load_humaneval
 from vllm_ddtree.drafter import make_block
 from vllm_ddtree.reference.pair import load_pair
-from vllm_ddtree.tree import NGramModel, add_branch, build_tree, topk_per_depth
+from vllm_ddtree.tree import TokenHistory, add_branch, build_tree, topk_per_depth
+from vllm_ddtree.tree.lookup import LOOKUP_WINDOW
 
 
 def accepted_on_tree(tokens: list[int], parents: list[int], truth: list[int]) -> int:
@@ -73,18 +74,18 @@ def main() -> None:
         seq = out[0].tolist()
         hidden = target(out, output_hidden_states=True).hidden_states
         feats = torch.stack([hidden[i + 1][0] for i in layers], 1)  # [T, F, H]
-        ngram = NGramModel(target.config.vocab_size, args.ngram_order)
-        ngram.observe(0, seq[: len(prompt)])
+        history = TokenHistory(LOOKUP_WINDOW, args.ngram_order - 1)
+        history.observe(0, seq[: len(prompt)])
         accepted: dict[str, dict[int, int]] = {m: {} for m in methods}
         end = len(seq) - 1  # the last token cannot be verified beyond max_new_tokens
         for p in range(len(prompt), end):  # p: the root (the last committed token)
-            ngram.observe(0, seq[p : p + 1])
+            history.observe(0, seq[p : p + 1])
             truth = seq[p + 1 : p + drafter.cfg.block_size][: end - p]
             ids, pos = make_block(torch.tensor(seq[p : p + 1]), torch.tensor([p]), drafter.cfg.block_size)
             logits = drafter(ids, pos, context_features=feats[None, :p], context_positions=torch.arange(p)[None]).logits
             logits = logits[:, 1:].float()  # [1, W, V]
             chain = drafter.draft_to_target[logits[0].argmax(-1)].tolist()
-            look, valid = ngram.continuation([0], ngram.context_tail([0]), args.lookup_tokens)
+            look, valid = history.continuation([0], args.lookup_tokens)
             lookup = look[0][valid[0]].tolist()
             top_logp, top_ids = topk_per_depth(logits, min(args.budget, logits.shape[-1]))
             tree = build_tree(top_logp, drafter.draft_to_target[top_ids], args.budget, max_budget=args.budget)

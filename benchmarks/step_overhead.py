@@ -245,8 +245,14 @@ def make_proposer(code, batch: int, budget: int | str, ngram: bool, lookup: int,
     p.trees, p._slots, p._seen, p._proposed = {}, {}, {}, None
     p.stats = code.Stats(interval=1e9)
     p.context_order = p.context_positions = p.step_tokens = None
-    scoring = {"scoring": ngram} if "scoring" in inspect.signature(t.NGramModel).parameters else {}  # as the proposer
-    p.ngram = t.NGramModel(vocab, 3, device=STANDIN, **scoring) if (ngram or lookup) else None
+    if hasattr(t, "TokenHistory"):  # as the proposer: the lookup reads a token history, rescoring the tables
+        p.ngram = t.NGramModel(vocab, 3, device=STANDIN) if ngram else None
+        # the engine's window is min(max_model_len, LOOKUP_WINDOW): here the host batch's length
+        with OpCounter():  # made on the stand-in device: its buffers are device data
+            p.history = t.TokenHistory(CONTEXT + ROOM, 2, slots=batch, device=STANDIN) if lookup else None
+    else:  # earlier revisions: the lookup followed the n-gram tables' counts
+        scoring = {"scoring": ngram} if "scoring" in inspect.signature(t.NGramModel).parameters else {}
+        p.ngram = t.NGramModel(vocab, 3, device=STANDIN, **scoring) if (ngram or lookup) else None
     p.auto = None
     if budget == "auto":
         shape = t.ModelShape.from_hf_config(QWEN3_8B | {"vocab_size": vocab, "num_hidden_layers": layers})

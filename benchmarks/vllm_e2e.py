@@ -63,6 +63,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="4 prompts, 128 tokens, budgets 8/32")
     ap.add_argument("--prompts", type=int, default=None)
+    ap.add_argument("--first-prompt", type=int, default=0,
+                    help="index of the first HumanEval problem used (prompts not seen when choosing settings)")
     ap.add_argument("--max-tokens", type=int, default=None)
     ap.add_argument("--budgets", default=None)
     ap.add_argument("--batches", default="1,8")
@@ -111,7 +113,11 @@ def main() -> None:
     target = str(prepare_target())
     drafter = args.drafter or str(drafter_dir())
     tok = AutoTokenizer.from_pretrained(target)
-    prompts = [chat_prompt(tok, p["prompt"]) for p in load_humaneval(n_prompts)]
+    problems = load_humaneval(args.first_prompt + n_prompts)[args.first_prompt :]
+    if len(problems) < n_prompts:
+        raise SystemExit(f"--first-prompt {args.first_prompt} leaves {len(problems)} of the {n_prompts} prompts asked for "
+                         "(HumanEval has 164 problems)")
+    prompts = [chat_prompt(tok, p["prompt"]) for p in problems]
     # T > 0: one seed per request (the same in every engine); outputs then differ between methods.
     params = [SamplingParams(temperature=args.temperature, max_tokens=max_tokens, seed=i if args.temperature else None)
               for i in range(n_prompts)]
@@ -204,7 +210,7 @@ def main() -> None:
     for row in rows:
         del row["outputs"]
 
-    print(f"\n{n_prompts} HumanEval prompts, max_tokens {max_tokens}, float32, "
+    print(f"\n{n_prompts} HumanEval prompts from problem {args.first_prompt}, max_tokens {max_tokens}, float32, "
           f"{'greedy' if args.temperature == 0 else f'T = {args.temperature:g}'}, median of {repeats}")
     print(f"{'method':<24}{'B':>6}{'batch':>6}{'tau':>7}{'tok/s':>9}{'vs AR':>7}{'same':>6}{'nodes':>7}{'depth':>7}"
           f"{'undrafted':>10}")

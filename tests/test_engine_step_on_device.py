@@ -133,15 +133,15 @@ def _engine_like_observation(catch_up: bool) -> tuple[dict, dict, object]:
     counts the step's tokens on the device), undrafted ones (the proposer returns before
     `_tree_drafts`), a request leaving, one arriving whose first prefill chunk is discarded; after
     each step the runner's bookkeeping appends the kept tokens to its host batch. Returns every
-    live request's whole text, the proposer's slots, and its n-gram model."""
+    live request's whole text, the proposer's slots, its n-gram model and its lookup's token history."""
     from vllm_ddtree.proposer import DDTreeProposer
-    from vllm_ddtree.tree import NGramModel
+    from vllm_ddtree.tree import NGramModel, TokenHistory
 
     g = torch.Generator().manual_seed(4)
     vocab, k = 9, 4
     texts = {rid: torch.randint(0, vocab, (n,), generator=g).tolist() for rid, n in (("a", 6), ("b", 9), ("c", 4))}
     p = object.__new__(DDTreeProposer)
-    p.ngram, p._slots, p._seen = NGramModel(vocab, 3, scoring=False), {}, {}
+    p.ngram, p.history, p._slots, p._seen = NGramModel(vocab, 3), TokenHistory(128, 2), {}, {}
     discarded = set()
     for step in range(14):
         if step == 6:
@@ -166,7 +166,7 @@ def _engine_like_observation(catch_up: bool) -> tuple[dict, dict, object]:
             if rid not in discarded:
                 texts[rid] += [t for t in tokens[i].tolist() if t >= 0]
         discarded.discard("d")
-    return texts, p._slots, p.ngram
+    return texts, p._slots, p.ngram, p.history
 
 
 @pytest.mark.parametrize("catch_up", [True, False])
@@ -176,7 +176,7 @@ def test_the_proposer_counts_every_committed_token_once(catch_up):
     control) the tokens of undrafted steps are lost."""
     from test_tree_budget_ngram import _counted
 
-    texts, slots, model = _engine_like_observation(catch_up)
+    texts, slots, model, history = _engine_like_observation(catch_up)
     want, got = {}, {}
     for rid, text in texts.items():
         for key, n in _counted({slots[rid]: text}, 3, 10)[("ngram", 2)].items():
@@ -187,3 +187,7 @@ def test_the_proposer_counts_every_committed_token_once(catch_up):
     assert len(want) > 20 and set(texts) == {"a", "c", "d"}
     same = got == want and tails == [text[-2:] for text in texts.values()]
     assert same == catch_up
+    # the lookup's token history: each live request's text, position p at column p
+    rows = [slots[rid] for rid in texts]
+    kept = [history.tokens[s, : int(history.lengths[s])].tolist() for s in rows]
+    assert (kept == list(texts.values())) == catch_up

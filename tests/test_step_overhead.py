@@ -47,14 +47,13 @@ def test_counting_the_gpu_code_paths_leaves_the_cpu_s_in_place():
     import vllm_ddtree.tree.compile as compile_mod
     import vllm_ddtree.tree.ngram as ngram
 
-    before = (compile_mod.ancestor_mask, build._top_scores, ngram._search_orders_at_once, ngram._context_heads)
+    before = (compile_mod.ancestor_mask, build._top_scores, ngram._search_orders_at_once)
     with step_overhead.gpu_code_paths():
         assert compile_mod.ancestor_mask is compile_mod.ancestors_by_squaring
         assert build._top_scores is build._top_scores_by_sort
         assert ngram._search_orders_at_once(torch.device("cpu"))
-        assert ngram._context_heads is ngram._context_heads_by_search
     count(1, 8, False, 0)
-    assert (compile_mod.ancestor_mask, build._top_scores, ngram._search_orders_at_once, ngram._context_heads) == before
+    assert (compile_mod.ancestor_mask, build._top_scores, ngram._search_orders_at_once) == before
     assert not ngram._search_orders_at_once(torch.device("cpu"))
 
 
@@ -70,8 +69,9 @@ def test_the_n_gram_tables_ops_are_device_ops():
     assert cut.device_ops == 0 and cut.host_ops > 0
     with step_overhead.OpCounter() as merge:
         model.observe_batch([0, 1], [[5, 6, 7, 5, 6], [9, 9]])
+    slots, history, candidates = torch.tensor([0, 1]), torch.tensor([[[6, 7]], [[9, 9]]]), torch.tensor([[[7, 9]], [[5, 6]]])
     with step_overhead.OpCounter() as lookup:
-        model.continuation([0, 1], model.context_tail([0, 1]), 4)
+        model.log_rho(slots, history, candidates)
     assert merge.device_ops > 0 and lookup.device_ops > 0 and lookup.host_ops == 0
     with step_overhead.OpCounter() as plain:  # the same kind of op outside the n-gram model: host
         torch.searchsorted(torch.arange(8), torch.tensor([3]))
@@ -147,13 +147,13 @@ def test_a_captured_step_is_the_ops_outside_plan_trees_its_input_copies_and_one_
 
 def test_the_host_held_tokens_go_to_the_n_gram_tables_without_python_per_request():
     """A step where every request brings tokens the host holds (prompts, prefill chunks) cuts them
-    into windows with tensor ops over all rows: the same lines of vllm_ddtree's Python run for 1 and
+    into windows (and writes them into the lookup's token history) with tensor ops over all rows: the same lines of vllm_ddtree's Python run for 1 and
     for 32 such requests. Negative control: building the same input from per-request lists
     (`HostTokens.from_lists`, a loop) runs more lines for more requests."""
-    from vllm_ddtree.tree import HostTokens, NGramModel
+    from vllm_ddtree.tree import HostTokens, NGramModel, TokenHistory
 
     def lines(r: int, code) -> int:
-        model = NGramModel(VOCAB, 3, scoring=False)
+        model = NGramModel(VOCAB, 3)
         g = torch.Generator().manual_seed(r)
         texts = [torch.randint(0, VOCAB, (40,), generator=g).tolist() for _ in range(r)]
         host = HostTokens(torch.tensor(texts), torch.zeros(r, dtype=torch.int64), torch.full((r,), 40))
@@ -168,5 +168,10 @@ def test_the_host_held_tokens_go_to_the_n_gram_tables_without_python_per_request
     def from_lists(model, r, texts, host, step):
         HostTokens.from_lists([([], t) for t in texts])
 
+    def observe_history(model, r, texts, host, step):  # the lookup's token history takes them alike
+        TokenHistory(64, 2, slots=32).observe_step(list(range(r)), step, host)
+
     assert lines(1, observe) == lines(32, observe) > 0
+    lines(32, observe_history)  # once first: the shared index ranges it slices are made on first use
+    assert lines(1, observe_history) == lines(32, observe_history) > 0
     assert lines(32, from_lists) > lines(1, from_lists)

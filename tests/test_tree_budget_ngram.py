@@ -630,28 +630,6 @@ def test_ngram_batched_observe_and_release_equal_one_request_at_a_time():
         many.observe_batch([0, 0], [[1], [2]])
 
 
-def test_continuation_follows_the_most_frequent_next_token_of_the_request_s_own_text():
-    model = NGramModel(50, 3)
-    # Slot 0: after (7, 8) came 9 twice and 10 once; the text then runs 9 5 6 7 8 ... again.
-    model.observe_batch([0, 1], [[5, 6, 7, 8, 9, 5, 6, 7, 8, 10, 5, 6, 7, 8, 9, 5, 6], [1, 2, 3]])
-    tail = model.context_tail([0, 1])
-    assert tail.tolist() == [[5, 6], [2, 3]]
-    tokens, valid = model.continuation([0, 1], tail, 6)
-    assert tokens[0].tolist() == [7, 8, 9, 5, 6, 7] and valid[0].all()
-    assert not valid[1].any() and tokens[1].tolist() == [0] * 6  # (2, 3) was never followed by anything
-    # The path stops where its context was never followed by anything: (6, 7) ends slot 2's text.
-    model.observe(2, [5, 6, 7])
-    tokens, valid = model.continuation([2], torch.tensor([[5, 6]]), 4)
-    assert valid[0].tolist() == [True, False, False, False] and tokens[0].tolist() == [7, 0, 0, 0]
-    # A text that repeats itself is continued around the loop.
-    model.observe(1, [4, 2, 3])
-    tokens, valid = model.continuation([1], model.context_tail([1]), 4)
-    assert valid[0].all() and tokens[0].tolist() == [4, 2, 3, 4]
-    # A slot's counts are its own: slot 1 never saw (5, 6).
-    tokens, valid = model.continuation([1], torch.tensor([[5, 6]]), 3)
-    assert not valid.any()
-
-
 def _key(namespace: int, tokens: list[int], radix: int) -> int:
     """A table key in plain Python: the namespace, then each token + 1 as a mixed-radix digit, in
     int64's wrapping arithmetic."""
@@ -666,78 +644,6 @@ def test_keys_pack_as_plain_python_packs_them():
     for radix, m in [(10, 0), (10, 3), (151937, 2), (151937, 4)]:  # the last wraps past 63 bits
         ns, toks = torch.randint(0, 300, (5,), generator=g), torch.randint(-1, radix - 1, (5, m), generator=g)
         assert _pack(ns, toks, radix).tolist() == [_key(int(a), b, radix) for a, b in zip(ns, toks.tolist())]
-
-
-def _continuation_one_lookup_at_a_time(model: NGramModel, slots: list[int], tail: torch.Tensor, length: int,
-                                       window: int | None = None):
-    """The lookup branch as plain per-step table lookups (host Python over the sorted tables): from
-    the last n-1 tokens, the most counted next token of that context (the smallest token id among
-    equal counts; among the first `window` keys of the context's range where given), until a context
-    was never followed by anything. A key is the context's packed key times the radix plus the
-    token's digit, in int64's wrapping arithmetic."""
-    counts = model.online
-    m = model.order - 1
-    keys, cnt = (t.tolist() for t in counts.real_entries("ngram", m))
-    tokens, valid = [], []
-    for slot, row in zip(slots, tail.tolist()):
-        hist, toks, ok = list(row), [], []
-        going = all(t >= 0 for t in hist)
-        for _ in range(length):
-            cx = _key(slot, hist[-m:], counts.radix)
-            lo, hi = _wrap(cx * counts.radix + 1), _wrap(cx * counts.radix + counts.radix)
-            first = next((i for i, k in enumerate(keys) if k >= lo), len(keys))
-            stop = len(keys) if window is None else min(first + window, len(keys))
-            cands = [(cnt[i], -i) for i in range(first, stop) if keys[i] < hi]
-            best = max(cands) if cands else None
-            going = going and best is not None
-            token = keys[-best[1]] % counts.radix - 1 if best is not None else 0
-            toks.append(token if going else 0)
-            ok.append(going)
-            hist.append(token)
-        tokens.append(toks)
-        valid.append(ok)
-    return tokens, valid
-
-
-def test_a_sorted_value_s_first_entry_is_found_alike_by_search_and_by_scan():
-    # The lookup chain's context entries: one search on a GPU, a linear scan on a CPU.
-    from vllm_ddtree.tree import ngram
-
-    g = torch.Generator().manual_seed(3)
-    for n in (1, 2, 7, 500):
-        values = torch.sort(torch.randint(0, max(n // 3, 1), (n,), generator=g)).values
-        values[-1] = torch.iinfo(torch.int64).max  # a run of padding keys' value at the end
-        want = [next(i for i, v in enumerate(values.tolist()) if v == x) for x in values.tolist()]
-        assert ngram._context_heads_by_search(values).tolist() == want
-        assert ngram._context_heads_by_scan(values).tolist() == want
-
-
-@pytest.mark.parametrize("heads", ["_context_heads_by_scan", "_context_heads_by_search"])
-def test_continuation_equals_one_lookup_at_a_time(heads, monkeypatch):
-    from vllm_ddtree.tree import ngram
-
-    monkeypatch.setattr(ngram, "_context_heads", getattr(ngram, heads))  # the CPU's way, then the GPU's
-    # Random texts over a small vocabulary (many repeats, ties between next tokens, contexts followed
-    # by many tokens), PAD in short tails, a slot never seen.
-    g = torch.Generator().manual_seed(5)
-    model = NGramModel(12, 3)
-    texts = [torch.randint(0, 12, (n,), generator=g).tolist() for n in (40, 25, 60, 1)]
-    model.observe_batch([0, 1, 2, 3], texts)
-    slots = [0, 1, 2, 3, 4, 0, 2]
-    # tails from inside the texts (seen, and followed), slot 3's (a PAD: it saw one token), any pair
-    # for slot 4 (never seen), and the texts' own ends
-    tail = torch.tensor([texts[0][5:7], texts[1][3:5], texts[2][10:12], [-1, texts[3][0]], [3, 4], texts[0][-2:],
-                         texts[2][-2:]])
-    want_tokens, want_valid = _continuation_one_lookup_at_a_time(model, slots, tail, 7)
-    assert any(any(v) for v in want_valid) and not all(all(v) for v in want_valid)
-    tokens, valid = model.continuation(slots, tail, 7)
-    assert tokens.tolist() == want_tokens and valid.tolist() == want_valid
-    # After the tables change, the next lookups see the change: slot 4 now continues [3, 4].
-    model.observe_batch([4], [[3, 4, 11, 3, 4, 11]])
-    tokens, valid = model.continuation(slots, tail, 7)
-    assert valid[4].all() and (tokens.tolist(), valid.tolist()) == _continuation_one_lookup_at_a_time(model, slots, tail, 7)
-    model.release_batch([4])  # and forget it when the slot is released
-    assert not model.continuation([4], tail[4:5], 3)[1].any()
 
 
 def test_lookup_calibration_scores_each_proposal_against_what_the_step_committed():
@@ -958,43 +864,6 @@ def test_auto_budget_consults_its_gate_only_once_the_cost_is_calibrated():
     assert len(auto.calibration.recent) == fitted
     assert not auto.speculate(1) and auto.gate.advantage_at(1) < 1
     assert "gate_advantage" in auto.summary() and auto.summary()["gate_undrafted_step_ms"] == {1: 1.0}
-
-
-def test_continuation_with_wrapping_keys_searches_each_step():
-    # Order 4 over a 151936-token vocabulary: keys wrap past 63 bits and act as hashes, so a key has
-    # no context part to divide out; each step searches the context it made among the n-gram keys,
-    # with the tables' own wrapping arithmetic (whose answers are then arbitrary drafts).
-    g = torch.Generator().manual_seed(9)
-    model = NGramModel(151936, 4)
-    texts = [(torch.randint(0, 6, (n,), generator=g) * 25000).tolist() * 3 for n in (9, 13)]
-    model.observe_batch([3, 7], texts)
-    assert model.online.ngram_keys[3].min() < 0  # wrapped
-    tail = model.context_tail([3, 7])
-    want = _continuation_one_lookup_at_a_time(model, [3, 7], tail, 10, window=16)
-    assert any(any(v) for v in want[1])
-    tokens, valid = model.continuation([3, 7], tail, 10)
-    assert (tokens.tolist(), valid.tolist()) == want
-
-
-def test_a_lookup_only_model_merges_one_table_and_continues_alike():
-    # Without rescoring the engine keeps only the order-n counts: the same continuations, one merge
-    # instead of six, and asking it to score is an error that says how to get a scoring model.
-    g = torch.Generator().manual_seed(3)
-    texts = [torch.randint(0, 9, (n,), generator=g).tolist() * 3 for n in (10, 4)]  # texts that repeat
-    full, lookup = NGramModel(9, 3), NGramModel(9, 3, scoring=False)
-    for model in (full, lookup):
-        model.observe_batch([0, 1], texts)
-        model.observe_batch([1], [[4, 5]])
-    tail = full.context_tail([0, 1])
-    assert torch.equal(tail, lookup.context_tail([0, 1]))
-    assert all(torch.equal(a, b) for a, b in zip(full.continuation([0, 1], tail, 6), lookup.continuation([0, 1], tail, 6)))
-    assert full.continuation([0, 1], tail, 6)[1][0].all()  # slot 0 continues its loop
-    assert all(torch.equal(a, b) for a, b in zip(lookup.online.real_entries("ngram", 2), full.online.real_entries("ngram", 2)))
-    assert all(t.numel() == 0 for t in lookup.online.ngram_keys[:2] + lookup.online.context_keys)
-    with pytest.raises(ValueError, match="scoring=True"):
-        lookup.scorer([0, 1])
-    with pytest.raises(ValueError, match="scoring=True"):
-        lookup.log_rho(torch.tensor([0]), tail[:1, None, :], torch.tensor([[[1, 2]]]))
 
 
 def _counted(texts: dict[int, list[int]], order: int, radix: int) -> dict[tuple[str, int], dict[int, int]]:

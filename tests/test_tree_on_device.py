@@ -22,6 +22,7 @@ from vllm_ddtree.tree import (
     ModelShape,
     NGramCounts,
     NGramModel,
+    TokenHistory,
     allocate_batch,
     compaction_plan,
     compile_tree,
@@ -68,8 +69,14 @@ def test_a_whole_tree_step_runs_on_the_device_without_a_host_sync():
     ngram.release_batch([1])
     ngram.observe_step([0, 1, 2], sampled)
     assert ngram.online.ngram_keys[2].device == ngram.tails.device == META
-    # The prompt-lookup branch: the n-gram continuation and its merge into the trees.
-    tokens, valid = ngram.continuation([0, 1, 2], ngram.context_tail([0, 1, 2]), 5)
+    # The prompt-lookup branch: each request's text on the device, its continuation and its merge into
+    # the trees.
+    history = TokenHistory(16, 2, slots=R, device=META)
+    history.observe_step([0, 1, 2], sampled, HostTokens.from_lists([None, ([], [5, 6, 7]), None]))
+    history.release([1])
+    slots = history.observe_step([0, 1, 2], sampled)
+    assert history.tokens.device == history.lengths.device == META
+    tokens, valid = history.continuation(slots, 5)
     branched = add_branch(tree, tokens, valid, WIDTH + 5)
     assert branched.tokens.device == META and branched.max_nodes == WIDTH + 5
 

@@ -29,6 +29,7 @@ from vllm_ddtree.tree import (
     LookupCalibration,
     ModelShape,
     NGramModel,
+    TokenHistory,
     SpeculationGate,
     StepGraphs,
     capture_width,
@@ -48,6 +49,7 @@ from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_ddtree.config import VOCAB_SUBSET_NEEDS_PLAIN_HEAD
+from vllm_ddtree.tree.lookup import LOOKUP_WINDOW
 from vllm_ddtree.drafter.io import load_draft_vocab
 
 logger = init_logger("vllm.ddtree")  # under "vllm" so vLLM's log configuration applies
@@ -246,11 +248,16 @@ class DDTreeProposer(DFlashProposer):
         self.step_tokens: Tensor | None = None  # likewise: [R, L + 1] the step's accepted tokens and bonus
         target = vllm_config.model_config
         self.ngram = None
-        if options.ngram_weight > 0 or self.lookup > 0:  # the prompt-lookup branch reads its counts
+        if options.ngram_weight > 0:
             # On the drafter's device: the tree build scores candidates there (a GPU tree would not
             # mix with tables left on the host).
             self.ngram = NGramModel(target.get_vocab_size(), options.ngram_order, corpus=options.ngram_corpus,
-                                    device=device, scoring=options.ngram_weight > 0)
+                                    device=device)
+        self.history = None
+        if self.lookup > 0:  # the prompt-lookup branch: each request's last tokens, and where they recur
+            # Made here, sized for the scheduler's requests, so that vLLM's memory profiling sees it.
+            self.history = TokenHistory(min(target.max_model_len, LOOKUP_WINDOW), options.ngram_order - 1,
+                                        slots=vllm_config.scheduler_config.max_num_seqs, device=device)
         self._slots: dict[str, int] = {}
         # request id -> how many of its tokens the n-gram tables have counted (_COUNTED_ON_DEVICE: all
         # the host batch will hold at the next step, whose bookkeeping appends exactly the tokens
@@ -315,7 +322,7 @@ class DDTreeProposer(DFlashProposer):
                           or (self.auto is not None and not self.auto.speculate(r)))
         if self.undrafted:
             self._proposed = None  # no lookup proposals this step: none to score next step
-            if self.ngram is not None:
+            if self.ngram is not None or self.history is not None:
                 self._catch_up()  # this step's tokens are read from the host batch at the next drafted one
             if self.vllm_k0_pass and fits:
                 super().propose(0, **kwargs)
@@ -572,15 +579,15 @@ class DDTreeProposer(DFlashProposer):
         self._draft_hidden = None
         if self._draft_to_target is not None:
             top_ids = self._draft_to_target[top_ids]
-        scorer = tail = slots = None
-        if self.ngram is not None:  # this step's tokens into the n-gram tables, on the device
+        scorer = tail = None
+        if self.ngram is not None or self.history is not None:  # this step's tokens in, on the device
             slots = self._observe(req_ids, step_tokens)
+        if self.ngram is not None:
             tail = self.ngram.context_tail(slots)
-            if self.options.ngram_weight > 0:
-                scorer = self.ngram.scorer(slots)
+            scorer = self.ngram.scorer(slots)
         branch = valid = None
-        if self.lookup > 0:  # one more path per tree: the request's own text, continued
-            branch, valid = self.ngram.continuation(slots, tail, self.lookup)
+        if self.history is not None:  # one more path per tree: the request's own text, continued
+            branch, valid = self.history.continuation(slots, self.lookup)
             if self.auto is not None:
                 self._observe_lookup(req_ids, step_tokens)
                 self._proposed = (req_ids, branch, valid)
@@ -654,8 +661,9 @@ class DDTreeProposer(DFlashProposer):
         self._seen.update(itertools.compress(zip(req_ids, pinned), (seen != _NOT_MET).tolist()))
 
     def _observe(self, req_ids: list[str], step_tokens: Tensor) -> Tensor:
-        """Feed each request's newly committed tokens to the online n-gram model; its slot per row
-        (a device tensor [R]). No host read: the step's tokens stay on the device.
+        """Feed each request's newly committed tokens to the online n-gram model and the lookup's
+        token history; its slot per row (a device tensor [R]). No host read: the step's tokens stay
+        on the device.
 
         vLLM runs the DFlash proposer before its bookkeeping writes this step's sampled tokens to the
         host batch (gpu_model_runner.py:4396, "does not need to wait for bookkeeping"): the batch
@@ -672,7 +680,11 @@ class DDTreeProposer(DFlashProposer):
         r = len(req_ids)
         discard = torch.as_tensor(self.runner.discard_request_mask.np[:r], dtype=torch.bool)
         finished = list(itertools.filterfalse(set(req_ids).__contains__, self._slots))
-        self.ngram.release_batch(list(map(self._slots.pop, finished)))
+        released = list(map(self._slots.pop, finished))
+        if self.ngram is not None:
+            self.ngram.release_batch(released)
+        if self.history is not None:
+            self.history.release(released)
         for rid in finished:  # (once per request's life, not per step)
             self._seen.pop(rid, None)
         arrivals = list(itertools.filterfalse(self._slots.__contains__, req_ids))
@@ -690,7 +702,12 @@ class DDTreeProposer(DFlashProposer):
         self._seen.update(zip(req_ids, torch.where(discard, n, _COUNTED_ON_DEVICE).tolist()))
         slots = list(map(self._slots.__getitem__, req_ids))
         discarded = to_device(discard.view(r, 1), step_tokens.device)
-        return self.ngram.observe_step(slots, torch.where(discarded, -1, step_tokens[:r]), host)
+        tokens = torch.where(discarded, -1, step_tokens[:r])
+        if self.ngram is not None:
+            slots_on_device = self.ngram.observe_step(slots, tokens, host)
+        if self.history is not None:
+            slots_on_device = self.history.observe_step(slots, tokens, host)
+        return slots_on_device
 
 
 def _head_vocab(model, vllm_config) -> int:

@@ -30,12 +30,14 @@ import torch
 from torch import Tensor
 
 from vllm_ddtree.drafter import DFlashDrafter, DrafterKVCache, make_block
+from vllm_ddtree.tree.lookup import LOOKUP_WINDOW
 from vllm_ddtree.tree import (
     AutoBudget,
     CostModel,
     LookupCalibration,
     ModelShape,
     NGramModel,
+    TokenHistory,
     SpeculationGate,
     add_branch,
     apply_compaction_,
@@ -246,10 +248,18 @@ class ReferenceDecoder:
         auto = self.auto_budget(spec) if spec.adaptive else None
         drafter_cache = DrafterKVCache()
         new_feats, new_pos = feats, torch.arange(ctx)[None]
-        ngram = None
-        if spec.ngram_weight > 0 or spec.prompt_lookup_tokens > 0:
+        ngram = history = None
+        if spec.ngram_weight > 0:
             ngram = NGramModel(self.target.config.vocab_size, spec.ngram_order)
-            ngram.observe(0, prompt_ids + [root])
+        if spec.prompt_lookup_tokens > 0:  # as the engine's: the last n-1 tokens' latest occurrence
+            history = TokenHistory(LOOKUP_WINDOW, spec.ngram_order - 1)
+
+        def observe(tokens: list[int]) -> None:
+            for model in (ngram, history):
+                if model is not None:
+                    model.observe(0, tokens)
+
+        observe(prompt_ids + [root])
         undrafted_before = False  # the last step skipped drafting: this one's drafter catches up on context
         while True:
             t_step = time.perf_counter()
@@ -264,8 +274,7 @@ class ReferenceDecoder:
                 result.depths.append(0)
                 result.accept_lengths.append(1)
                 done = self._emit(result, [root], max_new_tokens)
-                if ngram is not None:
-                    ngram.observe(0, [root])
+                observe([root])
                 seconds = time.perf_counter() - t_step
                 result.step_seconds.append(seconds)
                 auto.observe_ar_step(1, seconds)
@@ -290,7 +299,7 @@ class ReferenceDecoder:
             tree = build_tree(top_logp, top_ids, budget, scorer=scorer, context_tail=tail, lam=spec.ngram_weight)
             look = valid = None
             if spec.prompt_lookup_tokens > 0:  # the request's own text, continued: one more path
-                look, valid = ngram.continuation([0], ngram.context_tail([0]), spec.prompt_lookup_tokens)
+                look, valid = history.continuation([0], spec.prompt_lookup_tokens)
             if auto is not None:
                 # The lookup nodes compete with the tree's at their measured acceptance.
                 plan = auto.choose_plan(tree.scores, torch.tensor([ctx]), valid)
@@ -328,8 +337,7 @@ class ReferenceDecoder:
             before = len(result.tokens)
             done = self._emit(result, emitted, max_new_tokens)
             result.accept_lengths.append(len(result.tokens) - before)  # what was committed
-            if ngram is not None:
-                ngram.observe(0, emitted)
+            observe(emitted)
             if auto is not None and look is not None:  # the proposal against what the target chose
                 auto.observe_lookup(*proposed, torch.tensor([emitted]))
             if auto is not None:  # what the controller predicted vs what happened, and what it cost

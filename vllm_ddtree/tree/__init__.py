@@ -35,6 +35,7 @@ from .compile import (
 )
 from .transfer import HostReads, to_device, to_device_together, to_host
 from .ngram import HostTokens, NGramCounts, NGramModel, NGramScorer, build_corpus_ngram, entropy_adaptive_lambda, windows_of
+from .lookup import TokenHistory
 from .graphs import StepGraphs
 from .step import capture_width, first_rows, pad_depths, pad_rows, padded_rows, plan_trees
 from .verify import WalkResult, greedy_tokens, sample_tokens, walk_tree

@@ -52,26 +52,6 @@ def _search_orders_at_once(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def _context_heads(context: Tensor) -> Tensor:
-    """[L] sorted values -> [L] the index of each value's first occurrence. Two exact ways, chosen by
-    device (as `_search_orders_at_once`): on a GPU one `searchsorted` of the values in themselves (one
-    op, O(L log L) work); elsewhere a linear pass (run starts marked, then a running maximum of their
-    indices), a few ops of O(L) work, which is what counts where ops cost no launch."""
-    if context.device.type == "cuda":
-        return _context_heads_by_search(context)
-    return _context_heads_by_scan(context)
-
-
-def _context_heads_by_search(context: Tensor) -> Tensor:
-    return torch.searchsorted(context, context)
-
-
-def _context_heads_by_scan(context: Tensor) -> Tensor:
-    starts = torch.cat([device_ints((1,), context.device).bool(), context[1:] != context[:-1]])
-    index = torch.arange(context.numel(), device=context.device)
-    return torch.where(starts, index, 0).cummax(dim=0).values
-
-
 @functools.lru_cache(maxsize=16)
 def _context_powers(radix: int, orders: int, history: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """The digit weights of `_pack` for contexts of 0..orders-1 tokens taken from the end of a
@@ -113,8 +93,6 @@ class NGramCounts:
     context_counts: list[Tensor] = field(default_factory=list)
     # the tables of orders 0..k-1 stacked for one search (`_stacked`), until the next change
     _stack: tuple | None = field(default=None, repr=False, compare=False)
-    # per order, the best next token of every context (`_best_next`), until the next change
-    _best: dict | None = field(default=None, repr=False, compare=False)
     # (table, order) -> its count of real keys on the way to the host (`_trim`)
     _lengths: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -134,13 +112,11 @@ class NGramCounts:
     def radix(self) -> int:
         return self.vocab_size + 1
 
-    def add(self, namespace: Tensor, windows: Tensor, longest_only: bool = False, valid: Tensor | None = None) -> None:
+    def add(self, namespace: Tensor, windows: Tensor, valid: Tensor | None = None) -> None:
         """Count n-grams. windows [N, n]: n-1 context tokens (PAD where none) then the token; valid [N]
         (default all): the rows that are windows (the others count nothing, e.g. past a request's
         last token).
 
-        `longest_only`: count only the order-n n-grams (`ngram_keys[n-1]`, all that `follow` reads),
-        not the shorter ones nor the context tables: one table merge instead of 2n.
         No host synchronisation: a merge sorts the table with the new keys (`_merge`), so this can
         run on every engine step.
         """
@@ -151,17 +127,16 @@ class NGramCounts:
         namespace = to_device(namespace, self.device).long().expand(windows.shape[0])
         ok = torch.ones_like(namespace, dtype=torch.bool) if valid is None else to_device(valid, self.device)
         changed = []
-        for m in [self.order - 1] if longest_only else range(self.order):  # m = context length
+        for m in range(self.order):  # m = context length
             ctx = windows[:, self.order - 1 - m : self.order - 1]
             # A context that reaches before the sequence start is not a real m-token context.
             real = ok & (ctx >= 0).all(dim=1) if m > 0 else ok
             ng = torch.where(real, _pack(namespace, windows[:, self.order - 1 - m :], self.radix), KEY_PAD)
             self.ngram_keys[m], self.ngram_counts[m] = _merge(self.ngram_keys[m], self.ngram_counts[m], ng, real)
             changed.append(("ngram", m))
-            if not longest_only:
-                cx = torch.where(real, _pack(namespace, ctx, self.radix), KEY_PAD)
-                self.context_keys[m], self.context_counts[m] = _merge(self.context_keys[m], self.context_counts[m], cx, real)
-                changed.append(("context", m))
+            cx = torch.where(real, _pack(namespace, ctx, self.radix), KEY_PAD)
+            self.context_keys[m], self.context_counts[m] = _merge(self.context_keys[m], self.context_counts[m], cx, real)
+            changed.append(("context", m))
         self._changed(changed)
 
     def _tables(self, kind: str) -> tuple[list[Tensor], list[Tensor]]:
@@ -170,7 +145,7 @@ class NGramCounts:
     def _changed(self, tables: list[tuple[str, int]]) -> None:
         """After a change of `tables` ((kind, order) pairs): drop what was derived from the tables, and
         queue each one's count of real keys (the first `KEY_PAD`) for the host."""
-        self._stack = self._best = None
+        self._stack = None
         if not tables:
             return
         pad = device_ints((KEY_PAD,), self.device)
@@ -272,108 +247,6 @@ class NGramCounts:
             self._stack = (orders, *stack(self.ngram_keys[:orders], self.ngram_counts[:orders]),
                            *stack(self.context_keys[:orders], self.context_counts[:orders]))
         return self._stack[1:]
-
-    def follow(self, namespace: Tensor, context: Tensor, length: int) -> tuple[Tensor, Tensor]:
-        """`length` times: the most counted token after the last m tokens, appended to them.
-
-        namespace [R], context [R, m] (m < order; a PAD makes the context unseen) -> tokens [R, length]
-        (0 where not valid), valid [R, length]: a step whose context was never seen followed by anything
-        is invalid, and so is every step after it. Ties go to the smallest token id. Where keys wrap
-        (see module docstring) the answer is arbitrary, never wrong output: it is a draft.
-
-        One `searchsorted` finds the context, then each step is a gather in the table of best next
-        tokens (`_best_next`, made once per change of the tables): the context the token makes; one
-        more gather reads every step's token: a fixed number of device ops (and a fixed number more to
-        remake the table after a merge), no host synchronisation: this runs on every engine step with a
-        lookup branch. Where keys of this order can wrap (radix^(m+1) past 63 bits, see the module
-        docstring) a key has no context part to divide out: `_follow_by_search` then searches each
-        step's context among the n-gram keys.
-        """
-        r, m = context.shape
-        if self.ngram_keys[m].numel() == 0 or length == 0:
-            return (torch.zeros(r, length, dtype=torch.int64, device=self.device),
-                    torch.zeros(r, length, dtype=torch.bool, device=self.device))
-        if self.radix ** (m + 1) >= 1 << 63:  # keys of this order wrap: no context part to divide out
-            return self._follow_by_search(namespace, context, length)
-        contexts, best_digit, next_entry = self._best_next(m)
-        none = contexts.numel()  # the tables' last entry: no token, and no context after it
-        # [R] the context's key (a PAD packs as digit 0, never in the tables)
-        cx = _pack(namespace.to(self.device), context.to(self.device), self.radix)
-        at = torch.searchsorted(contexts, cx).clamp_(max=none - 1)
-        at = torch.where(contexts[at] == cx, at, none)  # [R] the context's entry
-        entries = [at]
-        for _ in range(length - 1):
-            entries.append(next_entry[entries[-1]])
-        # [R, length] the next token's digit (token + 1) at each entry, 0 where none follows (and then
-        # at every later step: an entry of digit 0 leads to one; a context with a PAD, digit 0, is
-        # never in the tables)
-        found = best_digit[torch.stack(entries, dim=1)]
-        return (found - 1).clamp_(min=0), found > 0
-
-    def _follow_by_search(self, namespace: Tensor, context: Tensor, length: int, window: int = 16
-                          ) -> tuple[Tensor, Tensor]:
-        """`follow` where keys wrap: each step packs its context's key with the tables' own wrapping
-        arithmetic and searches both ends of that context's key range; the first `window` keys of
-        the range (by token id) are compared, a fixed shape. About 23 device ops a step."""
-        r, m = context.shape
-        keys, counts = self.ngram_keys[m], self.ngram_counts[m]
-        radix, last = self.radix, keys.numel() - 1
-        digits = context.to(self.device).long() + 1  # [R, m]; PAD -> digit 0, never in the tables
-        ns_key = namespace.to(self.device).long() * _wrap(radix**m)  # the key's namespace part, as _pack makes it
-        powers = device_ints(tuple(_wrap(radix**i) for i in range(m - 1, -1, -1)), self.device)
-        ends = device_ints((1, radix), self.device)  # token digits are 1..vocab
-        win = torch.arange(window, device=self.device)
-        found, hits = [], []
-        for _ in range(length):
-            cx = ns_key + (digits * powers).sum(dim=1)  # = _pack(namespace, context), wrapping alike
-            bounds = torch.searchsorted(keys, (cx * radix)[:, None] + ends)  # [R, 2]: the context's key range
-            idx = bounds[:, :1] + win  # [R, window]
-            at = idx.clamp(max=last)
-            cand = counts[at] * (idx < bounds[:, 1:])
-            count, best = cand.max(dim=1, keepdim=True)  # first of equal counts: the smallest token id
-            token = keys[at.gather(1, best)] % radix - 1  # [R, 1]
-            found.append(token)
-            hits.append(count > 0)
-            digits = torch.cat([digits[:, 1:], token + 1], dim=1)
-        seen = (context >= 0).all(dim=1).to(self.device)[:, None]
-        valid = (torch.cat(hits, dim=1) & seen).int().cumprod(dim=1).bool()
-        return torch.where(valid, torch.cat(found, dim=1), 0), valid
-
-    def _best_next(self, m: int) -> tuple[Tensor, Tensor, Tensor]:
-        """The order-(m+1) table as a chain to follow: [L] the (namespace, context) part of each key (the
-        key divided by the radix: a floor division, monotone, so still sorted; a context's entry is its
-        first key's, where `searchsorted` finds it); per entry, with one more entry (L: none) at the
-        end, the digit (token + 1) of its most counted next token [L + 1] (the smallest token among
-        equal counts; 0: none, and at every entry that is not a context's first) and the entry of the
-        context that token makes [L + 1] (L where never seen followed). An entry of digit 0 leads to
-        one of digit 0 (a context's last digit is >= 1). Only for orders whose keys cannot wrap (see
-        `follow`).
-
-        A segmented argmax over the sorted n-gram keys, then one search for the shifted contexts.
-        Fixed shapes (L = the table's length), no host synchronisation; made once per change of the
-        tables."""
-        if self._best is not None and m in self._best:
-            return self._best[m]
-        keys, counts = self.ngram_keys[m], self.ngram_counts[m]
-        n, radix = keys.numel(), self.radix
-        context = torch.div(keys, radix, rounding_mode="floor")  # [L] sorted
-        head = _context_heads(context)  # [L] the entry of each key's context
-        most = torch.zeros_like(counts).scatter_reduce_(0, head, counts, "amax")
-        index = torch.arange(n, device=keys.device)
-        first = torch.full_like(index, n).scatter_reduce_(0, head, torch.where(counts == most[head], index, n), "amin")
-        # [L]; 0 where no counted follower (the `KEY_PAD` padding's context) and where no context starts
-        digit = torch.where(most > 0, keys[first.clamp(max=n - 1)] % radix, 0)
-        # the context after the token: the oldest digit shifted out, the token's shifted in
-        if m > 0:
-            span = radix**m  # (namespace, context) = namespace * span + the context's m digits
-            shifted = context - context % span + context % (span // radix) * radix + digit
-        else:
-            shifted = context  # no context digits: the namespace alone
-        after = torch.searchsorted(context, shifted).clamp_(max=n - 1)
-        after = torch.where(context[after] == shifted, after, n)
-        pad = torch.nn.functional.pad  # the extra entry: digit 0, after it entry n (none)
-        self._best = (self._best or {}) | {m: (context, pad(digit, (0, 1)), pad(after, (0, 1), value=n))}
-        return self._best[m]
 
     def save(self, path: str | Path) -> None:
         """Write the tables as safetensors (metadata: order, vocab_size)."""
@@ -524,11 +397,7 @@ class NGramModel:
         corpus: NGramCounts | str | Path | None = None,
         corpus_weight: float = 0.5,
         device: torch.device | str = "cpu",
-        scoring: bool = True,
     ) -> None:
-        """`scoring` False keeps only the counts `continuation` (the lookup branch) reads, the order-n
-        n-grams, for an engine that does not rescore: one table merge per step instead of 2n (6 at
-        order 3); `scorer` and `log_rho` then raise."""
         if order < 2:
             raise ValueError(f"n-gram order must be >= 2 (a context of at least one token), got {order}")
         if not 0 < floor <= 1:
@@ -558,9 +427,6 @@ class NGramModel:
         # [slots, n-1] each slot's last committed tokens (PAD-filled on the left), on the device: a
         # step's windows start from them without a host read. Grows with the largest slot seen.
         self.tails = torch.full((0, order - 1), PAD, dtype=torch.int64, device=self.device)
-        self.scoring = scoring
-        if not scoring and corpus is not None:
-            raise ValueError("a corpus n-gram table only serves rescoring: pass scoring=True with it")
 
     def observe(self, slot: int, tokens: Sequence[int] | Tensor) -> None:
         """Count the n-grams that `tokens` (appended to the slot's sequence so far) complete."""
@@ -615,7 +481,7 @@ class NGramModel:
             namespace = torch.cat([to_device(names, self.device), namespace])
             flat_valid = torch.cat([torch.ones(wins.shape[0], dtype=torch.bool, device=self.device), flat_valid])
         if windows.shape[0]:
-            self.online.add(namespace, windows, longest_only=not self.scoring, valid=flat_valid)
+            self.online.add(namespace, windows, valid=flat_valid)
         # the new tails: the n-1 tokens before each row's first PAD
         last = valid.sum(dim=1, keepdim=True) + device_ints(tuple(range(n1)), self.device)
         self.tails = self.tails.index_put((slots_d,), seq.gather(1, last))
@@ -650,9 +516,6 @@ class NGramModel:
 
     def log_rho(self, slots: Tensor, history: Tensor, tokens: Tensor) -> Tensor:
         """log rho(t | history) [R, F, K] for the requests in `slots` [R]; no host synchronisation."""
-        if not self.scoring:
-            raise ValueError("this NGramModel keeps only the lookup branch's counts (scoring=False); "
-                             "make it with scoring=True to rescore draft trees")
         rho = (1.0 - self.corpus_weight) * self._backoff(self.online, slots, history, tokens)
         if self.corpus is not None:
             zero = torch.zeros_like(slots)
@@ -675,24 +538,8 @@ class NGramModel:
             rho = torch.where(ng[m] > 0, ratio[m] * self.backoff ** (self.order - 1 - m), rho)
         return rho
 
-    def continuation(self, slots: Sequence[int] | Tensor, context_tail: Tensor, length: int) -> tuple[Tensor, Tensor]:
-        """Prompt lookup from the online counts: each request's likeliest next `length` tokens.
-
-        From the last n-1 committed tokens (`context_tail` [R, n-1], root last), repeatedly take the
-        token most often seen after the last n-1 tokens in the request's own prompt and output, as
-        code and quoting repeat; it stops (valid False from there on) at a context never seen
-        followed by anything. slots [R] -> tokens [R, length] (0 where not valid), valid [R, length].
-        Batched on the device, `length` table lookups, no host synchronisation.
-        """
-        slots = torch.as_tensor(slots, dtype=torch.int64, device=self.device)
-        n1 = self.order - 1
-        return self.online.follow(slots, context_tail[:, context_tail.shape[1] - n1 :], length)
-
     def scorer(self, slots: Sequence[int] | Tensor) -> "NGramScorer":
         """The `PrefixScorer` for a build over the requests in `slots` (row r = slots[r])."""
-        if not self.scoring:
-            raise ValueError("this NGramModel keeps only the lookup branch's counts (scoring=False); "
-                             "make it with scoring=True to rescore draft trees")
         return NGramScorer(self, torch.as_tensor(slots, dtype=torch.int64, device=self.device))
 
 

@@ -1,0 +1,142 @@
+"""Prompt lookup on the device: each request's own text, and where its last tokens occurred before.
+
+The lookup branch (`prompt_lookup_tokens`) proposes what followed the latest earlier occurrence of a
+request's last `match` tokens in its prompt and output (prompt lookup decoding, as vLLM's n-gram
+method; code and quoting repeat). Each request's last `window` tokens live in one ring buffer on the
+device, so a step finds every request's continuation with a fixed number of device ops and no host
+read, whatever the batch and the text length:
+
+    text    [R, window]      each request's last tokens, oldest first (PAD before its first)
+    match   [R, window - 1]  the `match` tokens ending at j equal the last `match` tokens
+    latest  [R]              the largest such j (a request whose last tokens never occurred before has none)
+    tokens  [R, length]      text[latest + 1 + (t mod d)], d = window - 1 - latest
+
+The continuation copies the text after the occurrence; where that runs into the end of the text (a
+period d shorter than `length`, as in "1, 2, 1, 2"), it goes on repeating the same d tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from . import constants
+from .ngram import PAD, HostTokens
+from .transfer import to_device
+
+#: Tokens of each request's text the lookup searches (its last ones): bounds the buffer
+#: (max_num_seqs x this x 4 bytes, 64 MiB at 1024 requests) and a step's search work.
+LOOKUP_WINDOW = 16384
+
+
+class TokenHistory:
+    """Every request's last `window` tokens on the device, addressed by slot, and the lookup on them.
+
+    `tokens` [slots, window + 1] int32: a slot's text position p at column p mod window (PAD where
+    nothing was written since the slot was released); the last column takes the writes of padding
+    tokens. `lengths` [slots] int64: tokens seen per slot (its text length).
+    """
+
+    def __init__(self, window: int, match: int, slots: int = 0, device: torch.device | str = "cpu") -> None:
+        """window: tokens kept per request (the lookup sees only those); match: how many last tokens
+        must recur (>= 1); slots: requests addressed at once (grows when a larger slot is seen)."""
+        if match < 1:
+            raise ValueError(f"prompt lookup needs a match of at least 1 token, got {match}")
+        if window < match + 1:
+            raise ValueError(f"prompt lookup window {window} cannot hold a match of {match} tokens and one after it")
+        self.window, self.match, self.device = window, match, torch.device(device)
+        self.tokens = torch.full((0, window + 1), PAD, dtype=torch.int32, device=self.device)
+        self.lengths = torch.zeros(0, dtype=torch.int64, device=self.device)
+        self._grow(slots)
+
+    def _grow(self, slots: int) -> None:
+        if slots > self.tokens.shape[0]:
+            more = max(slots, 2 * self.tokens.shape[0]) - self.tokens.shape[0]
+            self.tokens = torch.cat([self.tokens, self.tokens.new_full((more, self.window + 1), PAD)])
+            self.lengths = torch.cat([self.lengths, self.lengths.new_zeros(more)])
+
+    def observe(self, slot: int, tokens: Sequence[int] | Tensor) -> None:
+        """Append host `tokens` to one slot's text."""
+        t = torch.as_tensor(tokens, dtype=torch.int64).flatten()
+        self.observe_step([slot], to_device(t.view(1, -1), self.device))
+
+    def observe_step(self, slots: Sequence[int], tokens: Tensor, host: HostTokens | None = None) -> Tensor:
+        """One engine step's new tokens, written with no host read.
+
+        slots [R] host ints, each once. tokens [R, K] on the device: each row's new tokens, PAD
+        (negative) after its last, appended to the slot's text. `host` (optional): tokens the host
+        holds for some rows (a prompt, a prefill chunk), written first: row i's
+        host.token_ids[i, start:end] at its text positions start..end-1 (the slot has seen the first
+        `start`). Returns the slots as a device tensor [R].
+        """
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"observe_step got a slot twice in one call: {list(slots)}")
+        if tokens.dim() != 2 or tokens.shape[0] != len(slots):
+            raise ValueError(f"tokens must be [requests={len(slots)}, K], got {tuple(tokens.shape)}")
+        self._grow(max(slots, default=-1) + 1)
+        slots = to_device(torch.tensor(list(slots), dtype=torch.int64), self.device)
+        if host is not None:
+            self._write_host(slots, host)
+        tokens = tokens.to(self.device)
+        valid = tokens >= 0  # [R, K]: a prefix of each row
+        start = self.lengths[slots]  # [R]
+        columns = (start[:, None] + constants.arange(tokens.shape[1], self.device)) % self.window
+        columns = torch.where(valid, columns, self.window)  # padding into the spare column
+        self.tokens = self.tokens.index_put((slots[:, None], columns), tokens.to(torch.int32))
+        self.lengths = self.lengths.index_put((slots,), start + valid.sum(dim=1))
+        return slots
+
+    def _write_host(self, slots: Tensor, host: HostTokens) -> None:
+        """Host tokens into the ring: tensor ops over all rows on the host, one write on the device
+        (only each row's last `window` tokens: earlier ones would be overwritten)."""
+        start, end = host.start.long(), host.end.long()
+        start = torch.maximum(start, end - self.window)
+        count = (end - start).clamp(min=0)  # [R]
+        if not bool(count.any()):
+            return
+        row_of = torch.repeat_interleave(torch.arange(count.numel()), count)  # [N]
+        first = torch.cumsum(count, 0) - count
+        position = start[row_of] + torch.arange(row_of.numel()) - first[row_of]  # [N] text positions
+        values = host.token_ids[row_of, position].to(torch.int32)
+        rows = count.nonzero().flatten()
+        slot_of = slots[to_device(row_of, self.device)]
+        self.tokens = self.tokens.index_put((slot_of, to_device(position % self.window, self.device)),
+                                            to_device(values, self.device))
+        written = slots[to_device(rows, self.device)]
+        self.lengths = self.lengths.index_put((written,), to_device(end[rows], self.device))
+
+    def release(self, slots: Sequence[int] | Tensor) -> None:
+        """Forget finished requests' text so their slots can be reused."""
+        slots = torch.as_tensor(slots, dtype=torch.int64)
+        if slots.numel() == 0:
+            return
+        self._grow(int(slots.max()) + 1)
+        slots = to_device(slots, self.device)
+        self.tokens = self.tokens.index_put((slots,), self.tokens.new_full((), PAD))
+        self.lengths = self.lengths.index_put((slots,), self.lengths.new_zeros(()))
+
+    def continuation(self, slots: Tensor | Sequence[int], length: int) -> tuple[Tensor, Tensor]:
+        """Each request's lookup path: slots [R] -> tokens [R, length] (0 where not valid), valid
+        [R, length] (a whole row False where its last `match` tokens never occurred before in the
+        window). Fixed shapes, no host read (module docstring)."""
+        if not isinstance(slots, Tensor):  # host ints (a device tensor comes from `observe_step`)
+            self._grow(max(slots, default=-1) + 1)
+            slots = torch.tensor(list(slots), dtype=torch.int64)
+        slots = to_device(slots, self.device)
+        h, m = self.window, self.match
+        r = slots.numel()
+        ages = constants.arange(h, self.device)  # column j of `text`: text position length - h + j
+        text = self.tokens[slots[:, None], (self.lengths[slots][:, None] + ages) % h].long()  # [R, h] oldest first
+        suffix = text[:, h - m :]  # [R, m] the last m tokens
+        # [R, h - 1]: the m tokens ending at column j (j < h - 1: one token must follow) are the
+        # suffix. PAD fills only the columns before a text's first token, so a text of 1..m-1 tokens
+        # (its suffix starts with PAD) matches no earlier window; an empty one (all PAD) matches
+        # every window, and is told apart by its last token.
+        match = (text[:, : h - 1].unfold(1, m, 1) == suffix[:, None, :]).all(dim=2)
+        latest = torch.where(match, ages[m - 1 : h - 1], -1).max(dim=1).values  # [R], -1: none
+        period = h - 1 - latest  # [R] columns from the occurrence's end to the text's (h where none)
+        at = (latest + 1)[:, None] + constants.arange(length, self.device) % period[:, None]  # [R, length] < h
+        valid = (torch.minimum(latest, text[:, h - 1]) >= 0)[:, None].expand(r, length)
+        return torch.where(valid, text.gather(1, at), 0), valid
