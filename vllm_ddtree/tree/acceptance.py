@@ -191,7 +191,7 @@ class LookupCalibration:
         step = (committed[:, :length] if committed.shape[1] >= length
                 else torch.nn.functional.pad(committed, (0, length - committed.shape[1]), value=-1))
         committed_at = step >= 0  # [R, L] the step committed a token at this depth (a prefix)
-        same = (proposed == step) & committed_at & valid
+        same = (proposed == step) & valid  # (a proposed token is >= 0: never equal to the padding)
         matched = same.int().cummin(dim=1).values.sum(dim=1, keepdim=True)  # [R, 1] accepted depth
         index = constants.arange(length, dev)  # [L] depth - 1
         hit = index < matched

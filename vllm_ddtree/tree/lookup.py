@@ -36,7 +36,8 @@ class TokenHistory:
 
     `tokens` [slots, window + 1] int32: a slot's text position p at column p mod window (PAD where
     nothing was written since the slot was released); the last column takes the writes of padding
-    tokens. `lengths` [slots] int64: tokens seen per slot (its text length).
+    tokens. `lengths` [slots] int64: tokens seen per slot (its text length). Both are written in
+    place: a step never copies the whole buffer.
     """
 
     def __init__(self, window: int, match: int, slots: int = 0, device: torch.device | str = "cpu") -> None:
@@ -84,8 +85,8 @@ class TokenHistory:
         start = self.lengths[slots]  # [R]
         columns = (start[:, None] + constants.arange(tokens.shape[1], self.device)) % self.window
         columns = torch.where(valid, columns, self.window)  # padding into the spare column
-        self.tokens = self.tokens.index_put((slots[:, None], columns), tokens.to(torch.int32))
-        self.lengths = self.lengths.index_put((slots,), start + valid.sum(dim=1))
+        self.tokens.index_put_((slots[:, None], columns), tokens.to(torch.int32))
+        self.lengths.index_put_((slots,), start + valid.sum(dim=1))
         return slots
 
     def _write_host(self, slots: Tensor, host: HostTokens) -> None:
@@ -102,10 +103,10 @@ class TokenHistory:
         values = host.token_ids[row_of, position].to(torch.int32)
         rows = count.nonzero().flatten()
         slot_of = slots[to_device(row_of, self.device)]
-        self.tokens = self.tokens.index_put((slot_of, to_device(position % self.window, self.device)),
+        self.tokens.index_put_((slot_of, to_device(position % self.window, self.device)),
                                             to_device(values, self.device))
         written = slots[to_device(rows, self.device)]
-        self.lengths = self.lengths.index_put((written,), to_device(end[rows], self.device))
+        self.lengths.index_put_((written,), to_device(end[rows], self.device))
 
     def release(self, slots: Sequence[int] | Tensor) -> None:
         """Forget finished requests' text so their slots can be reused."""
@@ -114,8 +115,8 @@ class TokenHistory:
             return
         self._grow(int(slots.max()) + 1)
         slots = to_device(slots, self.device)
-        self.tokens = self.tokens.index_put((slots,), self.tokens.new_full((), PAD))
-        self.lengths = self.lengths.index_put((slots,), self.lengths.new_zeros(()))
+        self.tokens.index_put_((slots,), self.tokens.new_full((), PAD))
+        self.lengths.index_put_((slots,), self.lengths.new_zeros(()))
 
     def continuation(self, slots: Tensor | Sequence[int], length: int) -> tuple[Tensor, Tensor]:
         """Each request's lookup path: slots [R] -> tokens [R, length] (0 where not valid), valid
