@@ -38,7 +38,7 @@ leaves the GPU idle. Neither shows as time on a CPU, so this counts them, on the
   committed to the host batch (nothing new from the host; the last step's lookup paths are scored
   for the budget): what a server runs most of the time. Steady rows without n-gram rescoring.
   Where the product picks its code path by device (the ancestor mask, the best-score selection of
-  the tree build, the n-gram orders' search, the lookup chain's context entries), the GPU's path is
+  the tree build, the n-gram orders' search), the GPU's path is
   counted, and timed in ``glue_ms``.
 - ``pipeline, captured`` rows (the GPU defaults and a fixed budget of 8, lookup branch on): the steady
   step's device launches with ``tree.step.plan_trees`` replayed from a CUDA graph, as the proposer
@@ -202,7 +202,7 @@ def product() -> SimpleNamespace:
 @contextlib.contextmanager
 def gpu_code_paths():
     """Within: the GPU's code path where the product picks one by device (the ancestor mask, the
-    build's best-score selection, the n-gram orders' search, the lookup chain's context entries), so
+    build's best-score selection, the n-gram orders' search), so
     that it is what is counted and timed, and the n-gram tables' queued length copies read as a GPU
     reads them (not a wait); restored on exit (a test process goes on with the CPU's)."""
     swaps = [("vllm_ddtree.tree.compile", "ancestor_mask", "ancestors_by_squaring"),
