@@ -102,9 +102,9 @@ class ProposedTrees:
 
 NO_TREES = ProposedTrees({}, *(torch.zeros(0, 0, dtype=torch.int64) for _ in range(3)), None)
 
-# The proposer's per-request n-gram count (`_seen`) when the request's last step was counted on the
-# device: the tables hold everything the host batch will hold at its next step. _NOT_MET: a request
-# of the batch with no count yet (the tables have not taken it in).
+# The proposer's per-request count of tokens taken in (`_seen`) when the request's last step was
+# taken in on the device: the n-gram tables and the token history hold everything the host batch
+# will hold at its next step. _NOT_MET: a request of the batch with no count yet (not taken in).
 _COUNTED_ON_DEVICE = -1
 _NOT_MET = -2
 
@@ -259,9 +259,9 @@ class DDTreeProposer(DFlashProposer):
             self.history = TokenHistory(min(target.max_model_len, LOOKUP_WINDOW), options.ngram_order - 1,
                                         slots=vllm_config.scheduler_config.max_num_seqs, device=device)
         self._slots: dict[str, int] = {}
-        # request id -> how many of its tokens the n-gram tables have counted (_COUNTED_ON_DEVICE: all
-        # the host batch will hold at the next step, whose bookkeeping appends exactly the tokens
-        # counted on the device)
+        # request id -> how many of its tokens the n-gram tables and the token history have taken in
+        # (_COUNTED_ON_DEVICE: all the host batch will hold at the next step, whose bookkeeping
+        # appends exactly the tokens taken in on the device)
         self._seen: dict[str, int] = {}
         self.auto: AutoBudget | None = None
         self.live_timing = True  # step times feed the budget (off under tensor parallelism: calibrate_at_startup)
