@@ -145,7 +145,7 @@ def device(t: torch.Tensor) -> torch.Tensor:
 #: tree/ngram.py functions that are not per-step table work: new tokens the host holds (a prompt),
 #: cut into windows on the host before one copy to the tables' device; digit weights made once per
 #: shape, then cached
-NGRAM_HOST_SIDE = {"windows_of", "host_windows", "_text_at", "observe_batch", "_context_powers"}
+NGRAM_HOST_SIDE = {"windows_of", "host_windows", "host_positions", "_text_at", "observe_batch", "_context_powers"}
 
 
 def in_ngram_tables() -> bool:

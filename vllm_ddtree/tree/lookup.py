@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from . import constants
-from .ngram import PAD, HostTokens
+from .ngram import PAD, HostTokens, host_positions
 from .transfer import to_device
 
 #: Tokens of each request's text the lookup searches (its last ones): bounds the buffer
@@ -92,21 +92,14 @@ class TokenHistory:
     def _write_host(self, slots: Tensor, host: HostTokens) -> None:
         """Host tokens into the ring: tensor ops over all rows on the host, one write on the device
         (only each row's last `window` tokens: earlier ones would be overwritten)."""
-        start, end = host.start.long(), host.end.long()
-        start = torch.maximum(start, end - self.window)
-        count = (end - start).clamp(min=0)  # [R]
-        if not bool(count.any()):
+        end = host.end.long()
+        rows, row_of, position = host_positions(torch.maximum(host.start.long(), end - self.window), end)
+        if row_of.numel() == 0:
             return
-        row_of = torch.repeat_interleave(torch.arange(count.numel()), count)  # [N]
-        first = torch.cumsum(count, 0) - count
-        position = start[row_of] + torch.arange(row_of.numel()) - first[row_of]  # [N] text positions
         values = host.token_ids[row_of, position].to(torch.int32)
-        rows = count.nonzero().flatten()
         slot_of = slots[to_device(row_of, self.device)]
-        self.tokens.index_put_((slot_of, to_device(position % self.window, self.device)),
-                                            to_device(values, self.device))
-        written = slots[to_device(rows, self.device)]
-        self.lengths.index_put_((written,), to_device(end[rows], self.device))
+        self.tokens.index_put_((slot_of, to_device(position % self.window, self.device)), to_device(values, self.device))
+        self.lengths.index_put_((slots[to_device(rows, self.device)],), to_device(end[rows], self.device))
 
     def release(self, slots: Sequence[int] | Tensor) -> None:
         """Forget finished requests' text so their slots can be reused."""

@@ -353,16 +353,21 @@ def host_windows(order: int, slots: Sequence[int], host: HostTokens) -> tuple[Te
     per row, whatever the batch."""
     n1 = order - 1
     start, end = host.start.long(), host.end.long()
-    count = (end - start).clamp(min=0)  # [R] host tokens per row
-    rows = count.nonzero().flatten()  # [H]
-    row_of = torch.repeat_interleave(torch.arange(count.numel()), count)  # [N] each new token's row
-    first = torch.cumsum(count, 0) - count  # [R] where each row's tokens start among the N
-    position = start[row_of] + torch.arange(row_of.numel()) - first[row_of]  # [N] in the row's text
+    rows, row_of, position = host_positions(start, end)
     window = torch.arange(-n1, 1)  # [n]: the n-1 tokens before a token, and itself
     wins = _text_at(host.token_ids, row_of[:, None], position[:, None] + window)
     names = torch.tensor(list(slots), dtype=torch.int64)[row_of]
     tails = _text_at(host.token_ids, rows[:, None], end[rows][:, None] + window[:-1])
     return wins, names, rows, tails
+
+
+def host_positions(start: Tensor, end: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Host text ranges start[i]:end[i] of R rows, flattened by tensor ops (no Python per row): the rows
+    with any [H], and each of the N positions' row [N] and text position [N]."""
+    count = (end - start).clamp(min=0)  # [R] positions per row
+    row_of = torch.repeat_interleave(torch.arange(count.numel()), count)  # [N] each position's row
+    first = torch.cumsum(count, 0) - count  # [R] where each row's positions start among the N
+    return count.nonzero().flatten(), row_of, start[row_of] + torch.arange(row_of.numel()) - first[row_of]
 
 
 def _text_at(token_ids: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
