@@ -133,10 +133,11 @@ def prepare_tree_step(runner, spec_decode_metadata, total_tokens: int) -> TreeSt
     # logits rows are request-major, 1 + drafts per request (spec_decode_metadata.logits_indices)
     counts = torch.tensor(spec_decode_metadata.num_draft_tokens, dtype=torch.int64) + 1
     logit_rows = torch.where(batch.valid, (torch.cumsum(counts, 0) - counts)[:, None] + torch.arange(width + 1), 0)
-    flat = row_index[batch.valid]
+    # Where each row's position goes: padding writes its request's root row, with the root's position
+    # (a padding row's depth is 0), so the rewrite is one write of the [R, N] block already sent.
+    write_index = torch.where(batch.valid, row_index, root_index[:, None])
     dev = runner.positions.device
     sequential = runner.positions[:total_tokens].clone()  # the drafter's context positions (sample_tree_step)
-    runner.positions[to_device(flat, dev)] = to_device(batch.positions[batch.valid], dev)
     # The step's size for the cost calibration, from host numbers (no device read later).
     rows = batch.num_rows.double()
     step_size = None
@@ -145,8 +146,9 @@ def prepare_tree_step(runner, spec_decode_metadata, total_tokens: int) -> TreeSt
         step_size = (float(rows.sum()), float((rows * (c + rows)).sum()), float(c.sum()))
     # To the device in queued copies, never waited for (the integer [R, N] fields in one); everything
     # after the forward (walk, compaction, masks) runs there.
-    tokens, parents, depths, positions, row_index, logit_rows = to_device_together(
-        [batch.tokens, batch.parents, batch.depths, batch.positions, row_index, logit_rows], dev)
+    tokens, parents, depths, positions, row_index, logit_rows, write_index = to_device_together(
+        [batch.tokens, batch.parents, batch.depths, batch.positions, row_index, logit_rows, write_index], dev)
+    runner.positions.index_put_((write_index,), positions)  # tree rows: context + depth
     batch = TreeBatch(tokens, parents, depths, positions,
                       *(to_device(t, dev) for t in (batch.valid, batch.num_rows, batch.context_lens, batch.ancestors)),
                       batch.max_depth)

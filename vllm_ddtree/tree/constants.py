@@ -1,10 +1,12 @@
 """Constant tensors of the step path, made once and then shared.
 
 An index range or a filled block made afresh is one more kernel launch per step on a GPU; a view of
-one made once is none. Memory stays bounded whatever shapes the steps take: a filled block is one
-scalar expanded (no memory), an index range a slice of one range per device that grows by doubling
-to the longest asked for. Made on the device (fills, `arange`): a host-to-device copy from pageable
-memory would wait for the device.
+one made once is none. The views are kept too (each shape's, up to `_VIEWS`): a view made afresh
+launches no kernel but still costs a dispatch of host time, and a step asks for about twenty.
+Memory stays bounded whatever shapes the steps take: a filled block is one scalar expanded (no
+memory), an index range a slice of one range per device that grows by doubling to the longest
+asked for. Made on the device (fills, `arange`): a host-to-device copy from pageable memory would
+wait for the device.
 
 Shared: never write into one (use out-of-place ops: `scatter`, not `scatter_`). Made on first use:
 a CUDA graph's capture records kernels without running them, so a step is run eagerly before it is
@@ -19,6 +21,10 @@ import torch
 from torch import Tensor
 
 _RANGES: dict[torch.device, Tensor] = {}  # per device: 0, 1, ..., n - 1 (int64), n a power of two
+# 512 KiB of int64: a step's longest range (requests x tree width, ~16K at 256 x 64) fits, so it
+# seldom grows (a grown range makes every kept view anew once)
+_FIRST_RANGE = 1 << 16
+_VIEWS = 1024  # the views kept per kind (a step's shapes take a few dozen; serving adds a few per batch size)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -36,16 +42,27 @@ def arange(stop: int, device: torch.device, start: int = 0) -> Tensor:
     device = torch.device(device)
     base = _RANGES.get(device)
     if base is None or base.numel() < stop:
-        size = 1024
+        size = _FIRST_RANGE
         while size < stop:
             size *= 2
         base = _RANGES[device] = torch.arange(size, dtype=torch.int64, device=device)
+    return _range_view(base, start, stop)
+
+
+@functools.lru_cache(maxsize=_VIEWS)
+def _range_view(base: Tensor, start: int, stop: int) -> Tensor:
+    # keyed by the base itself (hashed by identity): a grown range makes new views
     return base[start:stop]
 
 
 def filled(shape: tuple[int, ...], value: float | int | bool, dtype: torch.dtype, device: torch.device) -> Tensor:
     """A `shape` block of `value` on `device`: one stored scalar, expanded (a view)."""
-    return _scalar(value, dtype, torch.device(device)).expand(shape)
+    return _filled(tuple(shape), value, dtype, torch.device(device))
+
+
+@functools.lru_cache(maxsize=_VIEWS)
+def _filled(shape: tuple[int, ...], value: float | int | bool, dtype: torch.dtype, device: torch.device) -> Tensor:
+    return _scalar(value, dtype, device).expand(shape)
 
 
 @functools.lru_cache(maxsize=256)
