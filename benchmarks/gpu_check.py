@@ -35,8 +35,9 @@ run in the order of `PARTS`):
              chunks of rows: time and peak device memory. Any device.
   b.graphs   The step captured in a CUDA graph per batch size, replayed on new inputs after the serving
              state moved on (calibrations updated, the cost model refit), equal to eager; eager vs
-             replay time. Then the proposer's own captures (`StepGraphs` around `plan_trees`, what
-             VLLM_DDTREE_STEP_GRAPHS=1 runs) the same way. CUDA only; last, so a failed capture cannot disturb the other parts.
+             replay time. Then the proposer's own captures (`StepGraphs` around
+             `plan_trees_with_lookup`, what VLLM_DDTREE_STEP_GRAPHS=1 runs) the same way. CUDA only;
+             last, so a failed capture cannot disturb the other parts.
 
     python benchmarks/gpu_check.py --device cuda --json-dir benchmarks/results/gpu   # <device>.json/.png
     python benchmarks/gpu_check.py --device cpu --quick --json /tmp/check.json       # what runs without CUDA
@@ -107,8 +108,9 @@ from vllm_ddtree.tree import (  # noqa: E402
     get_profile,
     head_topk,
     pad_rows,
+    pad_slots,
     padded_rows,
-    plan_trees,
+    plan_trees_with_lookup,
     topk_per_depth,
     walk_tree,
 )
@@ -1198,16 +1200,21 @@ def part_b_topk(ctx: "Check") -> dict:
 
 
 def state_tensors(st: StepState) -> list[torch.Tensor]:
-    """The step's mutable device state (the automatic budget's rate), to restore between two runs."""
-    return [*st.auto.planned_tokens.values(), *st.auto.planned_seconds.values()]
+    """The step's mutable device state (the automatic budget's rate, the token history), to restore
+    between two runs."""
+    return [*st.auto.planned_tokens.values(), *st.auto.planned_seconds.values(), st.history.tokens,
+            st.history.lengths]
 
 
 def advance_state(st: StepState, r: int, seed: int) -> None:
     """What serving does to the state between two steps: a measured acceptance, the lookup paths'
-    outcome, and step times enough for the cost model to refit. A captured step reads all of it
-    where it lies, so a replay after this must still equal the eager step."""
+    outcome, step times enough for the cost model to refit, and committed tokens in the token history.
+    A captured step reads all of it where it lies, so a replay after this must still equal the eager
+    step."""
     g = torch.Generator().manual_seed(seed)
     dev = st.auto.acceptance.betas.device
+    # each request's text goes on with a few tokens it held before (its lookup path moves)
+    st.history.observe_step(list(range(r)), torch.randint(0, 64, (r, 3), generator=g).to(dev))
     scores = (-torch.rand(r, BUILD, generator=g).cumsum(1)).to(dev)
     accepted = (torch.rand(r, BUILD, generator=g) < 0.3).to(dev)
     st.auto.observe_acceptance(scores, torch.ones_like(accepted), accepted)
@@ -1223,8 +1230,8 @@ def advance_state(st: StepState, r: int, seed: int) -> None:
 
 
 def step_graphs_run(r: int, vocab: int, device: torch.device, backend: str, reps: int) -> dict:
-    """The proposer's own captured step: `StepGraphs(backend)` around `plan_trees` (build, automatic
-    budget, lookup path) as `DDTreeProposer` calls it, its batch padded to the top of its size class
+    """The proposer's own captured step: `StepGraphs(backend)` around `plan_trees_with_lookup` (lookup
+    path, build, automatic budget) as `DDTreeProposer` calls it, its batch padded to the top of its size class
     (`padded_rows`: 1 / 15 / 127 / 511 rows at batch 1 / 8 / 64 / 256). The class's first plan runs eagerly, then the
     key's first call, then its capture; the state moves on (`advance_state`) and the replay on new
     inputs must equal the eager step. Returns the comparison, the captures' counters and on request
@@ -1235,28 +1242,30 @@ def step_graphs_run(r: int, vocab: int, device: torch.device, backend: str, reps
     def unpadded_inputs(seed: int) -> tuple:
         x = step_inputs(r, vocab, tail, seed=seed, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
                         device=device)
-        branch, valid = state.history.continuation(x.slots, LOOKUP)
-        return (*topk_per_depth(x.logits, BUILD), x.ctx_lens, branch, valid)
+        return (*topk_per_depth(x.logits, BUILD), x.ctx_lens, x.slots)
 
     def inputs_for(seed: int) -> tuple:
         # padded to the top of the batch's size class, as the proposer pads a captured step (its drafted
         # depths are already all DEPTHS here)
-        return pad_rows(padded_rows(r), *unpadded_inputs(seed))
+        top_logp, top_ids, context_lens, slots = unpadded_inputs(seed)
+        total = padded_rows(r)
+        return (*pad_rows(total, top_logp, top_ids, context_lens, None, None)[:3], pad_slots(total, slots))
 
-    def step(top_logp, top_ids, context_lens, branch, valid):
-        return plan_trees(top_logp, top_ids, BUILD, context_lens, state.auto, branch, valid, BUILD + LOOKUP,
-                          rows=torch.count_nonzero(context_lens))
+    def step(top_logp, top_ids, context_lens, slots):
+        return plan_trees_with_lookup(top_logp, top_ids, BUILD, context_lens, state.auto, state.history, slots, LOOKUP,
+                                      BUILD + LOOKUP, padded=True, rows=torch.count_nonzero(context_lens))
 
     def named(out) -> dict[str, torch.Tensor]:
-        tree, plan = first_rows(*out, r)
-        return {f"tree.{k}": getattr(tree, k).clone() for k in ("tokens", "parents", "depths", "valid", "scores")} | {
-            f"plan.{k}": getattr(plan, k).clone() for k in ("budgets", "extra", "expected_tokens", "step_seconds")}
+        tree, plan = first_rows(*out[:2], r)
+        return ({f"tree.{k}": getattr(tree, k).clone() for k in ("tokens", "parents", "depths", "valid", "scores")}
+                | {f"plan.{k}": getattr(plan, k).clone() for k in ("budgets", "extra", "expected_tokens", "step_seconds")}
+                | {"lookup.tokens": out[2][:r].clone(), "lookup.valid": out[3][:r].clone()})
 
     first = inputs_for(r)
     step(*first)  # the batch size's first plan seeds its rate: the proposer runs it eagerly
     assert state.auto.capture_state(r, device) is not None
     for _ in range(graphs.capture_after - 1):  # eager
-        graphs(("plan_trees", r, state.auto.capture_state(r, device)), step, *first)
+        graphs(("plan_trees_with_lookup", r, state.auto.capture_state(r, device)), step, *first)
     # The capture: its time, and the memory its graph keeps (its private pool, which vLLM's memory
     # profiling does not see; the proposer keeps up to `max_graphs` of them).
     sync(device)
@@ -1265,7 +1274,7 @@ def step_graphs_run(r: int, vocab: int, device: torch.device, backend: str, reps
         torch.cuda.empty_cache()
     held = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
     t0 = time.perf_counter()
-    graphs(("plan_trees", r, state.auto.capture_state(r, device)), step, *first)
+    graphs(("plan_trees_with_lookup", r, state.auto.capture_state(r, device)), step, *first)
     sync(device)
     capture_ms = 1e3 * (time.perf_counter() - t0)
     pool_bytes = torch.cuda.memory_reserved(device) - held if device.type == "cuda" else None
@@ -1274,7 +1283,7 @@ def step_graphs_run(r: int, vocab: int, device: torch.device, backend: str, reps
     saved = [t.clone() for t in state_tensors(state)]
     # The proposer's key holds the budget's capture state: a replaced buffer would be a new key (run
     # eagerly, no replay), which this check counts as a failure.
-    key = ("plan_trees", r, state.auto.capture_state(r, device))
+    key = ("plan_trees_with_lookup", r, state.auto.capture_state(r, device))
     replayed = named(graphs(key, step, *x))
     for t, v in zip(state_tensors(state), saved):
         t.copy_(v)
@@ -1283,8 +1292,9 @@ def step_graphs_run(r: int, vocab: int, device: torch.device, backend: str, reps
     # over longer arrays run on this device's kernels).
     for t, v in zip(state_tensors(state), saved):
         t.copy_(v)
-    top_logp, top_ids, context_lens, branch, valid = unpadded_inputs(4000 + r)
-    unpadded = named(plan_trees(top_logp, top_ids, BUILD, context_lens, state.auto, branch, valid, BUILD + LOOKUP))
+    top_logp, top_ids, context_lens, slots = unpadded_inputs(4000 + r)
+    unpadded = named(plan_trees_with_lookup(top_logp, top_ids, BUILD, context_lens, state.auto, state.history, slots,
+                                            LOOKUP, BUILD + LOOKUP))
     rec = {"differs": outputs_differ(replayed, eager),
            "padding_differs": outputs_differ(unpadded, eager),
            "graphs": {"captures": graphs.captures, "replays": graphs.replays, "failed": graphs.failed}}

@@ -438,11 +438,13 @@ def _run_step(code, p, cad, steps, ctx: int, vocab: int, layers: int, gen: torch
     return drafts, out, (t1 - t0) + (t3 - t2)
 
 
-def inside(function: str, filename: str) -> bool:
-    """Whether the op being dispatched was called from within `function` of a file ending in `filename`."""
+def inside(function: str | tuple[str, ...], filename: str) -> bool:
+    """Whether the op being dispatched was called from within `function` (or one of several) of a file
+    ending in `filename`."""
+    functions = (function,) if isinstance(function, str) else function
     frame = sys._getframe(2)
     while frame is not None:
-        if frame.f_code.co_name == function and frame.f_code.co_filename.endswith(filename):
+        if frame.f_code.co_name in functions and frame.f_code.co_filename.endswith(filename):
             return True
         frame = frame.f_back
     return False
@@ -474,10 +476,14 @@ class LineCounter:
         sys.settrace(self._before)
 
 
+#: The captured step functions of `tree.step` (`plan_trees_with_lookup` finds the lookup path in it too)
+CAPTURED = ("plan_trees", "plan_trees_with_lookup")
+
+
 class CapturedOpCounter(OpCounter):
-    """`OpCounter`, with the device ops dispatched inside `tree.step.plan_trees` counted apart
-    (`captured_ops`): on a GPU with the step captured (VLLM_DDTREE_STEP_GRAPHS=1) they are one graph
-    launch, after one copy into each of the graph's input buffers."""
+    """`OpCounter`, with the device ops dispatched inside `tree.step`'s captured functions (`CAPTURED`)
+    counted apart (`captured_ops`): on a GPU with the step captured (VLLM_DDTREE_STEP_GRAPHS=1) they
+    are one graph launch, after one copy into each of the graph's input buffers."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -486,7 +492,7 @@ class CapturedOpCounter(OpCounter):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         before = self.device_ops
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        if self.device_ops > before and inside("plan_trees", os.path.join("tree", "step.py")):
+        if self.device_ops > before and inside(CAPTURED, os.path.join("tree", "step.py")):
             self.device_ops -= 1
             self.device_views -= func.is_view
             self.captured_ops += 1

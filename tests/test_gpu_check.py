@@ -193,17 +193,18 @@ def test_the_checks_catch_a_wrong_mask_and_a_wrong_walk():
 
 def test_the_state_moved_on_between_capture_and_replay_is_what_a_capture_reads():
     """`b.graphs` replays a captured step after `advance_state`: the state it moves (the drafter's
-    confidence exponent, the lookup path's acceptance, the cost model's refit) must change, and in
-    the tensors a capture holds, or the replay would not test what serving does to a captured step."""
+    confidence exponent, the lookup path's acceptance, the cost model's refit, the token history the
+    lookup reads) must change, and in the tensors a capture holds, or the replay would not test what
+    serving does to a captured step."""
     st, _ = gpu_check.step_state(4, 512, torch.device("cpu"), seed=7)
-    beta, coef = st.auto.acceptance.beta, st.auto.cost.coefficients("cpu")
-    before = [t.clone() for t in (beta, coef.slope, coef.intercept, coef.residual, st.auto.lookup.hits)]
+    beta, coef, history = st.auto.acceptance.beta, st.auto.cost.coefficients("cpu"), st.history.tokens
+    before = [t.clone() for t in (beta, coef.slope, coef.intercept, coef.residual, st.auto.lookup.hits, history)]
     gpu_check.advance_state(st, 4, seed=1)
-    assert st.auto.acceptance.beta is beta and st.auto.cost.coefficients("cpu") is coef
-    after = (beta, coef.slope, coef.intercept, coef.residual, st.auto.lookup.hits)
+    assert st.auto.acceptance.beta is beta and st.auto.cost.coefficients("cpu") is coef and st.history.tokens is history
+    after = (beta, coef.slope, coef.intercept, coef.residual, st.auto.lookup.hits, history)
     moved = [not torch.equal(a, b) for a, b in zip(after, before)]
     assert moved[1] or moved[2], "the cost model did not refit"
-    assert moved[3] and moved[4], moved
+    assert moved[3] and moved[4] and moved[5], moved
 
 
 @pytest.mark.parametrize("requests", [4, 64])

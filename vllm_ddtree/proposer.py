@@ -37,8 +37,10 @@ from vllm_ddtree.tree import (
     get_profile,
     pad_depths,
     pad_rows,
+    pad_slots,
     padded_rows,
     plan_trees,
+    plan_trees_with_lookup,
     head_topk,
     to_device,
     tree_to_host,
@@ -579,36 +581,45 @@ class DDTreeProposer(DFlashProposer):
         self._draft_hidden = None
         if self._draft_to_target is not None:
             top_ids = self._draft_to_target[top_ids]
-        scorer = tail = None
+        scorer = tail = slots = None
         if self.ngram is not None or self.history is not None:  # this step's tokens in, on the device
             slots = self._observe(req_ids, step_tokens)
         if self.ngram is not None:
             tail = self.ngram.context_tail(slots)
             scorer = self.ngram.scorer(slots)
-        branch = valid = None
-        if self.history is not None:  # one more path per tree: the request's own text, continued
-            branch, valid = self.history.continuation(slots, self.lookup)
-            if self.auto is not None:
-                self._observe_lookup(req_ids, step_tokens)
-                self._proposed = (req_ids, branch, valid)
+        if self.history is not None and self.auto is not None:  # last step's lookup paths, scored
+            self._observe_lookup(req_ids, step_tokens)  # (before this step's replay overwrites them)
+
         # build, budget, lookup path within the scheduler's count: the step's device function
-        def step(top_logp, top_ids, context_lens, branch, valid):
-            return plan_trees(top_logp, top_ids, build, context_lens, self.auto, branch, valid, self._cap,
-                              scorer=scorer, context_tail=tail, lam=self.options.ngram_weight)
+        def step(top_logp, top_ids, context_lens, slots, padded=False, rows=None):
+            if self.history is None:
+                return *plan_trees(top_logp, top_ids, build, context_lens, self.auto, None, None, self._cap,
+                                   scorer=scorer, context_tail=tail, lam=self.options.ngram_weight, rows=rows), None, None
+            # one more path per tree: the request's own text, continued
+            return plan_trees_with_lookup(top_logp, top_ids, build, context_lens, self.auto, self.history, slots,
+                                          self.lookup, self._cap, padded=padded, scorer=scorer, context_tail=tail,
+                                          lam=self.options.ngram_weight, rows=rows)
 
         context_lens = cad.seq_lens[:r] if self.auto is not None else None
+        slots = slots if self.history is not None else None  # (the n-gram tables' alone: not the step's)
         state = self._capture_state(r, scorer, top_logp.device)
         if state is None:
-            tree, plan = step(top_logp, top_ids, context_lens, branch, valid)
+            tree, plan, branch, valid = step(top_logp, top_ids, context_lens, slots)
         else:  # captured: one shape per (size class, width), whatever the batch and the depth cap drafted
-            def padded_step(top_logp, top_ids, context_lens, branch, valid):
+            def padded_step(top_logp, top_ids, context_lens, slots):
                 rows = None if context_lens is None else torch.count_nonzero(context_lens)  # padding: context 0
-                return plan_trees(top_logp, top_ids, build, context_lens, self.auto, branch, valid, self._cap, rows=rows)
+                return step(top_logp, top_ids, context_lens, slots, padded=True, rows=rows)
 
-            inputs = pad_rows(padded_rows(r), *pad_depths(top_logp, top_ids, min(self.width, build)), context_lens,
-                              branch, valid)
+            total = padded_rows(r)
+            top_logp, top_ids, context_lens = pad_rows(total, *pad_depths(top_logp, top_ids, min(self.width, build)),
+                                                       context_lens, None, None)[:3]
+            inputs = (top_logp, top_ids, context_lens, None if slots is None else pad_slots(total, slots))
             shapes = tuple(None if x is None else (tuple(x.shape), x.dtype) for x in inputs)
-            tree, plan = first_rows(*self.step_graphs((build, self._cap, shapes, state), padded_step, *inputs), r)
+            tree, plan, branch, valid = self.step_graphs((build, self._cap, shapes, state), padded_step, *inputs)
+            tree, plan = first_rows(tree, plan, r)
+            branch, valid = (None, None) if branch is None else (branch[:r], valid[:r])
+        if self.history is not None and self.auto is not None:  # scored next step (`_observe_lookup`)
+            self._proposed = (req_ids, branch, valid)
         host = self._store(req_ids, tree)
         if self.auto is not None:
             self.auto.record_plan(plan, r)
@@ -621,7 +632,9 @@ class DDTreeProposer(DFlashProposer):
         the automatic budget cannot be captured (`AutoBudget.capture_state`)."""
         if self.step_graphs is None or scorer is not None:
             return None
-        return () if self.auto is None else self.auto.capture_state(r, device)
+        history = () if self.history is None else (self.history.generation,)  # its buffers, if ever regrown
+        budget = () if self.auto is None else self.auto.capture_state(r, device)
+        return None if budget is None else history + budget
 
     def _store(self, req_ids: list[str], tree: DraftTree) -> HostTrees:
         # The one host copy per step: vLLM's scheduler takes draft tokens as Python lists.

@@ -50,10 +50,12 @@ class TokenHistory:
         self.window, self.match, self.device = window, match, torch.device(device)
         self.tokens = torch.full((0, window + 1), PAD, dtype=torch.int32, device=self.device)
         self.lengths = torch.zeros(0, dtype=torch.int64, device=self.device)
+        self.generation = 0  # how many times the buffers were made anew (a capture reading them holds the old)
         self._grow(slots)
 
     def _grow(self, slots: int) -> None:
         if slots > self.tokens.shape[0]:
+            self.generation += 1
             more = max(slots, 2 * self.tokens.shape[0]) - self.tokens.shape[0]
             self.tokens = torch.cat([self.tokens, self.tokens.new_full((more, self.window + 1), PAD)])
             self.lengths = torch.cat([self.lengths, self.lengths.new_zeros(more)])

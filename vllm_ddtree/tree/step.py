@@ -6,8 +6,9 @@ One function of tensors whose shapes follow the host integers it is given (`buil
 batch): it reads nothing back to the host, and with the automatic budget calibrated every number it
 reads from the budget's state is a tensor updated in place (`AutoBudget.plan`). So it can be traced
 or captured (a CUDA graph per batch size and build width) and replayed while serving moves the
-state on. The n-gram tables' work (counting the step's tokens, the lookup path, rescoring) comes
-before it: their sizes follow the text seen so far.
+state on. `plan_trees_with_lookup` finds the prompt-lookup path inside the same function: the token
+history it reads is a fixed buffer written in place. The n-gram tables' work (counting the step's
+tokens, rescoring) comes before it: their sizes follow the text seen so far.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from . import constants
 from .allocate import BudgetPlan
 from .budget import AutoBudget
 from .build import DraftTree, PrefixScorer, add_branch, build_tree
+from .lookup import TokenHistory
 
 
 def plan_trees(
@@ -61,6 +63,41 @@ def plan_trees(
     if branch is not None:
         tree = add_branch(tree, branch, valid, max_nodes=max_nodes if max_nodes is not None else build + branch.shape[1])
     return tree, plan
+
+
+def plan_trees_with_lookup(
+    top_logp: Tensor,
+    top_ids: Tensor,
+    build: int,
+    context_lens: Tensor | None,
+    auto: AutoBudget | None,
+    history: TokenHistory,
+    slots: Tensor,
+    length: int,
+    max_nodes: int | None = None,
+    *,
+    padded: bool = False,
+    scorer: PrefixScorer | None = None,
+    context_tail: Tensor | None = None,
+    lam: float = 0.0,
+    rows: Tensor | None = None,
+) -> tuple[DraftTree, BudgetPlan | None, Tensor, Tensor]:
+    """`plan_trees` with each request's lookup path found first, in the same function: a capture of
+    the step holds the lookup too (`history` is read where it lies, so its in-place writes reach
+    every replay).
+
+    slots [R]: each request's slot in `history` (`padded`: -1 for a row padded past the batch, which
+    proposes nothing); length: the path's tokens. Returns the trees, the plan, and the lookup path
+    the budget was offered (tokens, valid [R, length]: `TokenHistory.continuation`), all of it.
+    """
+    if padded:
+        branch, valid = history.continuation(slots.clamp(min=0), length)
+        valid = valid & (slots >= 0)[:, None]
+    else:
+        branch, valid = history.continuation(slots, length)
+    tree, plan = plan_trees(top_logp, top_ids, build, context_lens, auto, branch, valid, max_nodes, scorer=scorer,
+                            context_tail=context_tail, lam=lam, rows=rows)
+    return tree, plan, branch, valid
 
 
 def capture_width(build: int, cap: int) -> int:
@@ -110,6 +147,14 @@ def pad_rows(total: int, top_logp: Tensor, top_ids: Tensor, context_lens: Tensor
 
     return (grow(top_logp, -math.inf), grow(top_ids, 0), grow(context_lens, 0), grow(branch, 0),
             grow(valid, False))
+
+
+def pad_slots(total: int, slots: Tensor) -> Tensor:
+    """History slots [R] padded to `total` rows with -1 (`plan_trees_with_lookup(padded=True)`)."""
+    extra = total - slots.shape[0]
+    if extra < 0:
+        raise ValueError(f"cannot pad {slots.shape[0]} requests to {total}")
+    return slots if extra == 0 else torch.cat([slots, constants.filled((extra,), -1, slots.dtype, slots.device)])
 
 
 def first_rows(tree: DraftTree, plan: BudgetPlan | None, r: int) -> tuple[DraftTree, BudgetPlan | None]:
