@@ -14,6 +14,7 @@ token-identical to the target), not here.
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -101,7 +102,8 @@ def test_the_automatic_budget_is_told_which_tree_nodes_were_accepted():
 
     class Recording(AutoBudget):
         def observe_acceptance(self, scores, verified, accepted):
-            seen.append((verified.clone(), accepted.clone()))
+            counted = verified & (scores > -math.inf)  # what the calibration counts (`AcceptanceCalibration.update`)
+            seen.append((counted, accepted & counted))
             super().observe_acceptance(scores, verified, accepted)
 
     runner, spec, total = stand_in_runner(torch.device("cpu"))

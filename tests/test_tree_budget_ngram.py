@@ -68,13 +68,13 @@ def test_chosen_budget_is_the_argmax_of_its_own_estimate():
     plan = choose_budgets(logp, ctx, cost, min_budget=2, max_budget=200)
     gains = node_gains(logp)
     for r in range(4):
-        best, best_n = -1.0, None
-        for n in range(2, 201):
-            a = 1 + float(gains[r, :n].sum())
-            c = float(cost.step_seconds(n, int(ctx[r]), 1))
-            if a / c > best:
-                best, best_n = a / c, n
-        assert int(plan.budgets[r]) == best_n
+        speed = {n: (1 + float(gains[r, :n].sum())) / float(cost.step_seconds(n, int(ctx[r]), 1)) for n in range(2, 201)}
+        best_n = max(speed, key=speed.get)
+        chosen = int(plan.budgets[r])
+        # the argmax up to float32 rounding: where the curve is flat, neighbours differ by less than
+        # the estimate's rounding (1e-8 relative at the top of row 0's curve)
+        assert speed[chosen] >= speed[best_n] * (1 - 1e-6), (chosen, best_n)
+        assert abs(chosen - best_n) <= 2 or speed[chosen] == speed[best_n], (chosen, best_n)
 
 
 def test_confident_drafter_gets_a_bigger_tree():

@@ -145,12 +145,16 @@ def test_walk_follows_the_matching_path_row_by_row(seed):
             if kids and seed % 3:
                 follow[r, i] = batch.tokens[r, kids[int(torch.randint(0, len(kids), (1,), generator=g))]]
     walk = walk_tree(batch, follow)
+    # as wide as a sampler's caller lays it out (the step's most rows): the same walk, -1 past it
+    wide = walk_tree(batch, follow, width=int(batch.num_rows.max()) + 3)
+    assert wide.path_rows.shape[1] == wide.output_tokens.shape[1] == int(batch.num_rows.max()) + 3
     for r in range(batch.batch_size):
         path = walk_naive(batch.tokens[r].tolist(), batch.parents[r].tolist(), int(batch.num_rows[r]), follow[r].tolist())
         k = len(path)
-        assert walk.path_rows[r, :k].tolist() == path and (walk.path_rows[r, k:] == -1).all()
-        assert walk.output_tokens[r, :k].tolist() == [int(follow[r, i]) for i in path]
-        assert (walk.output_tokens[r, k:] == -1).all() and int(walk.num_emitted[r]) == k
+        for w in (walk, wide):
+            assert w.path_rows[r, :k].tolist() == path and (w.path_rows[r, k:] == -1).all()
+            assert w.output_tokens[r, :k].tolist() == [int(follow[r, i]) for i in path]
+            assert (w.output_tokens[r, k:] == -1).all() and int(w.num_emitted[r]) == k
 
 
 def test_greedy_walk_accepts_a_long_path_when_the_draft_is_right():
@@ -260,5 +264,7 @@ def test_walk_rejects_wrong_shapes():
     _, batch = make_batch()
     with pytest.raises(ValueError, match="one token per verify row"):
         walk_tree(batch, torch.zeros(3, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="cannot hold a path of depth"):
+        walk_tree(batch, torch.zeros_like(batch.tokens), width=batch.max_depth)
     with pytest.raises(ValueError, match="context_lens"):
         compile_tree(build_tree(*topk_per_depth(torch.randn(2, 2, 3), 3), 2), torch.zeros(3), torch.zeros(2))

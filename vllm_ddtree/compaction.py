@@ -165,7 +165,9 @@ def accepted_path_moves(batch: TreeBatch, walk: WalkResult, row_index: Tensor, s
     """
     r, n = batch.tokens.shape
     dev = row_index.device
-    src_rows, dst_rows = (row_index.gather(1, rows) for rows in path_row_moves(walk.path_rows))
+    # (a walk may be wider than the deepest node: moves past it would be no-ops, on every layer)
+    path = walk.path_rows[:, : batch.max_depth + 1]
+    src_rows, dst_rows = (row_index.gather(1, rows) for rows in path_row_moves(path))
     src, dst = slot_mapping[src_rows.reshape(-1)], slot_mapping[dst_rows.reshape(-1)]
     # Accepted path first within each request: valid rows come first in a TreeBatch, and after the
     # sort path rows (keys = path index, the row's depth, < n) precede the other valid rows (n + row)

@@ -51,6 +51,7 @@ from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_ddtree.config import VOCAB_SUBSET_NEEDS_PLAIN_HEAD
+from vllm_ddtree.tree import constants
 from vllm_ddtree.tree.lookup import LOOKUP_WINDOW
 from vllm_ddtree.drafter.io import load_draft_vocab
 
@@ -146,22 +147,26 @@ class DDTreeStats:
     """
 
     interval: float = 10.0
-    totals: Tensor | None = None  # [4]: request-steps with a tree, nodes verified, sum of tree depths, accepted
+    totals: Tensor | None = None  # [4]: request-steps with a tree, verify rows, sum of tree depths, accepted
     gate: SpeculationGate | None = None  # the automatic budget's gate: its drafted/undrafted steps join the log
+    request_steps: int = 0  # request-steps verified, with a tree or not (a host count: the root rows in `totals`)
     _last_log: float = field(default_factory=time.monotonic)
     _logged: tuple = (0, 0, 0, 0)
     _gate_logged: tuple = (0, 0)
 
-    def record(self, nodes: Tensor, depths: Tensor, accepted: Tensor) -> None:
+    def record(self, rows: Tensor, depths: Tensor, accepted: Tensor) -> None:
+        """rows/depths/accepted [R]: each request's verify rows (its root included), deepest row and
+        accepted nodes this step."""
         # [4, R] summed per row in one pass (stack promotes the bool row)
-        step = torch.stack([nodes > 0, nodes, depths.to(nodes.device), accepted.to(nodes.device)]).sum(
+        step = torch.stack([rows > 1, rows, depths.to(rows.device), accepted.to(rows.device)]).sum(
             dim=1, dtype=torch.float64).to(accepted.device)
         self.totals = step if self.totals is None else self.totals + step
+        self.request_steps += rows.shape[0]
         now = time.monotonic()
         if now - self._last_log >= self.interval:
             s0, n0, d0, a0 = self._logged
             with gpu_sync_allowed():  # deliberate: once per log interval, not per step
-                steps, nodes_, depth, acc = self.totals.tolist()
+                steps, nodes_, depth, acc = self._read()
             ds = max(steps - s0, 1)
             gated = ""
             if self.gate is not None:  # how many decode steps the gate let draft, since the last line
@@ -176,8 +181,15 @@ class DDTreeStats:
             )
             self._last_log, self._logged = now, (steps, nodes_, depth, acc)
 
+    def _read(self) -> tuple[float, float, float, float]:
+        """The totals on the host: request-steps with a tree, nodes verified, depths, accepted."""
+        if self.totals is None:
+            return 0, 0, 0, 0
+        steps, rows, depth, acc = self.totals.tolist()
+        return steps, rows - self.request_steps, depth, acc
+
     def summary(self) -> dict:
-        steps, nodes, depth, acc = self.totals.tolist() if self.totals is not None else (0, 0, 0, 0)
+        steps, nodes, depth, acc = self._read()
         s = max(steps, 1)
         return {"tree_verifications": int(steps), "mean_tree_nodes": nodes / s,
                 "mean_tree_depth": depth / s, "mean_acceptance_length": 1 + acc / s}
@@ -656,8 +668,10 @@ class DDTreeProposer(DFlashProposer):
         discard = torch.as_tensor(self.runner.discard_request_mask.np[:r], dtype=torch.bool)
         rows = torch.tensor(list(map(row.get, req_ids, itertools.repeat(none, r))), dtype=torch.int64)
         index = to_device(torch.where(discard, none, rows), valid.device)
-        proposed = torch.cat([proposed, proposed.new_zeros(1, proposed.shape[1])])[index]
-        valid = torch.cat([valid, valid.new_zeros(1, valid.shape[1])])[index]
+        # (the appended rows: kept constants, no fill of their own each step)
+        length, dev = proposed.shape[1], proposed.device
+        proposed = torch.cat([proposed, constants.filled((1, length), 0, proposed.dtype, dev)])[index]
+        valid = torch.cat([valid, constants.filled((1, length), False, torch.bool, dev)])[index]
         self.auto.observe_lookup(proposed, valid, step_tokens)
 
     def _catch_up(self) -> None:
@@ -715,7 +729,7 @@ class DDTreeProposer(DFlashProposer):
         self._seen.update(zip(req_ids, torch.where(discard, n, _COUNTED_ON_DEVICE).tolist()))
         slots = list(map(self._slots.__getitem__, req_ids))
         discarded = to_device(discard.view(r, 1), step_tokens.device)
-        tokens = torch.where(discarded, -1, step_tokens[:r])
+        tokens = torch.where(discarded, -1, step_tokens if step_tokens.shape[0] == r else step_tokens[:r])
         if self.ngram is not None:
             slots_on_device = self.ngram.observe_step(slots, tokens, host)
         if self.history is not None:

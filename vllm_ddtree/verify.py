@@ -40,8 +40,9 @@ class TreeStep:
     logit_rows: Tensor  # [R, N] each verify row's row of the target's logits (0 where padding)
     slot_mapping: Tensor  # [T] KV slot of every scheduled token (sequential positions)
     sequential_positions: Tensor | None = None  # [T] positions before the tree's context + depth rewrite
-    node_scores: Tensor | None = None  # [R, N - 1] prefix score of each node (automatic budget only)
-    from_tree: Tensor | None = None  # [R] bool: the request's drafts are its proposed tree (not a fallback chain)
+    # [R, N - 1] prefix score of each node (automatic budget only); -inf where the request's drafts are
+    # not its proposed tree (a fallback chain: no score to calibrate), and on padding
+    node_scores: Tensor | None = None
     step_size: tuple[float, float, float] | None = None  # (rows, attention pairs, context) if the step verified trees only
 
 
@@ -158,7 +159,7 @@ def prepare_tree_step(runner, spec_decode_metadata, total_tokens: int) -> TreeSt
     return TreeStep(batch=batch, row_index=row_index, logit_rows=logit_rows,
                     slot_mapping=slot_mapping,
                     node_scores=None if node_scores is None else to_device(node_scores, dev),
-                    from_tree=to_device(from_tree, dev), sequential_positions=sequential, step_size=step_size)
+                    sequential_positions=sequential, step_size=step_size)
 
 
 def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadata):
@@ -173,13 +174,13 @@ def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadat
     md = runner.input_batch.sampling_metadata
     counts = (torch.tensor(spec_decode_metadata.num_draft_tokens) + 1).tolist()  # host counts: ragged chunks, no device read
     row_tokens = sample_rows(logits, rows, md, batch, counts)
-    walk = walk_tree(batch, torch.where(batch.valid, row_tokens, -1))
     # [R, depth + 1], the rejection sampler's layout: the walk covers the deepest node, the step's
     # widest request may have more rows than that (a bushy tree); -1 pads the rest.
     depth = max(spec_decode_metadata.num_draft_tokens)
-    pad = depth + 1 - walk.output_tokens.shape[1]
-    out = torch.nn.functional.pad(walk.output_tokens, (0, pad), value=-1).to(torch.int32)
-    path_rows = torch.nn.functional.pad(walk.path_rows, (0, pad), value=-1)
+    # (a padding row's token is never read: no valid row descends from it, and the walk keeps valid rows)
+    walk = walk_tree(batch, row_tokens, width=depth + 1)
+    out = walk.output_tokens.to(torch.int32)
+    path_rows = walk.path_rows
 
     # KV compaction in the target's caches (slot of row path[j] -> slot of row j), and the order
     # of the step's tokens with each request's accepted path first: vLLM's DFlash input prep trims
@@ -195,7 +196,7 @@ def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadat
     runner.drafter.context_positions = step.sequential_positions
     runner.drafter.step_tokens = out  # the n-gram model's new tokens (DDTreeProposer._observe)
     proposer: DDTreeProposer = runner.drafter
-    proposer.stats.record(batch.num_rows - 1, batch.depths.max(dim=1).values, walk.num_accepted)
+    proposer.stats.record(batch.num_rows, batch.depths.max(dim=1).values, walk.num_accepted)
     if proposer.auto is not None:
         _calibrate(proposer, step, walk.accepted_rows)
         if proposer.auto.gate is not None:  # what the step committed, for the gate's next decision
@@ -214,10 +215,9 @@ def _calibrate(proposer: DDTreeProposer, step: TreeStep, accepted_rows: Tensor) 
     (finite score): a prompt-lookup branch's nodes are neither predicted nor counted as accepted
     (the calibration leaves infinite scores out), so the drafter's confidence is fitted to its own nodes.
     """
-    from_tree = step.from_tree.view(-1, 1)
-    verified = step.batch.valid[:, 1:] & from_tree  # [R, N - 1]: node j is verify row j + 1
-    accepted = accepted_rows[:, 1:] & from_tree
-    proposer.auto.observe_acceptance(step.node_scores, verified, accepted)
+    # [R, N - 1]: node j is verify row j + 1. A fallback chain's nodes score -inf (`TreeStep`), so the
+    # calibration leaves them out as it leaves out the lookup's.
+    proposer.auto.observe_acceptance(step.node_scores, step.batch.valid[:, 1:], accepted_rows[:, 1:])
     if step.step_size is not None:  # the step verified trees only: its cost is known
         proposer.pending_step = step.step_size
 

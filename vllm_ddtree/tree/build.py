@@ -69,7 +69,8 @@ class DraftTree:
     parents     [R, B] int64  index of the parent node, NO_PARENT (-1) for children of the root
     depths      [R, B] int64  1..L (the root, depth 0, is not a node)
     scores      [R, B] float  cumulative tree score (drafter log-prob + weighted n-gram term)
-    draft_logp  [R, B] float  cumulative drafter log-probability of the prefix (no rescoring)
+    draft_logp  [R, B] float  cumulative drafter log-probability of the prefix (no rescoring); without
+                              rescoring the same tensor as `scores` (an op on both is made once)
     valid       [R, B] bool   node exists (within the request's budget and of finite score)
     num_nodes   [R]    int64  number of valid nodes; valid nodes are exactly the first num_nodes
     """
@@ -99,8 +100,8 @@ class DraftTree:
             tokens=torch.where(keep, self.tokens, 0),
             parents=torch.where(keep, self.parents, NO_PARENT),
             depths=torch.where(keep, self.depths, 0),
-            scores=torch.where(keep, self.scores, -math.inf),
-            draft_logp=torch.where(keep, self.draft_logp, -math.inf),
+            scores=(scores := torch.where(keep, self.scores, -math.inf)),
+            draft_logp=scores if self.draft_logp is self.scores else torch.where(keep, self.draft_logp, -math.inf),
             valid=keep,
             num_nodes=keep.sum(dim=1),
             max_depth=self.max_depth,
@@ -158,8 +159,9 @@ def add_branch(tree: DraftTree, tokens: Tensor, valid: Tensor, max_nodes: int) -
         tokens=tokens_out,
         parents=parents_out - 1,
         depths=depths_out,
-        scores=torch.nn.functional.pad(tree.scores, pad, value=-math.inf),
-        draft_logp=torch.nn.functional.pad(tree.draft_logp, pad, value=-math.inf),
+        scores=(scores := torch.nn.functional.pad(tree.scores, pad, value=-math.inf)),
+        draft_logp=(scores if tree.draft_logp is tree.scores
+                    else torch.nn.functional.pad(tree.draft_logp, pad, value=-math.inf)),
         valid=valid_out,
         num_nodes=valid_out.sum(dim=1),
         max_depth=max(tree.max_depth, length),
@@ -204,24 +206,34 @@ def tree_to_host(tree: DraftTree, with_scores: bool = False) -> HostTrees:
 
     The fields are packed into one float64 block (token ids, rows and depths are exact in float64,
     and so are float32 scores), copied with `to_host`, and split on the host: the tokens into the
-    scheduler's lists, the rest into padded host tensors.
+    scheduler's lists, the rest into padded host tensors. A row's kept nodes are its first ones
+    (best first; an `add_branch` path right after them), so its count is its nodes of depth >= 1.
     """
     w = tree.max_nodes
-    # On the device: the drafter-ranked nodes' depths (an `add_branch` path scores -inf), one host max below.
-    is_ranked = tree.scores > -math.inf  # (a node that is not valid scores -inf; scores are never +inf)
-    ranked = torch.where(is_ranked, tree.depths, 0)
-    fields = [tree.tokens, tree.parents, tree.depths, tree.num_nodes[:, None], ranked,
-              is_ranked.sum(dim=1, keepdim=True)] + ([tree.scores] if with_scores else [])
+    # The drafter-ranked nodes (an `add_branch` path scores -inf; a node that is not valid too, and
+    # scores are never +inf): from the scores on the host when they are copied anyway, else their
+    # depths and count made on the device.
+    if with_scores:
+        extra = [tree.scores]
+    else:
+        is_ranked = tree.scores > -math.inf
+        extra = [torch.where(is_ranked, tree.depths, 0), is_ranked.sum(dim=1, keepdim=True)]
     # one cast: `cat` promotes the other fields to the first one's float64
-    packed = to_host(torch.cat([fields[0].double(), *fields[1:]], dim=1))
-    counts = packed[:, 3 * w].long().tolist()
+    packed = to_host(torch.cat([tree.tokens.double(), tree.parents, tree.depths, *extra], dim=1))
+    depths = packed[:, 2 * w : 3 * w].long()
+    valid = depths > 0
+    counts = valid.sum(dim=1).tolist()
     tokens = list(map(list.__getitem__, packed[:, :w].long().tolist(), map(slice, counts)))  # each row[:count], in C
-    deepest = int(packed[:, 3 * w + 1 : 4 * w + 1].max()) if w and packed.shape[0] else 0
-    most = int(packed[:, 4 * w + 1].max()) if packed.shape[0] else 0
-    valid = torch.arange(w)[None, :] < packed[:, 3 * w : 3 * w + 1].long()
+    if with_scores:
+        scores = packed[:, 3 * w :].float()
+        is_ranked = scores > -math.inf
+        ranked, ranked_counts = torch.where(is_ranked, depths, 0), is_ranked.sum(dim=1)
+    else:
+        ranked, ranked_counts = packed[:, 3 * w : 4 * w], packed[:, 4 * w]
+    deepest = int(ranked.max()) if w and packed.shape[0] else 0
+    most = int(ranked_counts.max()) if packed.shape[0] else 0
     padded = (torch.where(valid, packed[:, :w].long(), 0), torch.where(valid, packed[:, w : 2 * w].long(), NO_PARENT),
-              torch.where(valid, packed[:, 2 * w : 3 * w].long(), 0),
-              torch.where(valid, packed[:, 4 * w + 2 :].float(), -math.inf) if with_scores else None)
+              torch.where(valid, depths, 0), torch.where(valid, scores, -math.inf) if with_scores else None)
     return HostTrees(tokens, deepest, most, padded)
 
 
@@ -415,8 +427,8 @@ def build_tree(
         tokens=torch.where(valid, top_ids.reshape(r, depth * k).gather(1, all_col.gather(1, sel)), 0),
         parents=torch.where(valid, parents, NO_PARENT),
         depths=torch.where(valid, depth_of.take(sel), 0),
-        scores=torch.where(valid, scores, -math.inf),
-        draft_logp=torch.where(valid, scores if scorer is None else all_q.gather(1, sel), -math.inf),
+        scores=(kept := torch.where(valid, scores, -math.inf)),
+        draft_logp=kept if scorer is None else torch.where(valid, all_q.gather(1, sel), -math.inf),
         valid=valid,
         num_nodes=valid.sum(dim=1),
         max_depth=depth,
@@ -625,8 +637,8 @@ def _pad_tree(tree: DraftTree, width: int) -> DraftTree:
         tokens=pad(tree.tokens, 0),
         parents=pad(tree.parents, NO_PARENT),
         depths=pad(tree.depths, 0),
-        scores=pad(tree.scores, -math.inf),
-        draft_logp=pad(tree.draft_logp, -math.inf),
+        scores=(scores := pad(tree.scores, -math.inf)),
+        draft_logp=scores if tree.draft_logp is tree.scores else pad(tree.draft_logp, -math.inf),
         valid=pad(tree.valid, False),
         num_nodes=tree.num_nodes,
         max_depth=tree.max_depth,

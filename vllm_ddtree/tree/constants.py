@@ -49,6 +49,16 @@ def arange(stop: int, device: torch.device, start: int = 0) -> Tensor:
     return _range_view(base, start, stop)
 
 
+def arange_rows(rows: int, stop: int, device: torch.device) -> Tensor:
+    """[rows, stop] int64: each row 0, 1, ..., stop - 1 (a view of `arange`'s)."""
+    return _expanded(arange(stop, device), rows)
+
+
+@functools.lru_cache(maxsize=_VIEWS)
+def _expanded(row: Tensor, rows: int) -> Tensor:
+    return row.expand(rows, row.shape[0])
+
+
 @functools.lru_cache(maxsize=_VIEWS)
 def _range_view(base: Tensor, start: int, stop: int) -> Tensor:
     # keyed by the base itself (hashed by identity): a grown range makes new views

@@ -93,14 +93,16 @@ def roofline_seconds(shape: ModelShape, profile: DeviceProfile, tokens, attn_pai
     context_total: sum of cached context lengths; num_requests only enters through these sums.
     At batch 1 this is BASTION's appendix F, eqs. (8) and (9). Both are linear in the totals: the
     coefficients (`_roofline_terms`) are computed once per model and device, so a step evaluates
-    the roofline in ten tensor ops.
+    the roofline in seven tensor ops (each term added with `add`'s multiplier: no product of its own).
     """
     f_tok, f_pair, b_const, b_tok, b_ctx, b_pair = _roofline_terms(shape, profile)
-    t_flops = tokens * f_tok + attn_pairs * f_pair
-    t_bytes = tokens * b_tok + context_total * b_ctx + attn_pairs * b_pair + b_const
-    if isinstance(t_flops, Tensor) or isinstance(t_bytes, Tensor):
-        return torch.maximum(torch.as_tensor(t_flops), torch.as_tensor(t_bytes))
-    return max(t_flops, t_bytes)
+    if not any(isinstance(x, Tensor) for x in (tokens, attn_pairs, context_total)):
+        return max(tokens * f_tok + attn_pairs * f_pair,
+                   tokens * b_tok + context_total * b_ctx + attn_pairs * b_pair + b_const)
+    tokens, attn_pairs, context_total = (torch.as_tensor(x) for x in (tokens, attn_pairs, context_total))
+    t_flops = torch.add(tokens * f_tok, attn_pairs, alpha=f_pair)
+    t_bytes = torch.add(torch.add(context_total * b_ctx + b_const, tokens, alpha=b_tok), attn_pairs, alpha=b_pair)
+    return torch.maximum(t_flops, t_bytes)
 
 
 @functools.lru_cache(maxsize=32)
@@ -242,7 +244,7 @@ class CostModel:
         tokens = torch.as_tensor(tokens)
         c = self.coefficients(tokens.device, torch.float64 if tokens.dtype == torch.float64 else torch.float32)
         rows = (tokens - c.knee).clamp(min=0)
-        smooth = c.slope * raw + c.per_token * rows + c.intercept
+        smooth = torch.addcmul(c.intercept, c.slope, raw).addcmul_(c.per_token, rows)  # slope raw + per_token rows
         # torch.take, not residual[size]: indexing with a 0-dim tensor converts it to a Python int, a
         # host sync (and a failed CUDA-graph capture) at every step. Past the table's end the buffer
         # holds zeros, and a size past the buffer reads its last entry, also zero.
@@ -259,7 +261,7 @@ class CostModel:
         r = num_requests
         s = torch.as_tensor(tree_tokens, dtype=torch.float32) + r
         ctx = torch.as_tensor(context_total, dtype=torch.float32)
-        pairs = s * ctx / r + s * s / r
+        pairs = s * (ctx + s) / r  # sum over requests of s_r (c_r + s_r), s_r = s / r, c_r = ctx / r
         verify = self.verify_seconds(s, pairs, ctx)
         c = self.coefficients(s.device)  # (s is float32)
         return c.correction * (c.fixed + verify)

@@ -64,10 +64,12 @@ def sample_tokens(probs: Tensor, exponential_noise: Tensor | None = None, genera
     return (probs.float() / exponential_noise).argmax(dim=-1)
 
 
-def walk_tree(batch: TreeBatch, row_tokens: Tensor) -> WalkResult:
+def walk_tree(batch: TreeBatch, row_tokens: Tensor, width: int | None = None) -> WalkResult:
     """Accept the longest path whose tokens the target produces; see the module docstring.
 
     row_tokens [R, N]: the target's token for every verify row (`greedy_tokens` or `sample_tokens`).
+    width: columns of `output_tokens` and `path_rows` (at least max_depth + 1, the default), -1
+    padded: the layout a sampler's caller wants, with no pad of its own.
     """
     r, n = batch.tokens.shape
     if row_tokens.shape != (r, n):
@@ -85,10 +87,12 @@ def walk_tree(batch: TreeBatch, row_tokens: Tensor) -> WalkResult:
     # [R, N], the root included: every ancestor (the row itself included) matches
     accepted = batch.valid & (ok[:, None, :] | ~batch.ancestors).all(dim=2)
 
-    steps = batch.max_depth + 1
+    steps = batch.max_depth + 1 if width is None else width
+    if steps < batch.max_depth + 1:
+        raise ValueError(f"walk_tree width {width} cannot hold a path of depth {batch.max_depth} (its root included)")
     # path[r, d] = the accepted row at depth d: one scatter (the others land in a spare column).
     path = constants.filled((r, steps + 1), -1, torch.int64, device).scatter(
-        1, torch.where(accepted, batch.depths.clamp(max=steps - 1), steps), constants.arange(n, device).expand(r, n))
+        1, torch.where(accepted, batch.depths.clamp(max=steps - 1), steps), constants.arange_rows(r, n, device))
     path = path[:, :steps]
     out = torch.where(path >= 0, row_tokens.gather(1, path.clamp(min=0)), PAD_TOKEN)
     return WalkResult(output_tokens=out, num_emitted=accepted.sum(dim=1), path_rows=path, accepted_rows=accepted)
