@@ -20,13 +20,16 @@ from vllm_ddtree.tree import (
     LookupCalibration,
     ModelShape,
     StepGraphs,
+    TokenHistory,
     build_tree,
     capture_width,
     first_rows,
     get_profile,
     pad_depths,
     pad_rows,
+    pad_slots,
     padded_rows,
+    plan_trees_with_lookup,
     topk_per_depth,
 )
 from vllm_ddtree.tree.step import plan_trees
@@ -257,6 +260,48 @@ def test_a_batch_padded_to_its_size_class_plans_the_same_trees_and_moves_the_sam
     assert not torch.equal(counted.step_seconds, plain.step_seconds)
     with pytest.raises(ValueError, match="cannot pad 4 requests to 3"):
         pad_rows(3, top_logp, top_ids, ctx, branch, valid)
+
+
+def history_with_repeats(seed: int, r: int) -> TokenHistory:
+    """Each request's text with a phrase it repeats: its lookup path is found (and for slot 0 too)."""
+    g = torch.Generator().manual_seed(seed)
+    history = TokenHistory(64, 2, slots=r)
+    phrases = torch.randint(0, VOCAB, (r, 6), generator=g)
+    history.observe_step(list(range(r)), torch.cat([phrases, torch.randint(0, VOCAB, (r, 9), generator=g),
+                                                    phrases[:, :3]], dim=1))
+    return history
+
+
+def test_the_lookup_found_inside_the_step_keeps_a_padded_batch_s_plans():
+    """`plan_trees_with_lookup` (the captured step, lookup included): the path it finds is the
+    history's, and a batch padded with slot -1 plans the unpadded batch's trees; the padding proposes
+    nothing. Negative control: padding that took a real slot (0) would offer its lookup path to the
+    budget, which buys it and counts its gains in the plan."""
+    for seed, r in ((0, R), (1, 2)):
+        history = history_with_repeats(seed, r)
+        slots = torch.arange(r)
+        top_logp, top_ids, ctx, _, _ = (x[:r] for x in step_inputs(seed))
+        auto_plain, auto_padded, auto_taken = calibrated_budget(seed), calibrated_budget(seed), calibrated_budget(seed)
+        branch, valid = history.continuation(slots, LOOKUP)
+        assert valid.any(dim=1).all()  # every request repeats its phrase
+        plain = plan_trees_with_lookup(top_logp, top_ids, BUILD, ctx, auto_plain, history, slots, LOOKUP, BUILD + LOOKUP)
+        assert torch.equal(plain[2], branch) and torch.equal(plain[3], valid)
+        assert torch.equal(plain[0].tokens, plan_trees(top_logp, top_ids, BUILD, ctx, calibrated_budget(seed), branch,
+                                                       valid, BUILD + LOOKUP)[0].tokens)
+        total = padded_rows(r) + 8
+        inputs = pad_rows(total, top_logp, top_ids, ctx, None, None)[:3]
+        for auto, pad in ((auto_padded, pad_slots(total, slots)), (auto_taken, torch.cat([slots, slots.new_zeros(total - r)]))):
+            out = plan_trees_with_lookup(inputs[0], inputs[1], BUILD, inputs[2], auto, history, pad, LOOKUP,
+                                         BUILD + LOOKUP, padded=True, rows=torch.count_nonzero(inputs[2]))
+            if auto is auto_padded:
+                assert not out[3][r:].any()  # the padding proposes nothing
+                tree, plan = first_rows(*out[:2], r)
+                assert torch.equal(tree.tokens, plain[0].tokens) and torch.equal(plan.budgets, plain[1].budgets)
+                assert torch.equal(plan.extra, plain[1].extra) and torch.equal(out[2][:r], branch)
+            else:
+                assert out[1].extra[r:].sum() > 0 and not torch.equal(out[1].expected_tokens, plain[1].expected_tokens)
+    with pytest.raises(ValueError, match="cannot pad 4 requests to 3"):
+        pad_slots(3, torch.arange(4))
 
 
 def test_the_switch_names_its_values_and_captures_on_cuda_by_default(monkeypatch):
