@@ -550,7 +550,7 @@ def pipeline_rows(quick: bool, repeats: int) -> list[dict]:
                                          glue_ms=statistics.median(glue)))
                         print(json.dumps(rows[-1]), flush=True)
                         gc.collect()
-        for budget in ("auto", 8):  # the GPU defaults, and a fixed budget, with plan_trees captured
+        for budget in ("auto", 8):  # the GPU defaults, and a fixed budget, with the tree step captured
             with torch.no_grad(), gpu_code_paths():
                 counted = captured_step(code, batch, budget, 8, QWEN3_8B["vocab_size"], 36)
             if counted is not None:
@@ -734,7 +734,7 @@ def plot(rows: list[dict], path: Path) -> None:
     captured = [r for r in rows if r["engine"] == "pipeline, captured"]
     for code, budget in sorted({(r["code"], str(r["budget"])) for r in captured}):
         pts = sorted((r["batch"], r["device_ops"]) for r in captured if r["code"] == code and str(r["budget"]) == budget)
-        axes[0].plot(*zip(*pts), ":", marker="s", label=f"{code}, budget {budget}, plan_trees captured (launches)")
+        axes[0].plot(*zip(*pts), ":", marker="s", label=f"{code}, budget {budget}, tree step captured (launches)")
     for ax, title in zip(axes, ("device ops per step (Qwen3-8B sizes)", "glue host ms per step (V = 512)",
                                 "lines of ddtree's Python per step")):
         ax.set_xscale("log", base=2)
