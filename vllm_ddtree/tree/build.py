@@ -73,6 +73,8 @@ class DraftTree:
                               rescoring the same tensor as `scores` (an op on both is made once)
     valid       [R, B] bool   node exists (within the request's budget and of finite score)
     num_nodes   [R]    int64  number of valid nodes; valid nodes are exactly the first num_nodes
+    Padding (a node that is not valid): token 0, parent NO_PARENT, depth 0, scores -inf; so a valid
+    node is one of depth >= 1 (what `tree_to_host` counts).
     """
 
     tokens: Tensor
