@@ -49,7 +49,10 @@ ENGINE = {"max_num_batched_tokens": 128, "max_num_seqs": 4}
 
 def generate(out: Path, runs: list[dict]) -> subprocess.Popen:
     """Starts generate_parallel.py on ``runs`` ({"engine", "spec"}) in its own session."""
-    env = vllm_env(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND=BIND)
+    # Ranks share two cores here, and one step's RPC once outlasted vLLM's 300 s default under CI load;
+    # the helper's own limit (`result`, 1500 s) still bounds the run.
+    env = vllm_env(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND=BIND,
+                   VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS="1200")
     args = [json.dumps({"engine": ENGINE | r["engine"], "spec": r["spec"]}) for r in runs]
     return subprocess.Popen([sys.executable, str(HELPER), str(out), "--prompts", PROMPTS, "--sampling",
                              json.dumps(SAMPLING), *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
