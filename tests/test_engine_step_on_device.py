@@ -96,28 +96,30 @@ def test_the_automatic_budget_is_told_which_tree_nodes_were_accepted():
     """`sample_tree_step` hands the acceptance calibration each request's accepted nodes: "a" accepts
     its nodes 0, 2, 3 (10 -> 12 -> 13); "c" accepts 20 of a chain the drafter did not propose, which
     is neither verified nor accepted as far as the drafter's calibration is concerned."""
-    from vllm_ddtree.tree import AutoBudget, CostModel, ModelShape, get_profile
+    from vllm_ddtree.tree import AcceptanceCalibration, AutoBudget, CostModel, ModelShape, get_profile
 
     seen = []
 
-    class Recording(AutoBudget):
-        def observe_acceptance(self, scores, verified, accepted):
-            counted = verified & (scores > -math.inf)  # what the calibration counts (`AcceptanceCalibration.update`)
+    class Recording(AcceptanceCalibration):
+        def update_state(self, scores, verified, accepted):
+            counted = verified & (scores > -math.inf)  # what the calibration counts (`update_state`)
             seen.append((counted, accepted & counted))
-            super().observe_acceptance(scores, verified, accepted)
+            super().update_state(scores, verified, accepted)
 
     runner, spec, total = stand_in_runner(torch.device("cpu"))
     shape = ModelShape(layers=30, hidden=576, q_heads=9, kv_heads=3, head_dim=64, ffn=1536, vocab=49152,
                        bytes_per_param=4)
-    runner.drafter.auto = Recording(CostModel(shape, get_profile("cpu")), 1, WIDTH)
+    runner.drafter.auto = AutoBudget(CostModel(shape, get_profile("cpu")), 1, WIDTH, acceptance=Recording())
     runner.drafter.proposed = ProposedTrees.from_requests(
         {"a": RequestTree(TREE_A.tokens, TREE_A.parents, TREE_A.depths, [-0.1, -1.2, -0.3, -0.6])})
     step = prepare_tree_step(runner, spec, total)
     sample_tree_step(runner, step, target_logits(torch.device("cpu")), spec)
     (verified, accepted), = seen
-    assert verified.tolist() == [[True] * 4, [False] * 4, [False] * 4]
-    assert accepted.tolist() == [[True, False, True, True], [False] * 4, [False] * 4]
+    # [R, N]: verify rows, the root (no node of the drafter's) first
+    assert verified.tolist() == [[False] + [True] * 4, [False] * 5, [False] * 5]
+    assert accepted.tolist() == [[False, True, False, True, True], [False] * 5, [False] * 5]
     assert float(runner.drafter.auto.acceptance.bin_accepted.sum()) == 3.0
+    assert runner.drafter.auto.acceptance.updates == 1  # the host's count of the update
 
 
 def test_a_tree_step_s_drafter_order_does_not_outlive_the_next_step():

@@ -15,6 +15,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from vllm_ddtree.tree import (
+    AcceptanceCalibration,
     AutoBudget,
     CostModel,
     LookupCalibration,
@@ -23,14 +24,19 @@ from vllm_ddtree.tree import (
     TokenHistory,
     build_tree,
     capture_width,
+    compile_tree,
     first_rows,
     get_profile,
     pad_depths,
     pad_rows,
     pad_slots,
     padded_rows,
+    padded_width,
     plan_trees_with_lookup,
     topk_per_depth,
+    verify_step,
+    verify_trees,
+    walk_tree,
 )
 from vllm_ddtree.tree.step import plan_trees
 
@@ -323,3 +329,93 @@ def test_the_switch_names_its_values_and_captures_on_cuda_by_default(monkeypatch
         monkeypatch.setenv("VLLM_DDTREE_STEP_GRAPHS", value)
         with pytest.raises(ValueError, match="VLLM_DDTREE_STEP_GRAPHS must be 0, 1 .the default. or trace"):
             proposer.step_graphs_from_env(torch.device("cpu"))
+
+
+def verify_inputs(seed: int, r: int, budget: int):
+    """A verify step of `r` trees at most `budget` nodes wide: its TreeBatch, the target's token per row
+    (a child's token 70 % of the time where the row has children, so paths are accepted), and each
+    row's node score, some -inf (nodes the drafter did not rank: neither predicted nor counted; the
+    root)."""
+    g = torch.Generator().manual_seed(seed)
+    top_logp, top_ids = topk_per_depth(torch.randn(r, 5, 8, generator=g) * 2, 8)
+    tree = build_tree(top_logp, top_ids, torch.randint(1, budget + 1, (r,), generator=g), max_budget=budget)
+    batch = compile_tree(tree, torch.randint(0, 8, (r,), generator=g), torch.randint(0, 900, (r,), generator=g))
+    n = batch.tokens.shape[1]
+    child = torch.full((r, n), -1).scatter_(1, batch.parents.clamp(min=0), torch.where(batch.valid, batch.tokens, -1))
+    follow = (child >= 0) & (torch.rand(r, n, generator=g) < 0.7)
+    row_tokens = torch.where(follow, child, torch.randint(0, 8, (r, n), generator=g))
+    scores = torch.where(torch.rand(r, n - 1, generator=g) < 0.2, -math.inf, tree.scores)
+    scores = torch.nn.functional.pad(scores, (1, 0), value=-math.inf)  # [R, N]: the root has no score
+    return batch, row_tokens, scores
+
+
+#: (requests, width) of successive verify steps: after the first two (eager, then captured) the
+#: size class 4-7 and padded width 16 replay one capture, most of them smaller than a step before,
+#: so their buffers hold an earlier step's values past the batch; then a batch of another class.
+VERIFY_STEPS = ((7, 15), (5, 9), (7, 15), (4, 10), (6, 12), (5, 9), (4, 8), (2, 6))
+
+
+def test_the_verify_step_replayed_from_a_padded_capture_walks_and_calibrates_as_eager():
+    """`verify_trees` with `StepGraphs` (what sample_tree_step runs where the proposer captures): the
+    walk, the statistics' sums, the committed count and the acceptance calibration equal the eager
+    step's on every step, though a replay's buffers hold an earlier step's values past the batch."""
+    graphs = StepGraphs("trace")
+    captured, eager = AcceptanceCalibration(), AcceptanceCalibration()
+    for seed, (r, budget) in enumerate(VERIFY_STEPS):
+        batch, row_tokens, scores = verify_inputs(seed, r, budget)
+        got = verify_trees(batch, row_tokens, scores, captured, graphs)
+        want = verify_trees(batch, row_tokens, scores, eager)
+        plain = walk_tree(batch, row_tokens, width=batch.tokens.shape[1])
+        for name in ("output_tokens", "num_emitted", "path_rows", "accepted_rows"):
+            assert torch.equal(getattr(got.walk, name), getattr(want.walk, name)), (name, seed)
+            assert torch.equal(getattr(want.walk, name), getattr(plain, name)), (name, seed)
+        assert torch.equal(got.sums, want.sums) and torch.equal(got.committed, want.committed), seed
+        assert int(got.committed) == int(plain.num_emitted.sum()) > r  # some nodes accepted
+        assert got.sums.tolist() == [float((batch.num_rows > 1).sum()), float(batch.num_rows.sum()),
+                                     float(batch.depths.max(dim=1).values.sum()), float(plain.num_emitted.sum())]
+        torch.testing.assert_close(captured._ema, eager._ema)
+        torch.testing.assert_close(captured._bin_sums, eager._bin_sums)
+        assert torch.equal(captured.beta, eager.beta), seed
+    assert (graphs.eager_calls, graphs.captures, graphs.replays_by["verify"]) == (2, 1, 5)
+    assert eager.bin_accepted.sum() > 0
+
+
+def test_a_verify_capture_whose_mask_keeps_an_earlier_step_s_rows_walks_wrong_paths():
+    """The negative control of the test above: `valid` given like the other inputs (its leading block
+    only) leaves an earlier, larger step's rows valid in the capture's buffers, and the replays
+    accept rows that are not the step's."""
+    graphs = StepGraphs("trace")
+    wrong = 0
+    for seed, (r, budget) in enumerate(VERIFY_STEPS[:6]):
+        batch, row_tokens, _ = verify_inputs(seed, r, budget)
+        rows, width = padded_rows(r), padded_width(batch.tokens.shape[1])
+        block = (rows, width)
+
+        def step(tokens, parents, depths, valid, ancestors, row_tokens):
+            return verify_step(tokens, parents, depths, valid, ancestors, row_tokens, width)
+
+        got = graphs(("verify", rows, width), step, batch.tokens, batch.parents, batch.depths, batch.valid,
+                     batch.ancestors, row_tokens, shapes=(block, block, block, block, (rows, width, width), block))
+        want = walk_tree(batch, row_tokens, width=width)
+        wrong += not torch.equal(got.committed, want.num_emitted.sum())
+    assert wrong > 0
+
+
+def test_step_graphs_copy_a_smaller_input_into_its_buffer_s_leading_block():
+    graphs = StepGraphs("trace")
+    calls = []
+
+    def total(x, mask):
+        calls.append(tuple(x.shape))
+        return (x * mask).sum(dim=1)
+
+    for n, seed in ((3, 0), (4, 1), (2, 2)):
+        x = torch.arange(2 * n, dtype=torch.float32).view(2, n) + seed
+        mask = torch.arange(4) < n  # whole: masks what an earlier call left in x's buffer
+        assert torch.equal(graphs("k", total, x, mask, shapes=((2, 4), None)), x.sum(dim=1))
+    assert calls == [(2, 4), (2, 4)]  # eager and capture on the buffer's shape; the third call replayed
+    with pytest.raises(ValueError, match=r"an input of shape \(2, 5\) does not fit a buffer of shape \(2, 4\)"):
+        graphs("k", total, torch.zeros(2, 5), mask, shapes=((2, 4), None))
+    with pytest.raises(ValueError, match="shapes has 1 entries for 2 inputs"):
+        graphs("k", total, x, mask, shapes=((2, 4),))
+    assert [padded_width(n) for n in (1, 2, 3, 9, 16, 17, 65)] == [1, 2, 4, 16, 16, 32, 128]

@@ -147,21 +147,19 @@ class DDTreeStats:
     """
 
     interval: float = 10.0
-    totals: Tensor | None = None  # [4]: request-steps with a tree, verify rows, sum of tree depths, accepted
+    totals: Tensor | None = None  # [4]: request-steps with a tree, verify rows, sum of tree depths, emitted tokens
     gate: SpeculationGate | None = None  # the automatic budget's gate: its drafted/undrafted steps join the log
-    request_steps: int = 0  # request-steps verified, with a tree or not (a host count: the root rows in `totals`)
+    request_steps: int = 0  # request-steps verified, with a tree or not (a host count: the root rows and bonus tokens in `totals`)
     _last_log: float = field(default_factory=time.monotonic)
     _logged: tuple = (0, 0, 0, 0)
     _gate_logged: tuple = (0, 0)
 
-    def record(self, rows: Tensor, depths: Tensor, accepted: Tensor) -> None:
-        """rows/depths/accepted [R]: each request's verify rows (its root included), deepest row and
-        accepted nodes this step."""
-        # [4, R] summed per row in one pass (stack promotes the bool row)
-        step = torch.stack([rows > 1, rows, depths.to(rows.device), accepted.to(rows.device)]).sum(
-            dim=1, dtype=torch.float64).to(accepted.device)
-        self.totals = step if self.totals is None else self.totals + step
-        self.request_steps += rows.shape[0]
+    def record(self, sums: Tensor, requests: int) -> None:
+        """sums [4]: the step's requests with a tree, verify rows (roots included), deepest node depths
+        and emitted tokens (`tree.VerifiedStep.sums`); requests: the step's requests (a host count:
+        each emits its accepted nodes and one bonus, and has one root row)."""
+        self.totals = sums.clone() if self.totals is None else self.totals + sums
+        self.request_steps += requests
         now = time.monotonic()
         if now - self._last_log >= self.interval:
             s0, n0, d0, a0 = self._logged
@@ -185,8 +183,8 @@ class DDTreeStats:
         """The totals on the host: request-steps with a tree, nodes verified, depths, accepted."""
         if self.totals is None:
             return 0, 0, 0, 0
-        steps, rows, depth, acc = self.totals.tolist()
-        return steps, rows - self.request_steps, depth, acc
+        steps, rows, depth, emitted = self.totals.tolist()
+        return steps, rows - self.request_steps, depth, emitted - self.request_steps
 
     def summary(self) -> dict:
         steps, nodes, depth, acc = self._read()
@@ -210,11 +208,12 @@ def _present_as_dflash(vllm_config, width: int):
 
 
 def step_graphs_from_env(device: torch.device) -> StepGraphs | None:
-    """`VLLM_DDTREE_STEP_GRAPHS`: unset or "1" captures the tree step (`plan_trees`) in CUDA graphs on a
-    CUDA device (nothing elsewhere); "0": eager; "trace" uses `make_fx` traces instead (a CPU check of
-    the same path). On by default: eagerly the step's few hundred small ops keep the GPU waiting on
-    the host (on an H200, 3.4-8.4 ms per step eager against 0.7-1.2 ms replayed, beside a 10 ms
-    Qwen3-8B verify forward), and a capture that fails turns itself off (eager, with a warning)."""
+    """`VLLM_DDTREE_STEP_GRAPHS`: unset or "1" captures the tree step (`plan_trees`) and the verify
+    side's walk (`verify_trees`) in CUDA graphs on a CUDA device (nothing elsewhere); "0": eager;
+    "trace" uses `make_fx` traces instead (a CPU check of the same path). On by default: eagerly the
+    step's few hundred small ops keep the GPU waiting on the host (on an H200, 3.4-8.4 ms per step
+    eager against 0.7-1.2 ms replayed for the tree step, beside a 10 ms Qwen3-8B verify forward), and
+    a capture that fails turns them off (eager, with a warning)."""
     value = os.environ.get("VLLM_DDTREE_STEP_GRAPHS", "1").strip().lower()
     if value == "0":
         return None
@@ -231,7 +230,7 @@ class DDTreeProposer(DFlashProposer):
     # True: an undrafted step runs vLLM's own K = 0 pass (its discarded forward included) instead of
     # `_take_in_context`; kept so tests check that both leave the drafter the same context.
     vllm_k0_pass = False
-    step_graphs: StepGraphs | None = None  # the tree step's captures (VLLM_DDTREE_STEP_GRAPHS)
+    step_graphs: StepGraphs | None = None  # the tree step's and the walk's captures (VLLM_DDTREE_STEP_GRAPHS)
 
     def __init__(self, vllm_config, device: torch.device, runner=None) -> None:
         options = vllm_config.speculative_config.ddtree
@@ -627,7 +626,8 @@ class DDTreeProposer(DFlashProposer):
                                                        context_lens, None, None)[:3]
             inputs = (top_logp, top_ids, context_lens, None if slots is None else pad_slots(total, slots))
             shapes = tuple(None if x is None else (tuple(x.shape), x.dtype) for x in inputs)
-            tree, plan, branch, valid = self.step_graphs((build, self._cap, shapes, state), padded_step, *inputs)
+            tree, plan, branch, valid = self.step_graphs(("draft", build, self._cap, shapes, state), padded_step,
+                                                          *inputs)
             tree, plan = first_rows(tree, plan, r)
             branch, valid = (None, None) if branch is None else (branch[:r], valid[:r])
         if self.history is not None and self.auto is not None:  # scored next step (`_observe_lookup`)

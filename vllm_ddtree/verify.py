@@ -21,10 +21,10 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from vllm_ddtree.tree import (NO_PARENT, DraftTree, TreeBatch, compile_tree, to_device, to_device_together,
-                               walk_tree)
+from vllm_ddtree.tree import NO_PARENT, DraftTree, TreeBatch, compile_tree, to_device, to_device_together, verify_trees
 
 from vllm_ddtree.compaction import accepted_path_moves, move_slots_
 from vllm_ddtree.proposer import DDTreeProposer
@@ -40,8 +40,9 @@ class TreeStep:
     logit_rows: Tensor  # [R, N] each verify row's row of the target's logits (0 where padding)
     slot_mapping: Tensor  # [T] KV slot of every scheduled token (sequential positions)
     sequential_positions: Tensor | None = None  # [T] positions before the tree's context + depth rewrite
-    # [R, N - 1] prefix score of each node (automatic budget only); -inf where the request's drafts are
-    # not its proposed tree (a fallback chain: no score to calibrate), and on padding
+    # [R, N] prefix score of each verify row's node (automatic budget only); -inf for the root (row 0:
+    # no node), where the request's drafts are not its proposed tree (a fallback chain: no score to
+    # calibrate), and on padding
     node_scores: Tensor | None = None
     step_size: tuple[float, float, float] | None = None  # (rows, attention pairs, context) if the step verified trees only
 
@@ -120,7 +121,7 @@ def prepare_tree_step(runner, spec_decode_metadata, total_tokens: int) -> TreeSt
     node_scores = None
     if calibrating:
         scores = proposed_rows(proposed.scores, -math.inf) if proposed.scores is not None else torch.full((r, width), -math.inf)
-        node_scores = torch.where(in_draft & ~chain, scores, -math.inf)
+        node_scores = F.pad(torch.where(in_draft & ~chain, scores, -math.inf), (1, 0), value=-math.inf)  # (host)
     valid = in_draft
     zeros = torch.zeros(r, width)
     # The walk and the ancestor masks follow the deepest scheduled node (at most the drafter's width
@@ -174,11 +175,16 @@ def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadat
     md = runner.input_batch.sampling_metadata
     counts = (torch.tensor(spec_decode_metadata.num_draft_tokens) + 1).tolist()  # host counts: ragged chunks, no device read
     row_tokens = sample_rows(logits, rows, md, batch, counts)
-    # [R, depth + 1], the rejection sampler's layout: the walk covers the deepest node, the step's
-    # widest request may have more rows than that (a bushy tree); -1 pads the rest.
-    depth = max(spec_decode_metadata.num_draft_tokens)
+    proposer: DDTreeProposer = runner.drafter
+    # The walk, the statistics and the drafter's calibration: one device function, captured like the
+    # drafting step's where the proposer captures (`tree.verify_trees`). Its output is [R, depth + 1], the
+    # rejection sampler's layout: the walk covers the deepest node, the step's widest request may
+    # have more rows than that (a bushy tree); -1 pads the rest.
     # (a padding row's token is never read: no valid row descends from it, and the walk keeps valid rows)
-    walk = walk_tree(batch, row_tokens, width=depth + 1)
+    auto = proposer.auto
+    verified = verify_trees(batch, row_tokens, step.node_scores, None if auto is None else auto.acceptance,
+                            getattr(proposer, "step_graphs", None))
+    walk = verified.walk
     out = walk.output_tokens.to(torch.int32)
     path_rows = walk.path_rows
 
@@ -195,31 +201,20 @@ def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadat
     # position, and vLLM's DFlash context store would overwrite that row's K/V with it.
     runner.drafter.context_positions = step.sequential_positions
     runner.drafter.step_tokens = out  # the n-gram model's new tokens (DDTreeProposer._observe)
-    proposer: DDTreeProposer = runner.drafter
-    proposer.stats.record(batch.num_rows, batch.depths.max(dim=1).values, walk.num_accepted)
-    if proposer.auto is not None:
-        _calibrate(proposer, step, walk.accepted_rows)
-        if proposer.auto.gate is not None:  # what the step committed, for the gate's next decision
-            proposer.auto.gate.observe_tokens(walk.num_accepted.sum() + walk.num_accepted.shape[0])
+    proposer.stats.record(verified.sums, batch.batch_size)
+    if auto is not None:
+        if step.node_scores is not None:  # the calibration was fed on the device: its host count
+            auto.acceptance.updates += 1
+        if step.step_size is not None:  # the step verified trees only: its cost is known
+            proposer.pending_step = step.step_size
+        if auto.gate is not None:  # what the step committed, for the gate's next decision
+            auto.gate.observe_tokens(verified.committed)
     logprobs = None
     if md.max_num_logprobs is not None:
         path_rows = rows.gather(1, path_rows.clamp(min=0).to(rows.device))
         logprobs = path_logprobs(runner.sampler, logits, path_rows, out, md.max_num_logprobs)
     return SamplerOutput(sampled_token_ids=out, logprobs_tensors=logprobs)
 
-
-def _calibrate(proposer: DDTreeProposer, step: TreeStep, accepted_rows: Tensor) -> None:
-    """Feed the automatic budget's calibrations: the step's measured acceptance and its size.
-
-    accepted_rows [R, N]: the walk's rows on the accepted path. Only nodes the drafter ranked count
-    (finite score): a prompt-lookup branch's nodes are neither predicted nor counted as accepted
-    (the calibration leaves infinite scores out), so the drafter's confidence is fitted to its own nodes.
-    """
-    # [R, N - 1]: node j is verify row j + 1. A fallback chain's nodes score -inf (`TreeStep`), so the
-    # calibration leaves them out as it leaves out the lookup's.
-    proposer.auto.observe_acceptance(step.node_scores, step.batch.valid[:, 1:], accepted_rows[:, 1:])
-    if step.step_size is not None:  # the step verified trees only: its cost is known
-        proposer.pending_step = step.step_size
 
 def _compact_target_caches(runner, src_slots: Tensor, dst_slots: Tensor) -> None:
     """Apply the slot moves to every target attention layer (the drafter rewrites its own context)."""

@@ -51,6 +51,7 @@ def ddtree_summary(llm) -> dict | None:
     graphs = getattr(drafter, "step_graphs", None)
     return drafter.stats.summary() | drafter.budget_summary() | {"draft_vocab_size": drafter.draft_vocab_size} | (
         {} if graphs is None else {"step_graphs": {"captures": graphs.captures, "replays": graphs.replays,
+                                                   "replays_by": dict(graphs.replays_by),
                                                    "eager_calls": graphs.eager_calls, "failed": graphs.failed}})
 
 

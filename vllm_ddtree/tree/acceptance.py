@@ -90,16 +90,24 @@ class AcceptanceCalibration:
     def update(self, draft_logp: Tensor, verified: Tensor, accepted: Tensor) -> None:
         """draft_logp/verified/accepted [R, N] of the step: each node's score, whether it was verified,
         whether it is on the accepted path (nodes of infinite score are neither predicted nor counted)."""
-        dev = self.betas.device
-        lp = draft_logp.to(dev).float().reshape(-1)  # [R * N]
-        counted = verified.to(dev).reshape(-1) & (lp > -math.inf)  # (log-probabilities: never +inf)
-        hit = (accepted.to(dev).reshape(-1) & counted).float()
-        lp = torch.where(counted, lp, -math.inf)
-        # the bins' predictions use the exponent the budget uses right now
-        self._bin_sums.mul_(self.bin_decay).index_add_(1, self._bins(lp), torch.stack([torch.exp(self.beta * lp), hit]))
-        pred = torch.exp(self._betas_column * lp).sum(dim=1)  # [K]
-        self._ema.mul_(1 - self.alpha).add_(torch.cat([pred, hit.sum(dim=0, keepdim=True)]), alpha=self.alpha)
+        self.update_state(draft_logp, verified, accepted)
         self.updates += 1
+
+    def update_state(self, draft_logp: Tensor, verified: Tensor, accepted: Tensor) -> None:
+        """`update`'s device part (in place, no host count): what a captured verify step runs; its
+        caller counts the update (`updates`) on the host."""
+        dev = self.betas.device
+        # elementwise on the inputs' shape (slices of a step's tensors: no copy to flatten them), flat
+        # once each result is a fresh tensor
+        lp = draft_logp.to(dev).float()
+        counted = verified.to(dev) & (lp > -math.inf)  # (log-probabilities: never +inf)
+        hit = (accepted.to(dev) & counted).float()
+        lp = torch.where(counted, lp, -math.inf).reshape(-1)  # [R * N]
+        # the bins' predictions use the exponent the budget uses right now
+        self._bin_sums.mul_(self.bin_decay).index_add_(
+            1, self._bins(lp), torch.stack([torch.exp(self.beta * lp), hit.reshape(-1)]))
+        pred = torch.exp(self._betas_column * lp).sum(dim=1)  # [K]
+        self._ema.mul_(1 - self.alpha).add_(torch.cat([pred, hit.sum().view(1)]), alpha=self.alpha)
         self._fit_beta()
 
     def _fit_beta(self) -> None:

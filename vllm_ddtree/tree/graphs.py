@@ -2,6 +2,7 @@
 
     graphs = StepGraphs("cuda")
     out = graphs(key, fn, *inputs)     # fn(*inputs) -> tensors in tuples / dataclasses / None / ints
+    graphs.replays_by["verify"]        # replays of the keys ("verify", ...)
 
 Eagerly each op is a kernel launch of several microseconds of host time; a step of a few hundred
 small ops keeps the GPU waiting on the host. A CUDA graph replays them all in one launch. A graph
@@ -55,6 +56,22 @@ def _rebuild(obj: Any, leaves: list[Tensor]) -> Any:
     return obj
 
 
+def _leading_block(buffer: Tensor, x: Tensor) -> Tensor:
+    """The block of `buffer` that `x` fills (`buffer` itself when the shapes agree)."""
+    if buffer.shape == x.shape:
+        return buffer
+    return buffer[tuple(slice(0, n) for n in x.shape)]
+
+
+def _padded(x: Tensor | None, shape: tuple[int, ...] | None) -> Tensor | None:
+    """`x` zero-padded at the end of each dimension to `shape` (None: `x` as it is)."""
+    if x is None or shape is None or tuple(x.shape) == tuple(shape):
+        return x
+    out = x.new_zeros(shape)
+    _leading_block(out, x).copy_(x)
+    return out
+
+
 @dataclasses.dataclass
 class _Captured:
     inputs: list[Tensor | None]  # the graph's input buffers (None where the caller passes None)
@@ -76,10 +93,28 @@ class StepGraphs:
         self.seen: defaultdict[Any, int] = defaultdict(int)
         self.failed: str | None = None  # why the graphs are off, once a capture failed
         self.captures = self.replays = self.eager_calls = 0
+        self.replays_by: defaultdict[str, int] = defaultdict(int)  # per step a key names first ("draft", "verify")
 
-    def __call__(self, key: Any, fn: Callable[..., Any], *inputs: Tensor | None) -> Any:
-        """`fn(*inputs)`, replayed from the key's graph where there is one (captured now if due)."""
+    def __call__(self, key: Any, fn: Callable[..., Any], *inputs: Tensor | None,
+                 shapes: tuple[tuple[int, ...] | None, ...] | None = None) -> Any:
+        """`fn(*inputs)`, replayed from the key's graph where there is one (captured now if due).
+
+        shapes: per input, its buffer's shape (None: the input's own; the key must fix them). An input
+        smaller than its buffer is copied into the buffer's leading block, and the rest keeps what it
+        held (zeros at first, an earlier call's values later), so `fn` must make those elements
+        inert through an input passed whole (a mask). Eager calls get the inputs zero-padded alike:
+        every call of a key runs `fn` on the same shapes."""
+        if shapes is not None:
+            if len(shapes) != len(inputs):
+                raise ValueError(f"shapes has {len(shapes)} entries for {len(inputs)} inputs")
+            for x, shape in zip(inputs, shapes):
+                if shape is not None and (x is None or x.dim() != len(shape)
+                                          or any(a > b for a, b in zip(x.shape, shape))):
+                    raise ValueError(f"an input of shape {None if x is None else tuple(x.shape)} does not fit "
+                                     f"a buffer of shape {tuple(shape)}")
         entry = self.graphs.get(key)
+        if entry is None and shapes is not None:  # eager or capturing: the key's full shapes
+            inputs = tuple(_padded(x, shape) for x, shape in zip(inputs, shapes))
         if entry is None and self.failed is None:
             if len(self.seen) >= self.MAX_SEEN:  # keys seen once and never again: forget them
                 self.seen.clear()
@@ -94,8 +129,8 @@ class StepGraphs:
         self.graphs.move_to_end(key)
         for buffer, x in zip(entry.inputs, inputs):
             if buffer is not None:
-                buffer.copy_(x)
-        self.replays += 1
+                _leading_block(buffer, x).copy_(x)
+        self._count_replay(key)
         return entry.run()
 
     def _capture(self, key: Any, fn: Callable[..., Any], inputs: tuple) -> Any:
@@ -152,6 +187,11 @@ class StepGraphs:
         if len(self.graphs) > self.max_graphs:
             self.graphs.popitem(last=False)
         if out is None:
-            self.replays += 1
+            self._count_replay(key)
             out = run()
         return out
+
+    def _count_replay(self, key: Any) -> None:
+        self.replays += 1
+        if isinstance(key, tuple) and key and isinstance(key[0], str):
+            self.replays_by[key[0]] += 1

@@ -25,6 +25,10 @@ from .allocate import BudgetPlan
 from .budget import AutoBudget
 from .build import DraftTree, PrefixScorer, add_branch, build_tree
 from .lookup import TokenHistory
+from .acceptance import AcceptanceCalibration
+from .compile import TreeBatch
+from .graphs import StepGraphs
+from .verify import VerifiedStep, WalkResult, verify_step
 
 
 def plan_trees(
@@ -166,3 +170,57 @@ def first_rows(tree: DraftTree, plan: BudgetPlan | None, r: int) -> tuple[DraftT
     if plan is not None:
         plan = dataclasses.replace(plan, budgets=plan.budgets[:r], extra=None if plan.extra is None else plan.extra[:r])
     return tree, plan
+
+
+def padded_width(n: int) -> int:
+    """The verify width (rows per request, the root included) a captured verify step of `n` is padded
+    to: the next power of two, so the automatic budget's changing tree sizes take a few shapes."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def first_verified(verified: VerifiedStep, r: int, n: int) -> VerifiedStep:
+    """`verify_step`'s outputs for a padded batch cut to its first `r` requests and `n` columns (views:
+    a captured step's outputs are overwritten by its next replay, and the caller reads them before
+    then). The sums and the committed count cover the real requests already (padding has no rows and
+    emits nothing)."""
+    walk = verified.walk
+    walk = WalkResult(output_tokens=walk.output_tokens[:r, :n], num_emitted=walk.num_emitted[:r],
+                      path_rows=walk.path_rows[:r, :n], accepted_rows=walk.accepted_rows[:r, :n])
+    return dataclasses.replace(verified, walk=walk)
+
+
+def verify_trees(batch: TreeBatch, row_tokens: Tensor, node_scores: Tensor | None = None,
+                 acceptance: AcceptanceCalibration | None = None, graphs: StepGraphs | None = None) -> VerifiedStep:
+    """`verify_step` on a verify step's trees: the walk, the statistics' sums, and the drafter's
+    acceptance calibration fed (its host count, `updates`, is the caller's).
+
+    With `graphs` (the proposer's `step_graphs`) it is replayed from a capture per (size class,
+    padded width): the batch padded to its size class (`padded_rows`) and the verify width to the
+    next power of two (`padded_width`), so a server's steps take a few shapes; only `valid` is padded
+    here, whole, the other inputs fill the leading block of their buffers (`StepGraphs`) and are read
+    through it; the outputs are cut back to the batch's [R, N] (`first_verified`).
+
+    row_tokens [R, N]: the target's token per verify row; node_scores [R, N]: each row's node's prefix
+    score, -inf for the root and where it is not the drafter's ranking (a lookup path, a fallback
+    chain: neither predicted nor counted), fed to `acceptance` when both are given.
+    """
+    scores = node_scores if acceptance is not None else None
+    acceptance = acceptance if scores is not None else None
+    r, n = batch.tokens.shape
+    if graphs is None:
+        return verify_step(batch.tokens, batch.parents, batch.depths, batch.valid, batch.ancestors, row_tokens, n,
+                           scores, acceptance)
+    rows, width = padded_rows(r), padded_width(n)
+    valid = F.pad(batch.valid, (0, width - n, 0, rows - r))  # whole: the rest of every buffer is read through it
+    block = (rows, width)
+    shapes = (block, block, block, None, (rows, width, width), block, None if scores is None else block)
+
+    def padded_verify_step(tokens, parents, depths, valid, ancestors, row_tokens, scores):
+        # past the batch, an earlier replay's values: made the padding `compile_tree` makes (depth 0, no
+        # ancestor) through `valid`; the walk reads the rest of them through it
+        depths, ancestors = torch.where(valid, depths, 0), ancestors & valid[:, None, :]
+        return verify_step(tokens, parents, depths, valid, ancestors, row_tokens, width, scores, acceptance)
+
+    verified = graphs(("verify", rows, width, scores is not None), padded_verify_step, batch.tokens, batch.parents,
+                      batch.depths, valid, batch.ancestors, row_tokens, scores, shapes=shapes)
+    return first_verified(verified, r, n)

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from . import constants
+from .acceptance import AcceptanceCalibration
 from .compile import TreeBatch
 
 PAD_TOKEN = -1
@@ -74,7 +75,17 @@ def walk_tree(batch: TreeBatch, row_tokens: Tensor, width: int | None = None) ->
     r, n = batch.tokens.shape
     if row_tokens.shape != (r, n):
         raise ValueError(f"row_tokens must be [{r}, {n}] (one token per verify row), got {tuple(row_tokens.shape)}")
-    device = batch.tokens.device
+    steps = batch.max_depth + 1 if width is None else width
+    if steps < batch.max_depth + 1:
+        raise ValueError(f"walk_tree width {width} cannot hold a path of depth {batch.max_depth} (its root included)")
+    return _walk(batch.tokens, batch.parents, batch.depths, batch.valid, batch.ancestors, row_tokens, steps)
+
+
+def _walk(tokens: Tensor, parents: Tensor, depths: Tensor, valid: Tensor, ancestors: Tensor, row_tokens: Tensor,
+          steps: int) -> WalkResult:
+    """`walk_tree` on a TreeBatch's fields ([R, N], ancestors [R, N, N]), `steps` columns wide."""
+    r, n = tokens.shape
+    device = tokens.device
     row_tokens = row_tokens.long()
     # A node matches when its token is the target's token at its parent. Siblings carry distinct
     # tokens, so the rows whose whole path matches form one path from the root: the accepted one.
@@ -82,18 +93,49 @@ def walk_tree(batch: TreeBatch, row_tokens: Tensor, width: int | None = None) ->
     # depth), instead of stepping down the tree one depth at a time.
     # (The root's and the padding's matches do not matter: the root is on every path, and a padding
     # row is no valid row's ancestor.)
-    matches = batch.tokens == row_tokens.gather(1, batch.parents.clamp(min=0))
-    ok = matches | (batch.parents < 0)  # the root (parent -1) is on every path
+    matches = tokens == row_tokens.gather(1, parents.clamp(min=0))
+    ok = matches | (parents < 0)  # the root (parent -1) is on every path
     # [R, N], the root included: every ancestor (the row itself included) matches
-    accepted = batch.valid & (ok[:, None, :] | ~batch.ancestors).all(dim=2)
-
-    steps = batch.max_depth + 1 if width is None else width
-    if steps < batch.max_depth + 1:
-        raise ValueError(f"walk_tree width {width} cannot hold a path of depth {batch.max_depth} (its root included)")
+    accepted = valid & (ok[:, None, :] | ~ancestors).all(dim=2)
     # path[r, d] = the accepted row at depth d: one scatter (the others land in a spare column).
     path = constants.filled((r, steps + 1), -1, torch.int64, device).scatter(
-        1, torch.where(accepted, batch.depths.clamp(max=steps - 1), steps), constants.arange_rows(r, n, device))
+        1, torch.where(accepted, depths.clamp(max=steps - 1), steps), constants.arange_rows(r, n, device))
     path = path[:, :steps]
     out = torch.where(path >= 0, row_tokens.gather(1, path.clamp(min=0)), PAD_TOKEN)
     return WalkResult(output_tokens=out, num_emitted=accepted.sum(dim=1), path_rows=path, accepted_rows=accepted)
 
+
+@dataclass
+class VerifiedStep:
+    """What one verify step's device function (`verify_step`) returns.
+
+    walk       the step's `WalkResult`
+    sums       [4] float64  over the step's requests: requests with a tree, verify rows (roots
+                            included), deepest node depths, emitted tokens (`DDTreeStats`)
+    committed  []  float64  tokens the step commits: accepted nodes and one bonus per request
+                            (`sums[3]`)
+    """
+
+    walk: WalkResult
+    sums: Tensor
+    committed: Tensor
+
+
+def verify_step(tokens: Tensor, parents: Tensor, depths: Tensor, valid: Tensor, ancestors: Tensor,
+                row_tokens: Tensor, width: int, node_scores: Tensor | None = None,
+                acceptance: AcceptanceCalibration | None = None) -> VerifiedStep:
+    """The verify side's device function: `walk_tree`, the step's statistics, and the drafter's
+    acceptance calibration fed (`AcceptanceCalibration.update_state`; its host count is the caller's).
+
+    Fields as `compile_tree` makes them ([R, N], ancestors [R, N, N]; a padding row has depth 0 and
+    is no valid row's ancestor); row_tokens [R, N] the target's token per row; width: the walk's
+    columns (>= the deepest node + 1); node_scores [R, N] each row's node's prefix score (-inf: the
+    root, or not the drafter's ranking: neither predicted nor counted). Reads nothing back to the host: a capture of
+    it (`step.verify_trees`) replays it.
+    """
+    walk = _walk(tokens, parents, depths, valid, ancestors, row_tokens, width)
+    rows = valid.sum(dim=1)
+    sums = torch.stack([rows > 1, rows, depths.amax(dim=1), walk.num_emitted]).sum(dim=1, dtype=torch.float64)
+    if acceptance is not None and node_scores is not None:
+        acceptance.update_state(node_scores, valid, walk.accepted_rows)
+    return VerifiedStep(walk=walk, sums=sums, committed=sums[3])
