@@ -36,8 +36,10 @@ run in the order of `PARTS`):
   b.graphs   The step captured in a CUDA graph per batch size, replayed on new inputs after the serving
              state moved on (calibrations updated, the cost model refit), equal to eager; eager vs
              replay time. Then the proposer's own captures (`StepGraphs` around
-             `plan_trees_with_lookup`, what VLLM_DDTREE_STEP_GRAPHS=1 runs) the same way. CUDA only;
-             last, so a failed capture cannot disturb the other parts.
+             `plan_trees_with_lookup`, what VLLM_DDTREE_STEP_GRAPHS=1 runs) the same way, and the
+             verify side's (`verify_trees`: walk, statistics, calibration) over steps that pad to
+             one capture, smaller ones after larger. CUDA only; last, so a failed capture cannot
+             disturb the other parts.
 
     python benchmarks/gpu_check.py --device cuda --json-dir benchmarks/results/gpu   # <device>.json/.png
     python benchmarks/gpu_check.py --device cpu --quick --json /tmp/check.json       # what runs without CUDA
@@ -91,6 +93,7 @@ from vllm_ddtree.attention.tree_mask import (  # noqa: E402
 from vllm_ddtree.compaction import accepted_path_moves, layer_stacks, move_slots_  # noqa: E402
 from vllm_ddtree.tree.lookup import LOOKUP_WINDOW  # noqa: E402
 from vllm_ddtree.tree import (  # noqa: E402
+    AcceptanceCalibration,
     AutoBudget,
     CostModel,
     LookupCalibration,
@@ -110,8 +113,10 @@ from vllm_ddtree.tree import (  # noqa: E402
     pad_rows,
     pad_slots,
     padded_rows,
+    padded_width,
     plan_trees_with_lookup,
     topk_per_depth,
+    verify_trees,
     walk_tree,
 )
 
@@ -1307,6 +1312,64 @@ def step_graphs_run(r: int, vocab: int, device: torch.device, backend: str, reps
     return rec
 
 
+VERIFY_GRAPHS = "verify_trees"  # b.graphs' rows of the verify side's captured step (`verify_graphs_run`)
+
+
+def verify_step_inputs(r: int, budget: int, device: torch.device, seed: int) -> tuple[TreeBatch, torch.Tensor, torch.Tensor]:
+    """A verify step of `r` trees of up to `budget` nodes: its TreeBatch, the target's token per row (a
+    child's token 70 % of the time where the row has children: paths are accepted) and each row's
+    node score ([R, N], -inf for the root and for a fifth of the nodes: not the drafter's ranking)."""
+    g = torch.Generator().manual_seed(seed)
+    top_logp, top_ids = topk_per_depth(torch.randn(r, 6, 32, generator=g) * 2, 8)
+    tree = build_tree(top_logp, top_ids, torch.randint(budget // 2, budget + 1, (r,), generator=g), max_budget=budget)
+    batch = compile_tree(tree, torch.randint(0, 32, (r,), generator=g), torch.randint(0, 900, (r,), generator=g))
+    n = batch.tokens.shape[1]
+    child = torch.full((r, n), -1).scatter_(1, batch.parents.clamp(min=0), torch.where(batch.valid, batch.tokens, -1))
+    row_tokens = torch.where((child >= 0) & (torch.rand(r, n, generator=g) < 0.7), child,
+                             torch.randint(0, 32, (r, n), generator=g))
+    scores = F.pad(torch.where(torch.rand(r, n - 1, generator=g) < 0.2, -math.inf, tree.scores), (1, 0),
+                   value=-math.inf)
+    batch = TreeBatch(*(getattr(batch, f).to(device) for f in ("tokens", "parents", "depths", "positions", "valid",
+                                                              "num_rows", "context_lens", "ancestors")), batch.max_depth)
+    return batch, row_tokens.to(device), scores.to(device)
+
+
+def verify_graphs_run(r: int, device: torch.device, backend: str, reps: int) -> dict:
+    """The verify side's captured step: `verify_trees` (walk, statistics, the drafter's acceptance
+    calibration) with `StepGraphs(backend)`, as `sample_tree_step` calls it. Five steps whose batches
+    (the size class of `r`) and verify widths (33-64 rows) pad to one capture: eager, capture, then
+    replays, some smaller than a step before, so the capture's buffers hold an earlier step's values
+    past the batch. Each is compared with the eager `verify_trees` on a calibration of its own:
+    walk, sums and committed count equal; the calibrations' largest difference reported (sums over
+    padded arrays may round differently). On request (`reps` > 0) eager and replay times."""
+    top = padded_rows(r)
+    steps = ((top, 63), (r, 39), (top, 63), (r, 33), ((r + top) // 2, 49))
+    graphs = StepGraphs(backend)
+    captured, eager = AcceptanceCalibration().to(device), AcceptanceCalibration().to(device)
+    differs, calibration_gap = [], 0.0
+    for i, (rows, budget) in enumerate(steps):
+        batch, row_tokens, scores = verify_step_inputs(rows, budget, device, seed=5000 + 7 * r + i)
+        got = verify_trees(batch, row_tokens, scores, captured, graphs)
+        want = verify_trees(batch, row_tokens, scores, eager)
+        for name in ("output_tokens", "num_emitted", "path_rows", "accepted_rows"):
+            if not torch.equal(getattr(got.walk, name), getattr(want.walk, name)):
+                differs.append(f"step {i}: walk.{name}")
+        for name in ("sums", "committed"):
+            if not torch.equal(getattr(got, name), getattr(want, name)):
+                differs.append(f"step {i}: {name}")
+        for a, b in ((captured._ema, eager._ema), (captured._bin_sums, eager._bin_sums)):
+            calibration_gap = max(calibration_gap, float(((a - b).abs() / b.abs().clamp(min=1e-6)).max()))
+    width = padded_width(steps[0][1] + 1)
+    rec = {"differs": differs, "calibration_max_rel_gap": calibration_gap, "padded": [top, width],
+           "graphs": {"captures": graphs.captures, "replays": graphs.replays, "eager_calls": graphs.eager_calls,
+                      "failed": graphs.failed}}
+    rec["replay_equals_eager"] = not differs and graphs.failed is None and graphs.replays == len(steps) - 2
+    if reps:
+        rec["eager_ms"] = timed_ms(lambda: verify_trees(batch, row_tokens, scores, eager), device, reps)
+        rec["replay_ms"] = timed_ms(lambda: verify_trees(batch, row_tokens, scores, captured, graphs), device, reps)
+    return rec
+
+
 def part_b_graphs(ctx: "Check") -> dict:
     """Capture the step per batch size and variant, move the serving state on (`advance_state`),
     replay on new inputs, compare with eager, time both."""
@@ -1387,6 +1450,23 @@ def part_b_graphs(ctx: "Check") -> dict:
             rec.update(failure(exc))
             bad.append(f"{STEP_GRAPHS}@{r}")
             log(f"  b.graphs batch {r} {STEP_GRAPHS}: FAILED {rec['error'][:120]} at {rec['where']}")
+    for r in ctx.sizes.batches:  # the verify side's captures (the same switch)
+        rec = {"batch": r, "variant": VERIFY_GRAPHS}
+        rows.append(rec)
+        if ctx.deadline.left() < 20:
+            rec["skipped"] = "wall-clock budget"
+            continue
+        try:
+            rec.update(verify_graphs_run(r, ctx.device, "cuda", ctx.sizes.reps))
+            if not rec["replay_equals_eager"]:
+                bad.append(f"{VERIFY_GRAPHS}@{r}")
+            log(f"  b.graphs batch {r} {VERIFY_GRAPHS}: replay {rec['replay_ms']:.3f} ms vs eager {rec['eager_ms']:.3f} ms; "
+                f"calibration gap {rec['calibration_max_rel_gap']:.1e}"
+                f"{'' if rec['replay_equals_eager'] else ', DIFFERS: ' + str(rec['differs']) + ' ' + str(rec['graphs'])}")
+        except Exception as exc:  # noqa: BLE001
+            rec.update(failure(exc))
+            bad.append(f"{VERIFY_GRAPHS}@{r}")
+            log(f"  b.graphs batch {r} {VERIFY_GRAPHS}: FAILED {rec['error'][:120]} at {rec['where']}")
     return {"passed": not bad, "captures": rows, "failed": bad,
             "summary": "every capture replays equal to eager" if not bad else f"FAILED {', '.join(bad)}"}
 
@@ -1785,10 +1865,11 @@ def plot_report(report: dict, png: str) -> None:
         pts = sorted((s["batch"], s["replay_ms"]) for s in g if s.get("variant") == variant and "replay_ms" in s)
         if pts:
             ax.plot(*zip(*pts), style + ":", label=f"{variant} graph replay")
-    for key, style in (("eager_ms", "D-"), ("replay_ms", "D:")):
-        pts = sorted((s["batch"], s[key]) for s in g if s.get("variant") == STEP_GRAPHS and key in s)
-        if pts:
-            ax.plot(*zip(*pts), style, label=f"plan_trees {'eager' if key == 'eager_ms' else 'StepGraphs replay'}")
+    for variant, name, marker in ((STEP_GRAPHS, "plan_trees", "D"), (VERIFY_GRAPHS, "verify_trees", "v")):
+        for key, line in (("eager_ms", "-"), ("replay_ms", ":")):
+            pts = sorted((s["batch"], s[key]) for s in g if s.get("variant") == variant and key in s)
+            if pts:
+                ax.plot(*zip(*pts), marker + line, label=f"{name} {'eager' if key == 'eager_ms' else 'StepGraphs replay'}")
     ax.set(xscale="log", yscale="log", xlabel="batch", ylabel="tree step ms", title="b. tree pipeline")
     ax.legend(fontsize=7)
     ax = axes[2]

@@ -219,6 +219,19 @@ def test_the_proposers_captured_step_replays_equal_to_eager_after_the_state_move
     assert (rec.get("replay_ms", 0) > 0) == (requests == 4)  # the timed replays, as the GPU run times them
 
 
+@pytest.mark.parametrize("requests", [4, 64])
+def test_the_verify_side_s_captured_step_replays_equal_to_eager_over_stale_buffers(requests):
+    """`b.graphs`' rows of the verify side's captures (`verify_graphs_run`) with `make_fx` traces: five
+    steps of one padded shape, the later ones smaller than an earlier one, walk and counts equal to
+    eager; the calibrations agree to float32 rounding."""
+    rec = gpu_check.verify_graphs_run(requests, torch.device("cpu"), "trace", reps=1 if requests == 4 else 0)
+    assert rec["replay_equals_eager"] and not rec["differs"], rec
+    assert rec["graphs"] == {"captures": 1, "replays": 3, "eager_calls": 1, "failed": None}
+    assert rec["padded"] == [7 if requests == 4 else 127, 64]
+    assert rec["calibration_max_rel_gap"] < 1e-5
+    assert (rec.get("replay_ms", 0) > 0) == (requests == 4)
+
+
 def test_a_cost_model_sized_for_less_than_its_steps_makes_the_capture_stale(monkeypatch):
     """The negative control of the test above: without `max_step_rows` the refit at 64 requests
     replaces the residual's device buffer. The proposer's key then changes (the step runs eagerly,
