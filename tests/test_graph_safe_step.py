@@ -18,6 +18,7 @@ from vllm_ddtree.tree import (
     AcceptanceCalibration,
     AutoBudget,
     CostModel,
+    HostReads,
     LookupCalibration,
     ModelShape,
     StepGraphs,
@@ -419,3 +420,35 @@ def test_step_graphs_copy_a_smaller_input_into_its_buffer_s_leading_block():
     with pytest.raises(ValueError, match="shapes has 1 entries for 2 inputs"):
         graphs("k", total, x, mask, shapes=((2, 4),))
     assert [padded_width(n) for n in (1, 2, 3, 9, 16, 17, 65)] == [1, 2, 4, 16, 16, 32, 128]
+
+
+class CorruptReplays(StepGraphs):
+    """StepGraphs whose replays return a wrong walk (as a capture that went wrong on a device would)."""
+
+    def __call__(self, key, fn, *inputs, shapes=None):
+        out = super().__call__(key, fn, *inputs, shapes=shapes)
+        if self.replays_of(key):
+            out.walk.output_tokens.add_(1)
+        return out
+
+
+def test_the_first_replays_of_a_verify_capture_are_checked_against_the_eager_walk():
+    """`verify_trees(checked_replays=k)` compares a capture's first k replays with the eager walk (one
+    counted host read each, none after): a replay that differs is not used, the step's walk is the
+    eager one, and the graphs turn off. The control: correct replays pass the check and stay on."""
+    steps = [verify_inputs(seed, r, budget) for seed, (r, budget) in enumerate(VERIFY_STEPS[:6])]
+    for graphs, corrupt in ((StepGraphs("trace"), False), (CorruptReplays("trace"), True)):
+        acceptance = AcceptanceCalibration()
+        reads = []
+        for batch, row_tokens, scores in steps:
+            HostReads.reset()
+            got = verify_trees(batch, row_tokens, scores, acceptance, graphs, checked_replays=2)
+            reads.append(HostReads.reset())
+            want = walk_tree(batch, row_tokens, width=batch.tokens.shape[1])
+            assert torch.equal(got.walk.output_tokens, want.output_tokens)
+            assert torch.equal(got.committed, want.num_emitted.sum().double())
+        if corrupt:  # the first replay was caught: eager from then on
+            assert reads == [0, 0, 1, 0, 0, 0] and graphs.failed and "differed from the eager walk" in graphs.failed
+            assert graphs.replays_by["verify"] == 1 and graphs.eager_calls == 4
+        else:  # eager, capture, two checked replays, then trusted
+            assert reads == [0, 0, 1, 1, 0, 0] and graphs.failed is None and graphs.replays_by["verify"] == 4

@@ -230,7 +230,8 @@ class DDTreeProposer(DFlashProposer):
     # True: an undrafted step runs vLLM's own K = 0 pass (its discarded forward included) instead of
     # `_take_in_context`; kept so tests check that both leave the drafter the same context.
     vllm_k0_pass = False
-    step_graphs: StepGraphs | None = None  # the tree step's and the walk's captures (VLLM_DDTREE_STEP_GRAPHS)
+    step_graphs: StepGraphs | None = None  # the tree step's captures (VLLM_DDTREE_STEP_GRAPHS)
+    verify_graphs: StepGraphs | None = None  # the walk's captures (the same switch)
 
     def __init__(self, vllm_config, device: torch.device, runner=None) -> None:
         options = vllm_config.speculative_config.ddtree
@@ -304,6 +305,7 @@ class DDTreeProposer(DFlashProposer):
             self.stats.gate = gate
         self._proposed: tuple[list[str], Tensor, Tensor] | None = None  # last step's lookup paths (auto)
         self.step_graphs = step_graphs_from_env(device)
+        self.verify_graphs = step_graphs_from_env(device)  # the walk's (`sample_tree_step`), on the same switch
 
     # vLLM calls propose(num_speculative_tokens=<scheduler's count>, ...): the drafter's width is W,
     # the count caps the tree (the verify width, or a Dynamic SD schedule's K at this batch size).

@@ -26,6 +26,8 @@ from torch import Tensor
 
 from vllm_ddtree.tree import NO_PARENT, DraftTree, TreeBatch, compile_tree, to_device, to_device_together, verify_trees
 
+from vllm.utils.gpu_sync_debug import gpu_sync_allowed
+
 from vllm_ddtree.compaction import accepted_path_moves, move_slots_
 from vllm_ddtree.proposer import DDTreeProposer
 from vllm_ddtree.sampling import path_logprobs, sample_rows
@@ -45,6 +47,10 @@ class TreeStep:
     # calibrate), and on padding
     node_scores: Tensor | None = None
     step_size: tuple[float, float, float] | None = None  # (rows, attention pairs, context) if the step verified trees only
+
+
+#: A verify capture's first replays compared with the eager walk (`tree.verify_trees`), one host read each.
+VERIFY_CHECKED_REPLAYS = 2
 
 
 class UndraftedStep:
@@ -177,13 +183,15 @@ def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadat
     row_tokens = sample_rows(logits, rows, md, batch, counts)
     proposer: DDTreeProposer = runner.drafter
     # The walk, the statistics and the drafter's calibration: one device function, captured like the
-    # drafting step's where the proposer captures (`tree.verify_trees`). Its output is [R, depth + 1], the
+    # drafting step's where the proposer captures (`tree.verify_trees`; graphs of their own, so a
+    # failed or mismatched verify capture leaves the drafting step's on). Its output is [R, depth + 1], the
     # rejection sampler's layout: the walk covers the deepest node, the step's widest request may
     # have more rows than that (a bushy tree); -1 pads the rest.
     # (a padding row's token is never read: no valid row descends from it, and the walk keeps valid rows)
     auto = proposer.auto
     verified = verify_trees(batch, row_tokens, step.node_scores, None if auto is None else auto.acceptance,
-                            getattr(proposer, "step_graphs", None))
+                            getattr(proposer, "verify_graphs", None), checked_replays=VERIFY_CHECKED_REPLAYS,
+                            host_read=gpu_sync_allowed)
     walk = verified.walk
     out = walk.output_tokens.to(torch.int32)
     path_rows = walk.path_rows

@@ -48,11 +48,10 @@ def ddtree_summary(llm) -> dict | None:
         return None
     if not hasattr(drafter, "budget_summary"):
         return None
-    graphs = getattr(drafter, "step_graphs", None)
-    return drafter.stats.summary() | drafter.budget_summary() | {"draft_vocab_size": drafter.draft_vocab_size} | (
-        {} if graphs is None else {"step_graphs": {"captures": graphs.captures, "replays": graphs.replays,
-                                                   "replays_by": dict(graphs.replays_by),
-                                                   "eager_calls": graphs.eager_calls, "failed": graphs.failed}})
+    graphs = {name: getattr(drafter, name, None) for name in ("step_graphs", "verify_graphs")}
+    return drafter.stats.summary() | drafter.budget_summary() | {"draft_vocab_size": drafter.draft_vocab_size} | {
+        name: {"captures": g.captures, "replays": g.replays, "replays_by": dict(g.replays_by),
+               "eager_calls": g.eager_calls, "failed": g.failed} for name, g in graphs.items() if g is not None}
 
 
 def helper_parser() -> argparse.ArgumentParser:

@@ -76,6 +76,7 @@ def _padded(x: Tensor | None, shape: tuple[int, ...] | None) -> Tensor | None:
 class _Captured:
     inputs: list[Tensor | None]  # the graph's input buffers (None where the caller passes None)
     run: Callable[[], Any]  # replays; returns the outputs
+    replays: int = 0  # calls answered by a replay (the capture's own included, on CUDA)
 
 
 class StepGraphs:
@@ -130,7 +131,7 @@ class StepGraphs:
         for buffer, x in zip(entry.inputs, inputs):
             if buffer is not None:
                 _leading_block(buffer, x).copy_(x)
-        self._count_replay(key)
+        self._count_replay(key, entry)
         return entry.run()
 
     def _capture(self, key: Any, fn: Callable[..., Any], inputs: tuple) -> Any:
@@ -187,11 +188,23 @@ class StepGraphs:
         if len(self.graphs) > self.max_graphs:
             self.graphs.popitem(last=False)
         if out is None:
-            self._count_replay(key)
+            self._count_replay(key, entry)
             out = run()
         return out
 
-    def _count_replay(self, key: Any) -> None:
+    def _count_replay(self, key: Any, entry: _Captured) -> None:
+        entry.replays += 1
         self.replays += 1
         if isinstance(key, tuple) and key and isinstance(key[0], str):
             self.replays_by[key[0]] += 1
+
+    def replays_of(self, key: Any) -> int:
+        """How many calls of `key` its current capture has answered (0: none held)."""
+        entry = self.graphs.get(key)
+        return 0 if entry is None else entry.replays
+
+    def turn_off(self, reason: str) -> None:
+        """Drop every capture and run eagerly from now on (`failed` says why), with a warning."""
+        self.failed = reason
+        self.graphs.clear()
+        logger.warning("ddtree: CUDA graphs of the tree step turned off (%s); it runs eagerly from now on", reason)

@@ -13,8 +13,10 @@ tokens, rescoring) comes before it: their sizes follow the text seen so far.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+from typing import Callable, ContextManager
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +30,8 @@ from .lookup import TokenHistory
 from .acceptance import AcceptanceCalibration
 from .compile import TreeBatch
 from .graphs import StepGraphs
-from .verify import VerifiedStep, WalkResult, verify_step
+from .transfer import to_host
+from .verify import VerifiedStep, WalkResult, verify_step, walk_tree
 
 
 def plan_trees(
@@ -190,7 +193,9 @@ def first_verified(verified: VerifiedStep, r: int, n: int) -> VerifiedStep:
 
 
 def verify_trees(batch: TreeBatch, row_tokens: Tensor, node_scores: Tensor | None = None,
-                 acceptance: AcceptanceCalibration | None = None, graphs: StepGraphs | None = None) -> VerifiedStep:
+                 acceptance: AcceptanceCalibration | None = None, graphs: StepGraphs | None = None,
+                 checked_replays: int = 0, host_read: Callable[[], ContextManager] = contextlib.nullcontext,
+                 ) -> VerifiedStep:
     """`verify_step` on a verify step's trees: the walk, the statistics' sums, and the drafter's
     acceptance calibration fed (its host count, `updates`, is the caller's).
 
@@ -199,6 +204,11 @@ def verify_trees(batch: TreeBatch, row_tokens: Tensor, node_scores: Tensor | Non
     next power of two (`padded_width`), so a server's steps take a few shapes; only `valid` is padded
     here, whole, the other inputs fill the leading block of their buffers (`StepGraphs`) and are read
     through it; the outputs are cut back to the batch's [R, N] (`first_verified`).
+
+    The walk decides the output, so a capture's first `checked_replays` replays are compared with
+    the eager walk (one host read each, under `host_read()`, e.g. vLLM's `gpu_sync_allowed`): one that
+    differs is not used (this step's walk and sums are the eager ones; the calibration keeps what the
+    replay fed it) and `graphs` turn off (`StepGraphs.turn_off`).
 
     row_tokens [R, N]: the target's token per verify row; node_scores [R, N]: each row's node's prefix
     score, -inf for the root and where it is not the drafter's ranking (a lookup path, a fallback
@@ -221,6 +231,16 @@ def verify_trees(batch: TreeBatch, row_tokens: Tensor, node_scores: Tensor | Non
         depths, ancestors = torch.where(valid, depths, 0), ancestors & valid[:, None, :]
         return verify_step(tokens, parents, depths, valid, ancestors, row_tokens, width, scores, acceptance)
 
-    verified = graphs(("verify", rows, width, scores is not None), padded_verify_step, batch.tokens, batch.parents,
-                      batch.depths, valid, batch.ancestors, row_tokens, scores, shapes=shapes)
-    return first_verified(verified, r, n)
+    key = ("verify", rows, width, scores is not None)
+    verified = first_verified(graphs(key, padded_verify_step, batch.tokens, batch.parents, batch.depths, valid,
+                                     batch.ancestors, row_tokens, scores, shapes=shapes), r, n)
+    if 0 < graphs.replays_of(key) <= checked_replays:
+        eager, walk = walk_tree(batch, row_tokens, width=n), verified.walk
+        differs = ((eager.output_tokens != walk.output_tokens).any() | (eager.path_rows != walk.path_rows).any()
+                   | (eager.accepted_rows != walk.accepted_rows).any() | (eager.num_emitted != walk.num_emitted).any())
+        with host_read():
+            if bool(to_host(differs)):
+                graphs.turn_off(f"a replayed verify step differed from the eager walk (key {key})")
+                return verify_step(batch.tokens, batch.parents, batch.depths, batch.valid, batch.ancestors,
+                                   row_tokens, n)
+    return verified
