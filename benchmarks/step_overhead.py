@@ -41,10 +41,11 @@ leaves the GPU idle. Neither shows as time on a CPU, so this counts them, on the
   the tree build, the n-gram orders' search), the GPU's path is
   counted, and timed in ``glue_ms``.
 - ``pipeline, captured`` rows (the GPU defaults and a fixed budget of 8, lookup branch on): the steady
-  step's device launches with ``tree.step.plan_trees`` replayed from a CUDA graph, as the proposer
-  runs it on a CUDA device (VLLM_DDTREE_STEP_GRAPHS, on by default there): the ops outside it (the
-  padding of the inputs to the capture's shape included), one copy into each of the graph's input
-  buffers, one launch for the replay (``captured_ops``: the ops inside it, set apart).
+  step's device launches with ``tree.step.plan_trees`` (and, for code that has it, the verify side's
+  ``tree.verify_step``: walk, statistics, calibration) replayed from CUDA graphs, as the proposer
+  and the verify step run them on a CUDA device (VLLM_DDTREE_STEP_GRAPHS, on by default there): the
+  ops outside them (the padding of the inputs to the capture's shape included), one copy into each
+  of a graph's input buffers, one launch per replay (``captured_ops``: the ops inside, set apart).
 - ``vllm-cpu`` rows: the real engine (toy pair, SmolLM2-135M + the toy drafter, float32, greedy),
   the same counters wrapped around the same three functions for every step of a generate() call:
   per-step means.
@@ -376,7 +377,7 @@ def _one_step(code, batch: int, budget, ngram: bool, lookup: int, vocab: int, la
     ctx = CONTEXT
     p = make_proposer(code, batch, budget, ngram, lookup, vocab, layers)
     if graphs is not None:  # `graphs`' stand-in for the proposer's captures (the CPU's proposer has none)
-        p.step_graphs = graphs
+        p.step_graphs = p.verify_graphs = graphs
     runner = make_runner(p, batch, ctx, vocab, rng)
     if p.auto is not None:
         p._build = min(p.auto.build_width(batch), 64)
@@ -409,7 +410,7 @@ def _one_step(code, batch: int, budget, ngram: bool, lookup: int, vocab: int, la
     accepted = (out.sampled_token_ids >= 0).sum(dim=1).float().mean().item() - 1
     row = dict(nodes=sum(len(d) for d in drafts) / batch, accepted=accepted, glue_ms=1e3 * glue_s)
     if count:
-        row |= dict(captured_ops=getattr(counter, "captured_ops", None))
+        row |= dict(captured_ops=getattr(counter, "captured_ops", None), launches=getattr(counter, "launches", None))
         row |= dict(device_ops=counter.device_ops, device_views=counter.device_views, host_ops=counter.host_ops,
                     host_copies=reads, python_lines=lines.lines,
                     counted_host_reads=code.host_reads.count if code.host_reads is not None else None)
@@ -476,8 +477,9 @@ class LineCounter:
         sys.settrace(self._before)
 
 
-#: The captured step functions of `tree.step` (`plan_trees_with_lookup` finds the lookup path in it too)
-CAPTURED = ("plan_trees", "plan_trees_with_lookup")
+#: The captured step functions of `tree.step` (`plan_trees_with_lookup` finds the lookup path in it too;
+#: `padded_verify_step` is the verify side's `verify_step`, as `verify_trees` captures it)
+CAPTURED = ("plan_trees", "plan_trees_with_lookup", "padded_verify_step")
 
 
 class CapturedOpCounter(OpCounter):
@@ -485,14 +487,17 @@ class CapturedOpCounter(OpCounter):
     counted apart (`captured_ops`): on a GPU with the step captured (VLLM_DDTREE_STEP_GRAPHS=1) they
     are one graph launch, after one copy into each of the graph's input buffers."""
 
+    functions = CAPTURED  # of tree/step.py, whose ops are set apart
+
     def __init__(self) -> None:
         super().__init__()
         self.captured_ops = 0
+        self.launches = 0  # graph replays (`ReplayedGraphs`)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         before = self.device_ops
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        if self.device_ops > before and inside(CAPTURED, os.path.join("tree", "step.py")):
+        if self.device_ops > before and inside(self.functions, os.path.join("tree", "step.py")):
             self.device_ops -= 1
             self.device_views -= func.is_view
             self.captured_ops += 1
@@ -503,26 +508,44 @@ class ReplayedGraphs:
     """The proposer's `step_graphs` (`tree.graphs.StepGraphs`) as a replay costs the host: one copy into
     each of the graph's input buffers, then the captured function (its ops counted apart by
     `CapturedOpCounter`), run here eagerly. The proposer's own capture path runs around it (for
-    code that has them: the inputs padded to the capture's shape, the outputs cut to the batch)."""
+    code that has them: the inputs padded to the capture's shape, the outputs cut to the batch).
+    Each call is one graph launch, counted by the `CapturedOpCounter` counting then (`launches`).
+    Every key counts as long replayed (`replays_of`): the steady state, past the checked first replays."""
 
-    def __call__(self, key, fn, *inputs):
+    def replays_of(self, key) -> int:
+        return 1 << 30
+
+    def __call__(self, key, fn, *inputs, shapes=None):
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+        counter = _get_current_dispatch_mode()
+        if isinstance(counter, CapturedOpCounter):
+            counter.launches += 1
         for x in inputs:
             if x is not None:
-                x.clone()  # the copy into the graph's buffer
+                x.clone()  # the copy into the graph's buffer (its leading block, for an input smaller than it)
+        if shapes is not None:  # what the buffers hold: the inputs zero-padded at capture (no replay's work)
+            from torch.utils._python_dispatch import _disable_current_modes
+
+            from vllm_ddtree.tree.graphs import _padded
+
+            with _disable_current_modes():
+                inputs = tuple(_padded(x, shape) for x, shape in zip(inputs, shapes))
         return fn(*inputs)
 
 
 def captured_step(code, batch: int, budget, lookup: int, vocab: int, layers: int) -> dict | None:
-    """A step's device launches with `plan_trees` replayed from a CUDA graph (the proposer's
-    `step_graphs`, VLLM_DDTREE_STEP_GRAPHS=1, the default on a CUDA device): the ops outside it, one
-    copy into each of its input buffers, and one graph launch. The steady step (the automatic
-    budget's size class has its rate by then, so the proposer takes its captured path), counted
-    with the ops inside `plan_trees` set apart. None for code without the step function."""
+    """A step's device launches with `plan_trees` (and `verify_step`, for code that captures it)
+    replayed from CUDA graphs (the proposer's `step_graphs`, VLLM_DDTREE_STEP_GRAPHS=1, the default on
+    a CUDA device): the ops outside them, one copy into each of their input buffers, and one launch
+    per replay. The steady step (the automatic budget's size class has its rate by then, so the
+    proposer takes its captured path), counted with the ops inside the captured functions set
+    apart. None for code without the step function."""
     if not hasattr(code.tree, "plan_trees"):
         return None
     row = one_step(code, batch, budget, False, lookup, vocab, layers, 0, True, counter_class=CapturedOpCounter,
                    steady=True, graphs=ReplayedGraphs())
-    return row | dict(device_ops=row["device_ops"] + 1, captured_ops=row["captured_ops"])  # + the launch
+    return row | dict(device_ops=row["device_ops"] + row["launches"], captured_ops=row["captured_ops"])
 
 
 def pipeline_rows(quick: bool, repeats: int) -> list[dict]:

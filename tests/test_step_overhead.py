@@ -121,24 +121,34 @@ def test_the_counters_see_what_they_count():
     assert moved.device_ops == moved.host_ops == 0
 
 
+class EagerCapturable(step_overhead.CapturedOpCounter):
+    """The eager step's ops with those a captured step replays set apart: `plan_trees`' and what
+    `verify_trees` runs (without graphs it calls `verify_step` directly)."""
+
+    functions = step_overhead.CAPTURED + ("verify_trees",)
+
+
 @pytest.mark.parametrize("budget, lookup", [(8, 8), ("auto", 8), ("auto", 0)])
-def test_a_captured_step_is_the_ops_outside_plan_trees_its_input_copies_and_one_launch(budget, lookup):
-    """The "pipeline, captured" rows: the steady step through the proposer's capture path, with the ops
-    inside `plan_trees` (build, budget, lookup path) set apart as one graph launch after one copy per
-    input. Everything the eager step runs outside `plan_trees` is still counted, the capture path adds
-    its padding of the inputs and cut of the outputs, and the graph's contents do not depend on how
-    many padding rows the batch got (batch 1: none; batch 2: one)."""
-    inputs = 2 + (budget == "auto") + 2 * bool(lookup)
+def test_a_captured_step_is_the_ops_outside_its_graphs_their_input_copies_and_two_launches(budget, lookup):
+    """The "pipeline, captured" rows: the steady step through the proposer's and the verify side's
+    capture paths, with the ops inside `plan_trees` (build, budget, lookup path) and `verify_step`
+    (walk, statistics, calibration) set apart as two graph launches after one copy per input.
+    Everything the eager step runs outside them is still counted, the capture paths add their padding
+    of the inputs and cut of the outputs, and the graphs' contents do not depend on how many padding
+    rows the batch got (batch 1: none; batch 2: one)."""
+    plan_inputs = 2 + (budget == "auto") + 2 * bool(lookup)
+    verify_inputs = 6 + (budget == "auto")  # the trees' fields, the target's tokens, the node scores
     inside = []
     for batch in (1, 2):
         with torch.no_grad(), step_overhead.gpu_code_paths():
             code = step_overhead.product()
             eager = step_overhead.one_step(code, batch, budget, False, lookup, VOCAB, LAYERS, 0, True, steady=True,
-                                           counter_class=step_overhead.CapturedOpCounter)
+                                           counter_class=EagerCapturable)
             captured = step_overhead.captured_step(code, batch, budget, lookup, VOCAB, LAYERS)
-        assert captured["captured_ops"] >= 50  # the build alone is dozens of ops
-        outside = eager["device_ops"]  # the eager step's ops outside plan_trees
-        assert captured["device_ops"] >= outside + inputs + 1, (captured, eager)
+        assert captured["captured_ops"] >= 50 + 20  # the build alone is dozens of ops, the walk a score
+        assert captured["launches"] == 2
+        outside = eager["device_ops"]  # the eager step's ops outside what the graphs hold
+        assert captured["device_ops"] >= outside + plan_inputs + verify_inputs + 2, (captured, eager)
         assert captured["device_ops"] < outside + eager["captured_ops"]  # fewer launches than eagerly
         assert captured["host_copies"] == eager["host_copies"] == 1
         inside.append(captured["captured_ops"])
