@@ -43,10 +43,11 @@ def all_metrics(llm) -> dict:
 
 
 def record_acceptance_fit(drafter) -> dict:
-    """Wraps the automatic budget's AcceptanceCalibration.update to total what it is fed: the drafter
-    nodes it counted (verified, finite score) and how many of them were accepted."""
+    """Wraps the automatic budget's AcceptanceCalibration.update_state (what the verify step feeds,
+    eagerly or captured) to total what it is fed: the drafter nodes it counted (verified, finite
+    score) and how many of them were accepted."""
     cal = drafter.auto.acceptance
-    update, totals = cal.update, {"nodes": 0, "hits": 0, "steps": 0}
+    update, totals = cal.update_state, {"nodes": 0, "hits": 0, "steps": 0}
 
     def counting_update(draft_logp, verified, accepted):
         counted = verified.bool() & draft_logp.isfinite()
@@ -55,7 +56,7 @@ def record_acceptance_fit(drafter) -> dict:
         totals["steps"] += 1
         update(draft_logp, verified, accepted)
 
-    cal.update = counting_update
+    cal.update_state = counting_update
     return totals
 
 
