@@ -9,6 +9,10 @@ or captured (a CUDA graph per batch size and build width) and replayed while ser
 state on. `plan_trees_with_lookup` finds the prompt-lookup path inside the same function: the token
 history it reads is a fixed buffer written in place. The n-gram tables' work (counting the step's
 tokens, rescoring) comes before it: their sizes follow the text seen so far.
+
+The verify side's device part has its function too, captured the same way:
+
+    verified = verify_trees(batch, row_tokens, node_scores, acceptance, graphs)   # walk, sums, calibration
 """
 
 from __future__ import annotations
@@ -199,7 +203,7 @@ def verify_trees(batch: TreeBatch, row_tokens: Tensor, node_scores: Tensor | Non
     """`verify_step` on a verify step's trees: the walk, the statistics' sums, and the drafter's
     acceptance calibration fed (its host count, `updates`, is the caller's).
 
-    With `graphs` (the proposer's `step_graphs`) it is replayed from a capture per (size class,
+    With `graphs` (the proposer's `verify_graphs`) it is replayed from a capture per (size class,
     padded width): the batch padded to its size class (`padded_rows`) and the verify width to the
     next power of two (`padded_width`), so a server's steps take a few shapes; only `valid` is padded
     here, whole, the other inputs fill the leading block of their buffers (`StepGraphs`) and are read
