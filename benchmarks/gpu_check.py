@@ -1370,6 +1370,30 @@ def verify_graphs_run(r: int, device: torch.device, backend: str, reps: int) -> 
     return rec
 
 
+def capture_rows(ctx: "Check", variant: str, run: Callable[[int], dict], detail: Callable[[dict], str],
+                 rows: list[dict], bad: list[str]) -> None:
+    """b.graphs' rows of one of the product's own capture paths, one per batch size: `run(batch)` gives
+    the record (`replay_equals_eager`, `differs`, `graphs`, `eager_ms`, `replay_ms`), `detail(record)`
+    what its log line adds. A failure is recorded (in `bad` too) and the next batch goes on."""
+    for r in ctx.sizes.batches:
+        rec = {"batch": r, "variant": variant}
+        rows.append(rec)
+        if ctx.deadline.left() < 20:
+            rec["skipped"] = "wall-clock budget"
+            continue
+        try:
+            rec.update(run(r))
+            if not rec["replay_equals_eager"]:
+                bad.append(f"{variant}@{r}")
+            log(f"  b.graphs batch {r} {variant}: replay {rec['replay_ms']:.3f} ms vs eager {rec['eager_ms']:.3f} ms; "
+                f"{detail(rec)}"
+                f"{'' if rec['replay_equals_eager'] else ', DIFFERS: ' + str(rec['differs']) + ' ' + str(rec['graphs'])}")
+        except Exception as exc:  # noqa: BLE001 - a failed capture is the result; go on
+            rec.update(failure(exc))
+            bad.append(f"{variant}@{r}")
+            log(f"  b.graphs batch {r} {variant}: FAILED {rec['error'][:120]} at {rec['where']}")
+
+
 def part_b_graphs(ctx: "Check") -> dict:
     """Capture the step per batch size and variant, move the serving state on (`advance_state`),
     replay on new inputs, compare with eager, time both."""
@@ -1431,42 +1455,15 @@ def part_b_graphs(ctx: "Check") -> dict:
                     torch.cuda.synchronize()
                 except Exception:  # noqa: BLE001
                     pass
-    for r in ctx.sizes.batches:  # the proposer's own captures (VLLM_DDTREE_STEP_GRAPHS=1)
-        rec = {"batch": r, "variant": STEP_GRAPHS}
-        rows.append(rec)
-        if ctx.deadline.left() < 20:
-            rec["skipped"] = "wall-clock budget"
-            continue
-        try:
-            rec.update(step_graphs_run(r, ctx.sizes.vocab, ctx.device, "cuda", ctx.sizes.reps))
-            if not rec["replay_equals_eager"]:
-                bad.append(f"{STEP_GRAPHS}@{r}")
-            # reported, not failed: a padded plan that rounds differently moves a budget, never an output
-            pad = "" if rec["padding_kept_plans"] else f", padding changed {rec['padding_differs']}"
-            log(f"  b.graphs batch {r} {STEP_GRAPHS}: replay {rec['replay_ms']:.3f} ms vs eager {rec['eager_ms']:.3f} ms; "
-                f"capture {rec['capture_ms']:.1f} ms, {rec['pool_bytes'] / 2**20:.1f} MiB held{pad}"
-                f"{'' if rec['replay_equals_eager'] else ', DIFFERS: ' + str(rec['differs']) + ' ' + str(rec['graphs'])}")
-        except Exception as exc:  # noqa: BLE001
-            rec.update(failure(exc))
-            bad.append(f"{STEP_GRAPHS}@{r}")
-            log(f"  b.graphs batch {r} {STEP_GRAPHS}: FAILED {rec['error'][:120]} at {rec['where']}")
-    for r in ctx.sizes.batches:  # the verify side's captures (the same switch)
-        rec = {"batch": r, "variant": VERIFY_GRAPHS}
-        rows.append(rec)
-        if ctx.deadline.left() < 20:
-            rec["skipped"] = "wall-clock budget"
-            continue
-        try:
-            rec.update(verify_graphs_run(r, ctx.device, "cuda", ctx.sizes.reps))
-            if not rec["replay_equals_eager"]:
-                bad.append(f"{VERIFY_GRAPHS}@{r}")
-            log(f"  b.graphs batch {r} {VERIFY_GRAPHS}: replay {rec['replay_ms']:.3f} ms vs eager {rec['eager_ms']:.3f} ms; "
-                f"calibration gap {rec['calibration_max_rel_gap']:.1e}"
-                f"{'' if rec['replay_equals_eager'] else ', DIFFERS: ' + str(rec['differs']) + ' ' + str(rec['graphs'])}")
-        except Exception as exc:  # noqa: BLE001
-            rec.update(failure(exc))
-            bad.append(f"{VERIFY_GRAPHS}@{r}")
-            log(f"  b.graphs batch {r} {VERIFY_GRAPHS}: FAILED {rec['error'][:120]} at {rec['where']}")
+    # the proposer's own captures (VLLM_DDTREE_STEP_GRAPHS=1), then the verify side's (the same switch);
+    # the padding's effect on a plan is reported, not failed: a plan that rounds differently moves a
+    # budget, never an output
+    capture_rows(ctx, STEP_GRAPHS, lambda r: step_graphs_run(r, ctx.sizes.vocab, ctx.device, "cuda", ctx.sizes.reps),
+                 lambda rec: (f"capture {rec['capture_ms']:.1f} ms, {rec['pool_bytes'] / 2**20:.1f} MiB held"
+                              + ("" if rec["padding_kept_plans"] else f", padding changed {rec['padding_differs']}")),
+                 rows, bad)
+    capture_rows(ctx, VERIFY_GRAPHS, lambda r: verify_graphs_run(r, ctx.device, "cuda", ctx.sizes.reps),
+                 lambda rec: f"calibration gap {rec['calibration_max_rel_gap']:.1e}", rows, bad)
     return {"passed": not bad, "captures": rows, "failed": bad,
             "summary": "every capture replays equal to eager" if not bad else f"FAILED {', '.join(bad)}"}
 

@@ -232,6 +232,31 @@ def test_the_verify_side_s_captured_step_replays_equal_to_eager_over_stale_buffe
     assert (rec.get("replay_ms", 0) > 0) == (requests == 4)
 
 
+def test_b_graphs_rows_of_the_product_s_captures_record_results_and_failures():
+    """`capture_rows`, which writes b.graphs' rows of the proposer's and the verify side's own captures:
+    a passing run's record and log line, a capture that differs from eager, and one that raises,
+    each in its own row, the failing ones named."""
+    from types import SimpleNamespace
+
+    ctx = SimpleNamespace(sizes=SimpleNamespace(batches=(1, 4)), deadline=gpu_check.Deadline(600))
+    rows, bad = [], []
+    gpu_check.capture_rows(ctx, gpu_check.VERIFY_GRAPHS,
+                           lambda r: gpu_check.verify_graphs_run(r, torch.device("cpu"), "trace", reps=1),
+                           lambda rec: f"calibration gap {rec['calibration_max_rel_gap']:.1e}", rows, bad)
+    assert not bad and [r["batch"] for r in rows] == [1, 4] and all(r["replay_equals_eager"] for r in rows), rows
+
+    def differs(r):
+        return {"replay_equals_eager": False, "differs": ["walk"], "graphs": {}, "eager_ms": 1.0, "replay_ms": 0.5}
+
+    def raises(r):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    gpu_check.capture_rows(ctx, "x", differs, lambda rec: "", rows, bad)
+    gpu_check.capture_rows(ctx, "y", raises, lambda rec: "", rows, bad)
+    assert bad == ["x@1", "x@4", "y@1", "y@4"]
+    assert "operation not permitted" in rows[-1]["error"]
+
+
 def test_a_cost_model_sized_for_less_than_its_steps_makes_the_capture_stale(monkeypatch):
     """The negative control of the test above: without `max_step_rows` the refit at 64 requests
     replaces the residual's device buffer. The proposer's key then changes (the step runs eagerly,
