@@ -512,6 +512,8 @@ class ReplayedGraphs:
     Each call is one graph launch, counted by the `CapturedOpCounter` counting then (`launches`).
     Every key counts as long replayed (`replays_of`): the steady state, past the checked first replays."""
 
+    failed = None  # (never turned off)
+
     def replays_of(self, key) -> int:
         return 1 << 30
 

@@ -23,10 +23,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 
 from vllm_ddtree.tree import NO_PARENT, DraftTree, TreeBatch, compile_tree, to_device, to_device_together, verify_trees
-
-from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 
 from vllm_ddtree.compaction import accepted_path_moves, move_slots_
 from vllm_ddtree.proposer import DDTreeProposer
@@ -184,9 +183,9 @@ def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadat
     proposer: DDTreeProposer = runner.drafter
     # The walk, the statistics and the drafter's calibration: one device function, captured like the
     # drafting step's where the proposer captures (`tree.verify_trees`; graphs of their own, so a
-    # failed or mismatched verify capture leaves the drafting step's on). Its output is [R, depth + 1], the
-    # rejection sampler's layout: the walk covers the deepest node, the step's widest request may
-    # have more rows than that (a bushy tree); -1 pads the rest.
+    # failed or mismatched verify capture leaves the drafting step's on). Its output is
+    # [R, depth + 1], the rejection sampler's layout: the walk covers the deepest node, the step's
+    # widest request may have more rows than that (a bushy tree); -1 pads the rest.
     # (a padding row's token is never read: no valid row descends from it, and the walk keeps valid rows)
     auto = proposer.auto
     verified = verify_trees(batch, row_tokens, step.node_scores, None if auto is None else auto.acceptance,

@@ -207,4 +207,4 @@ class StepGraphs:
         """Drop every capture and run eagerly from now on (`failed` says why), with a warning."""
         self.failed = reason
         self.graphs.clear()
-        logger.warning("ddtree: CUDA graphs of the tree step turned off (%s); it runs eagerly from now on", reason)
+        logger.warning("ddtree: step captures turned off (%s); the step runs eagerly from now on", reason)

@@ -221,7 +221,7 @@ def verify_trees(batch: TreeBatch, row_tokens: Tensor, node_scores: Tensor | Non
     scores = node_scores if acceptance is not None else None
     acceptance = acceptance if scores is not None else None
     r, n = batch.tokens.shape
-    if graphs is None:
+    if graphs is None or graphs.failed is not None:  # (turned off: eager, unpadded)
         return verify_step(batch.tokens, batch.parents, batch.depths, batch.valid, batch.ancestors, row_tokens, n,
                            scores, acceptance)
     rows, width = padded_rows(r), padded_width(n)
