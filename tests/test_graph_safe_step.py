@@ -377,7 +377,7 @@ def test_the_verify_step_replayed_from_a_padded_capture_walks_and_calibrates_as_
         torch.testing.assert_close(captured._ema, eager._ema)
         torch.testing.assert_close(captured._bin_sums, eager._bin_sums)
         assert torch.equal(captured.beta, eager.beta), seed
-    assert (graphs.eager_calls, graphs.captures, graphs.replays_by["verify"]) == (2, 1, 5)
+    assert (graphs.eager_calls, graphs.captures, graphs.replays) == (2, 1, 5)
     assert eager.bin_accepted.sum() > 0
 
 
@@ -449,6 +449,6 @@ def test_the_first_replays_of_a_verify_capture_are_checked_against_the_eager_wal
             assert torch.equal(got.committed, want.num_emitted.sum().double())
         if corrupt:  # the first replay was caught: eager from then on
             assert reads == [0, 0, 1, 0, 0, 0] and graphs.failed and "differed from the eager walk" in graphs.failed
-            assert graphs.replays_by["verify"] == 1 and graphs.eager_calls == 1  # (off: not called again)
+            assert graphs.replays == 1 and graphs.eager_calls == 1  # (off: not called again)
         else:  # eager, capture, two checked replays, then trusted
-            assert reads == [0, 0, 1, 1, 0, 0] and graphs.failed is None and graphs.replays_by["verify"] == 4
+            assert reads == [0, 0, 1, 1, 0, 0] and graphs.failed is None and graphs.replays == 4

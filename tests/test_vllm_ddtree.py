@@ -223,10 +223,9 @@ def test_the_tree_step_replayed_from_captures_drafts_the_same_trees(tmp_path, dr
         # (how many keys recur depends on the batch's shapes over time: at least one capture is replayed,
         # of the drafting step and of the verify side's: walk, statistics, calibration, its first
         # replays checked against the eager walk)
-        for name, kind in (("step_graphs", "draft"), ("verify_graphs", "verify")):
+        for name in ("step_graphs", "verify_graphs"):
             graphs = summary[name]
-            assert graphs["failed"] is None and graphs["captures"] >= 1, (name, graphs)
-            assert graphs["replays_by"].get(kind, 0) >= 1, (name, graphs)
+            assert graphs["failed"] is None and graphs["captures"] >= 1 and graphs["replays"] >= 1, (name, graphs)
 
 
 def test_requests_that_run_into_max_model_len_end_like_the_target_alone(tmp_path, drafter):

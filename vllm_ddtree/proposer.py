@@ -628,8 +628,7 @@ class DDTreeProposer(DFlashProposer):
                                                        context_lens, None, None)[:3]
             inputs = (top_logp, top_ids, context_lens, None if slots is None else pad_slots(total, slots))
             shapes = tuple(None if x is None else (tuple(x.shape), x.dtype) for x in inputs)
-            tree, plan, branch, valid = self.step_graphs(("draft", build, self._cap, shapes, state), padded_step,
-                                                          *inputs)
+            tree, plan, branch, valid = self.step_graphs((build, self._cap, shapes, state), padded_step, *inputs)
             tree, plan = first_rows(tree, plan, r)
             branch, valid = (None, None) if branch is None else (branch[:r], valid[:r])
         if self.history is not None and self.auto is not None:  # scored next step (`_observe_lookup`)

@@ -50,7 +50,7 @@ def ddtree_summary(llm) -> dict | None:
         return None
     graphs = {name: getattr(drafter, name, None) for name in ("step_graphs", "verify_graphs")}
     return drafter.stats.summary() | drafter.budget_summary() | {"draft_vocab_size": drafter.draft_vocab_size} | {
-        name: {"captures": g.captures, "replays": g.replays, "replays_by": dict(g.replays_by),
+        name: {"captures": g.captures, "replays": g.replays,
                "eager_calls": g.eager_calls, "failed": g.failed} for name, g in graphs.items() if g is not None}
 
 

@@ -2,7 +2,6 @@
 
     graphs = StepGraphs("cuda")
     out = graphs(key, fn, *inputs)     # fn(*inputs) -> tensors in tuples / dataclasses / None / ints
-    graphs.replays_by["verify"]        # replays of the keys ("verify", ...)
 
 Eagerly each op is a kernel launch of several microseconds of host time; a step of a few hundred
 small ops keeps the GPU waiting on the host. A CUDA graph replays them all in one launch. A graph
@@ -94,7 +93,6 @@ class StepGraphs:
         self.seen: defaultdict[Any, int] = defaultdict(int)
         self.failed: str | None = None  # why the graphs are off, once a capture failed
         self.captures = self.replays = self.eager_calls = 0
-        self.replays_by: defaultdict[str, int] = defaultdict(int)  # per step a key names first ("draft", "verify")
 
     def __call__(self, key: Any, fn: Callable[..., Any], *inputs: Tensor | None,
                  shapes: tuple[tuple[int, ...] | None, ...] | None = None) -> Any:
@@ -131,7 +129,7 @@ class StepGraphs:
         for buffer, x in zip(entry.inputs, inputs):
             if buffer is not None:
                 _leading_block(buffer, x).copy_(x)
-        self._count_replay(key, entry)
+        self._count_replay(entry)
         return entry.run()
 
     def _capture(self, key: Any, fn: Callable[..., Any], inputs: tuple) -> Any:
@@ -188,15 +186,13 @@ class StepGraphs:
         if len(self.graphs) > self.max_graphs:
             self.graphs.popitem(last=False)
         if out is None:
-            self._count_replay(key, entry)
+            self._count_replay(entry)
             out = run()
         return out
 
-    def _count_replay(self, key: Any, entry: _Captured) -> None:
+    def _count_replay(self, entry: _Captured) -> None:
         entry.replays += 1
         self.replays += 1
-        if isinstance(key, tuple) and key and isinstance(key[0], str):
-            self.replays_by[key[0]] += 1
 
     def replays_of(self, key: Any) -> int:
         """How many calls of `key` its current capture has answered (0: none held)."""

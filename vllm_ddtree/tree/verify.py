@@ -130,8 +130,8 @@ def verify_step(tokens: Tensor, parents: Tensor, depths: Tensor, valid: Tensor, 
     Fields as `compile_tree` makes them ([R, N], ancestors [R, N, N]; a padding row has depth 0 and
     is no valid row's ancestor); row_tokens [R, N] the target's token per row; width: the walk's
     columns (>= the deepest node + 1); node_scores [R, N] each row's node's prefix score (-inf: the
-    root, or not the drafter's ranking: neither predicted nor counted). Reads nothing back to the host: a capture of
-    it (`step.verify_trees`) replays it.
+    root, or not the drafter's ranking: neither predicted nor counted). Reads nothing back to the
+    host: a capture of it (`step.verify_trees`) replays it.
     """
     walk = _walk(tokens, parents, depths, valid, ancestors, row_tokens, width)
     rows = valid.sum(dim=1)
