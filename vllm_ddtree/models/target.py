@@ -9,6 +9,7 @@ safetensors checkpoint plus tokenizer and chat template that vLLM and transforme
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -83,6 +84,17 @@ def prepare_target(cache_dir: str | os.PathLike | None = None) -> Path:
     out = target_dir(cache_dir)
     if (out / MARKER).exists():
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Processes that start at once (test workers, several servers) convert it once: the others wait here.
+    with open(out.parent / f"{MODEL_SUBDIR}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / MARKER).exists():
+            _convert(out)
+    return out
+
+
+def _convert(out: Path) -> None:
+    """Fetch the GGUF, dequantise it and save the float32 checkpoint in `out`, marker last."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
@@ -109,4 +121,3 @@ def prepare_target(cache_dir: str | os.PathLike | None = None) -> Path:
         model.generation_config.save_pretrained(out)
     _scrub_config(out / "config.json")
     (out / MARKER).write_text(PACKAGE + "\n")
-    return out
