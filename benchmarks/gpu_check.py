@@ -107,11 +107,9 @@ from vllm_ddtree.tree import (  # noqa: E402
     build_tree_reference,
     compile_tree,
     dense_attention_mask,
-    first_rows,
+    draft_trees,
     get_profile,
     head_topk,
-    pad_rows,
-    pad_slots,
     padded_rows,
     padded_width,
     plan_trees_with_lookup,
@@ -1208,7 +1206,7 @@ def state_tensors(st: StepState) -> list[torch.Tensor]:
     """The step's mutable device state (the automatic budget's rate, the token history), to restore
     between two runs."""
     return [*st.auto.planned_tokens.values(), *st.auto.planned_seconds.values(), st.history.tokens,
-            st.history.lengths]
+            st.history.lengths, st.auto.lookup.hits, st.auto.lookup.at_risk]
 
 
 def advance_state(st: StepState, r: int, seed: int) -> None:
@@ -1235,42 +1233,57 @@ def advance_state(st: StepState, r: int, seed: int) -> None:
 
 
 def step_graphs_run(r: int, vocab: int, device: torch.device, backend: str, reps: int) -> dict:
-    """The proposer's own captured step: `StepGraphs(backend)` around `plan_trees_with_lookup` (lookup
-    path, build, automatic budget) as `DDTreeProposer` calls it, its batch padded to the top of its size class
-    (`padded_rows`: 1 / 15 / 127 / 511 rows at batch 1 / 8 / 64 / 256). The class's first plan runs eagerly, then the
-    key's first call, then its capture; the state moves on (`advance_state`) and the replay on new
-    inputs must equal the eager step. Returns the comparison, the captures' counters and on request
+    """The proposer's own captured step: `draft_trees` with `StepGraphs(backend)` around the lookup
+    calibration's update and `plan_trees_with_lookup` (lookup path, build, automatic budget) as
+    `DDTreeProposer` calls it, its batch padded to the top of its size class (`padded_rows`: 1 / 15 /
+    127 / 511 rows at batch 1 / 8 / 64 / 256) and its depths to all DEPTHS. The class's first plan
+    runs eagerly, then the key's first call, then its capture, on one request more than the replay
+    (where the class holds one), all DEPTHS and LOOKUP committed tokens: the replay, on new inputs of
+    `r` requests, two depths fewer and two committed tokens, reads an earlier step's values past them
+    in its buffers. The state moves on between them (`advance_state`) and the replay
+    must equal the eager step on the same padded shape; the unpadded eager step (the proposer's
+    without graphs) is compared too. Returns the comparisons, the captures' counters and on request
     (`reps` > 0) eager and replay times. On a CPU the "trace" backend runs the same logic."""
-    state, tail = step_state(r, vocab, device, seed=7)
+    capture_requests = min(r + 1, padded_rows(r))  # the capture's requests: the same size class as r
+    state, tail = step_state(capture_requests, vocab, device, seed=7)
     graphs = StepGraphs(backend)
 
-    def unpadded_inputs(seed: int) -> tuple:
-        x = step_inputs(r, vocab, tail, seed=seed, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
-                        device=device)
-        return (*topk_per_depth(x.logits, BUILD), x.ctx_lens, x.slots)
+    def key() -> tuple:
+        # the proposer's key holds the budget's capture state: a replaced buffer would be a new key (run
+        # eagerly, no replay), which this check counts as a failure
+        return ("plan_trees_with_lookup", BUILD, state.auto.capture_state(r, device))
 
-    def inputs_for(seed: int) -> tuple:
-        # padded to the top of the batch's size class, as the proposer pads a captured step (its drafted
-        # depths are already all DEPTHS here)
-        top_logp, top_ids, context_lens, slots = unpadded_inputs(seed)
-        total = padded_rows(r)
-        return (*pad_rows(total, top_logp, top_ids, context_lens, None, None)[:3], pad_slots(total, slots))
+    def inputs(seed: int, rows: int, depths: int) -> tuple:
+        x = step_inputs(rows, vocab, tail[:rows], seed=seed,
+                        dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, device=device)
+        return (*topk_per_depth(x.logits[:, :depths], BUILD), x.ctx_lens, x.slots)
 
-    def step(top_logp, top_ids, context_lens, slots):
+    def observed(seed: int, rows: int, columns: int) -> tuple:
+        # last step's lookup paths (a random valid prefix each) and the tokens this step committed
+        g = torch.Generator().manual_seed(seed)
+        proposed = torch.randint(0, 64, (rows, LOOKUP), generator=g)
+        valid = torch.arange(LOOKUP) < torch.randint(0, LOOKUP + 1, (rows, 1), generator=g)
+        committed = torch.where(torch.rand(rows, columns, generator=g) < 0.6, proposed[:, :columns], -1)
+        return proposed.to(device), valid.to(device), committed.to(device)
+
+    def step(top_logp, top_ids, context_lens, slots, rows, observed=None):
+        if observed is not None:  # the lookup calibration fed first, as the proposer's step does
+            state.auto.observe_lookup(*observed)
         return plan_trees_with_lookup(top_logp, top_ids, BUILD, context_lens, state.auto, state.history, slots, LOOKUP,
-                                      BUILD + LOOKUP, padded=True, rows=torch.count_nonzero(context_lens))
+                                      BUILD + LOOKUP, padded=rows is not None, rows=rows)
 
     def named(out) -> dict[str, torch.Tensor]:
-        tree, plan = first_rows(*out[:2], r)
+        tree, plan, branch, valid = out
         return ({f"tree.{k}": getattr(tree, k).clone() for k in ("tokens", "parents", "depths", "valid", "scores")}
                 | {f"plan.{k}": getattr(plan, k).clone() for k in ("budgets", "extra", "expected_tokens", "step_seconds")}
-                | {"lookup.tokens": out[2][:r].clone(), "lookup.valid": out[3][:r].clone()})
+                | {"lookup.tokens": branch.clone(), "lookup.valid": valid.clone(),
+                   "lookup.calibration": torch.stack([state.auto.lookup.hits, state.auto.lookup.at_risk]).clone()})
 
-    first = inputs_for(r)
-    step(*first)  # the batch size's first plan seeds its rate: the proposer runs it eagerly
+    first, first_observed = inputs(r, capture_requests, DEPTHS), observed(1, capture_requests, LOOKUP)
+    draft_trees(step, *first, DEPTHS)  # the batch size's first plan seeds its rate: the proposer runs it eagerly
     assert state.auto.capture_state(r, device) is not None
     for _ in range(graphs.capture_after - 1):  # eager
-        graphs(("plan_trees_with_lookup", r, state.auto.capture_state(r, device)), step, *first)
+        draft_trees(step, *first, DEPTHS, graphs, key(), first_observed)
     # The capture: its time, and the memory its graph keeps (its private pool, which vLLM's memory
     # profiling does not see; the proposer keeps up to `max_graphs` of them).
     sync(device)
@@ -1279,36 +1292,33 @@ def step_graphs_run(r: int, vocab: int, device: torch.device, backend: str, reps
         torch.cuda.empty_cache()
     held = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
     t0 = time.perf_counter()
-    graphs(("plan_trees_with_lookup", r, state.auto.capture_state(r, device)), step, *first)
+    draft_trees(step, *first, DEPTHS, graphs, key(), first_observed)
     sync(device)
     capture_ms = 1e3 * (time.perf_counter() - t0)
     pool_bytes = torch.cuda.memory_reserved(device) - held if device.type == "cuda" else None
-    advance_state(state, r, seed=3000 + r)
-    x = inputs_for(4000 + r)
+    advance_state(state, capture_requests, seed=3000 + r)
+    x, x_observed = inputs(4000 + r, r, DEPTHS - 2), observed(2, r, 2)  # fewer committed columns, too
     saved = [t.clone() for t in state_tensors(state)]
-    # The proposer's key holds the budget's capture state: a replaced buffer would be a new key (run
-    # eagerly, no replay), which this check counts as a failure.
-    key = ("plan_trees_with_lookup", r, state.auto.capture_state(r, device))
-    replayed = named(graphs(key, step, *x))
+    replayed = named(draft_trees(step, *x, DEPTHS, graphs, key(), x_observed))
     for t, v in zip(state_tensors(state), saved):
         t.copy_(v)
-    eager = named(step(*x))
+    # the same padded shape, run eagerly (a StepGraphs that never captures pads its inputs with zeros)
+    eager = named(draft_trees(step, *x, DEPTHS, StepGraphs(backend, capture_after=1 << 30), key(), x_observed))
     # The padding's rows change no real request's tree or plan (on the CPU bit for bit; here the sums
     # over longer arrays run on this device's kernels).
     for t, v in zip(state_tensors(state), saved):
         t.copy_(v)
-    top_logp, top_ids, context_lens, slots = unpadded_inputs(4000 + r)
-    unpadded = named(plan_trees_with_lookup(top_logp, top_ids, BUILD, context_lens, state.auto, state.history, slots,
-                                            LOOKUP, BUILD + LOOKUP))
+    unpadded = named(draft_trees(step, *x, DEPTHS, observed=x_observed))
     rec = {"differs": outputs_differ(replayed, eager),
            "padding_differs": outputs_differ(unpadded, eager),
-           "graphs": {"captures": graphs.captures, "replays": graphs.replays, "failed": graphs.failed}}
+           "graphs": {"captures": graphs.captures, "replays": graphs.replays, "failed": graphs.failed},
+           "capture_requests": capture_requests}
     rec["replay_equals_eager"] = not rec["differs"] and graphs.failed is None and graphs.replays >= 1
     rec["padding_kept_plans"] = not rec["padding_differs"]
     rec["capture_ms"], rec["pool_bytes"] = round(capture_ms, 2), pool_bytes
-    if reps:
-        rec["eager_ms"] = timed_ms(lambda: step(*x), device, reps)
-        rec["replay_ms"] = timed_ms(lambda: graphs(key, step, *x), device, reps)
+    if reps:  # what the proposer runs either way: eager on the batch as it is, or padded and replayed
+        rec["eager_ms"] = timed_ms(lambda: draft_trees(step, *x, DEPTHS, observed=x_observed), device, reps)
+        rec["replay_ms"] = timed_ms(lambda: draft_trees(step, *x, DEPTHS, graphs, key(), x_observed), device, reps)
     return rec
 
 

@@ -216,6 +216,7 @@ def test_the_proposers_captured_step_replays_equal_to_eager_after_the_state_move
     assert rec["replay_equals_eager"] and not rec["differs"], rec
     assert rec["padding_kept_plans"] and not rec["padding_differs"], rec  # the unpadded step, bit for bit
     assert rec["graphs"] == {"captures": 1, "replays": 1, "failed": None}
+    assert rec["capture_requests"] == requests + 1  # captured on more requests than the replay: stale rows
     assert (rec.get("replay_ms", 0) > 0) == (requests == 4)  # the timed replays, as the GPU run times them
 
 

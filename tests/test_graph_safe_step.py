@@ -26,11 +26,9 @@ from vllm_ddtree.tree import (
     build_tree,
     capture_width,
     compile_tree,
+    draft_trees,
     first_rows,
     get_profile,
-    pad_depths,
-    pad_rows,
-    pad_slots,
     padded_rows,
     padded_width,
     plan_trees_with_lookup,
@@ -67,6 +65,13 @@ def step_inputs(seed: int):
     branch = torch.randint(0, VOCAB, (R, LOOKUP), generator=g)
     valid = torch.arange(LOOKUP) < torch.randint(0, LOOKUP + 1, (R, 1), generator=g)
     return top_logp, top_ids, ctx, branch, valid
+
+
+def pad_rows(total: int, *xs: torch.Tensor | None, fills=(-math.inf, 0, 0, 0, False)) -> tuple:
+    """`plan_trees`' inputs (top_logp, top_ids, context_lens, branch, valid) padded to `total` rows as
+    `draft_trees` makes the padding: log-probs -inf (no tree), token 0, context 0, no lookup path."""
+    return tuple(None if x is None else torch.cat([x, x.new_full((total - x.shape[0], *x.shape[1:]), fill)])
+                 for x, fill in zip(xs, fills))
 
 
 def move_state_on(auto: AutoBudget, seed: int) -> None:
@@ -218,16 +223,13 @@ def test_depths_padded_for_a_capture_build_the_same_trees():
         logits = torch.randn(R, depth, VOCAB, generator=g).round(decimals=1)  # ties
         logits[0, :, 6:] = -math.inf  # request 0: six finite tokens per depth, fewer than K at K = 8, 16
         top_logp, top_ids = topk_per_depth(logits, k)
-        padded = pad_depths(top_logp, top_ids, depth + 5)
-        assert padded[0].shape == (R, depth + 5, k) and torch.isneginf(padded[0][:, depth:]).all()
+        padded = (torch.nn.functional.pad(top_logp, (0, 0, 0, 5), value=-math.inf),
+                  torch.nn.functional.pad(top_ids, (0, 0, 0, 5)))  # as `draft_trees` makes the padding
         for budgets in (width, torch.tensor([1, 3, width, width - 1])):
             plain = build_tree(top_logp, top_ids, budgets, max_budget=width, validate=False)
             wide = build_tree(*padded, budgets, max_budget=width, validate=False)  # as plan_trees builds
             for name in ("tokens", "parents", "depths", "scores", "draft_logp", "valid", "num_nodes"):
                 assert torch.equal(getattr(plain, name), getattr(wide, name)), (name, depth, k)
-    assert pad_depths(top_logp, top_ids, 1)[0] is top_logp
-    with pytest.raises(ValueError, match="cannot pad 1 depths to 0"):
-        pad_depths(top_logp, top_ids, 0)
     assert [capture_width(b, 64) for b in (1, 2, 3, 8, 9, 16, 17, 33, 64)] == [1, 2, 4, 8, 16, 16, 32, 64, 64]
     assert capture_width(33, 40) == 40  # never past the scheduler's cap
 
@@ -265,8 +267,6 @@ def test_a_batch_padded_to_its_size_class_plans_the_same_trees_and_moves_the_sam
     padded = pad_rows(R + 40, top_logp, top_ids, ctx, branch, valid)
     counted = plan_trees(*padded[:2], BUILD, padded[2], auto, *padded[3:], max_nodes=BUILD + LOOKUP)[1]
     assert not torch.equal(counted.step_seconds, plain.step_seconds)
-    with pytest.raises(ValueError, match="cannot pad 4 requests to 3"):
-        pad_rows(3, top_logp, top_ids, ctx, branch, valid)
 
 
 def history_with_repeats(seed: int, r: int) -> TokenHistory:
@@ -297,7 +297,8 @@ def test_the_lookup_found_inside_the_step_keeps_a_padded_batch_s_plans():
                                                        valid, BUILD + LOOKUP)[0].tokens)
         total = padded_rows(r) + 8
         inputs = pad_rows(total, top_logp, top_ids, ctx, None, None)[:3]
-        for auto, pad in ((auto_padded, pad_slots(total, slots)), (auto_taken, torch.cat([slots, slots.new_zeros(total - r)]))):
+        for auto, pad in ((auto_padded, torch.cat([slots, slots.new_full((total - r,), -1)])),
+                          (auto_taken, torch.cat([slots, slots.new_zeros(total - r)]))):
             out = plan_trees_with_lookup(inputs[0], inputs[1], BUILD, inputs[2], auto, history, pad, LOOKUP,
                                          BUILD + LOOKUP, padded=True, rows=torch.count_nonzero(inputs[2]))
             if auto is auto_padded:
@@ -307,8 +308,96 @@ def test_the_lookup_found_inside_the_step_keeps_a_padded_batch_s_plans():
                 assert torch.equal(plan.extra, plain[1].extra) and torch.equal(out[2][:r], branch)
             else:
                 assert out[1].extra[r:].sum() > 0 and not torch.equal(out[1].expected_tokens, plain[1].expected_tokens)
-    with pytest.raises(ValueError, match="cannot pad 4 requests to 3"):
-        pad_slots(3, torch.arange(4))
+
+
+#: (requests, drafted depths) of successive drafting steps: after the first two (eager, then captured)
+#: the size class 4-7 replays one capture padded to 7 rows and DEPTH depths, most steps smaller than
+#: one before, so its buffers hold an earlier step's values past the batch; then a batch of class 2-3.
+DRAFT_STEPS = ((7, 6), (5, 4), (7, 6), (4, 3), (6, 6), (5, 2), (4, 5), (2, 6), (3, 4))
+
+
+def draft_step(auto: AutoBudget, history: TokenHistory):
+    """The proposer's step function: the lookup calibration fed, then build, automatic budget and lookup
+    path (`plan_trees_with_lookup`)."""
+    def step(top_logp, top_ids, context_lens, slots, rows, observed=None):
+        if observed is not None:
+            auto.observe_lookup(*observed)
+        return plan_trees_with_lookup(top_logp, top_ids, BUILD, context_lens, auto, history, slots, LOOKUP,
+                                      BUILD + LOOKUP, padded=rows is not None, rows=rows)
+    return step
+
+
+def draft_inputs(seed: int, r: int, depth: int) -> tuple:
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(r, depth, VOCAB, generator=g) * torch.linspace(0.5, 4.0, r).view(r, 1, 1)
+    return (*topk_per_depth(logits, BUILD), torch.randint(100, 2000, (r,), generator=g), torch.arange(r))
+
+
+def lookup_outcome(seed: int, r: int) -> tuple:
+    """Last step's lookup paths [r, LOOKUP] (a random valid prefix each) and this step's committed tokens,
+    1-4 columns (-1 padded): the path's first tokens up to a random depth, then another token."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    proposed = torch.randint(0, VOCAB, (r, LOOKUP), generator=g)
+    valid = torch.arange(LOOKUP) < torch.randint(0, LOOKUP + 1, (r, 1), generator=g)
+    columns = 1 + seed % 4
+    committed = torch.where(torch.arange(columns) < torch.randint(0, columns + 1, (r, 1), generator=g),
+                            proposed[:, :columns], (proposed[:, :columns] + 1) % VOCAB)
+    return proposed, valid, torch.where(torch.arange(columns) < torch.randint(1, columns + 1, (r, 1), generator=g),
+                                        committed, -1)
+
+
+def test_the_drafting_step_replayed_from_a_padded_capture_plans_as_eager():
+    """`draft_trees` with `StepGraphs` (what the proposer runs where it captures): the lookup
+    calibration it feeds, trees, plan, lookup path and the size class's rate equal the unpadded eager
+    step's bit for bit on every step, though a replay's buffers hold an earlier step's values past the
+    batch, past its drafted depths and past its committed tokens."""
+    history = history_with_repeats(0, 8)
+    graphs = StepGraphs("trace")
+    captured, eager = calibrated_budget(0), calibrated_budget(0)
+    for auto in (captured, eager):  # each class's first plan seeds its rate (the proposer runs it eagerly)
+        for r in (7, 2):
+            draft_trees(draft_step(auto, history), *draft_inputs(99, r, DEPTH), DEPTH)
+    for seed, (r, depth) in enumerate(DRAFT_STEPS):
+        x, observed = draft_inputs(seed, r, depth), lookup_outcome(seed, r)
+        got = draft_trees(draft_step(captured, history), *x, DEPTH, graphs, ("test",), observed)
+        want = draft_trees(draft_step(eager, history), *x, DEPTH, observed=observed)
+        assert torch.equal(captured.lookup._state, eager.lookup._state), seed
+        for name in ("tokens", "parents", "depths", "valid", "scores", "num_nodes"):
+            assert torch.equal(getattr(got[0], name), getattr(want[0], name)), (name, seed)
+        for name in ("budgets", "extra", "expected_tokens", "step_seconds"):
+            assert torch.equal(getattr(got[1], name), getattr(want[1], name)), (name, seed)
+        assert torch.equal(got[2], want[2]) and torch.equal(got[3], want[3]), seed
+        assert got[0].tokens.shape[0] == r and want[0].valid.any(dim=1).all()  # every request has a tree
+        for a, b in zip(rate_tensors(captured), rate_tensors(eager)):
+            assert torch.equal(a, b), seed
+    assert (graphs.eager_calls, graphs.captures, graphs.replays) == (2, 2, 5)
+    assert not torch.equal(eager.lookup._state, calibrated_budget(0).lookup._state)  # it was fed
+    with pytest.raises(ValueError, match="cannot pad 6 depths to 5"):
+        draft_trees(draft_step(eager, history), *draft_inputs(0, 4, 6), 5, graphs)
+
+
+def test_a_drafting_capture_that_reads_its_buffers_whole_plans_an_earlier_step_s_rows():
+    """The negative control of the test above: the inputs in their buffers' leading blocks without the
+    mask `draft_trees` makes from (R, D, C) leave an earlier, larger step's rows, depths and committed
+    tokens in the capture's buffers: the replays plan trees that are not the step's, and feed the
+    lookup calibration outcomes that are not the step's."""
+    history = history_with_repeats(0, 8)
+    graphs = StepGraphs("trace")
+    captured, eager = calibrated_budget(0), calibrated_budget(0)
+    for auto in (captured, eager):
+        draft_trees(draft_step(auto, history), *draft_inputs(99, 7, DEPTH), DEPTH)
+    wrong = 0
+    for seed, (r, depth) in enumerate(DRAFT_STEPS[:7]):
+        top_logp, top_ids, ctx, slots = draft_inputs(seed, r, depth)
+        observed = lookup_outcome(seed, r)
+        step = draft_step(captured, history)
+        shapes = ((7, DEPTH, BUILD), (7, DEPTH, BUILD), (7,), (7,), None, (7, LOOKUP), (7, LOOKUP), (7, LOOKUP))
+        tree, plan, _, _ = graphs(("unmasked",), lambda *x: step(*x[:5], x[5:]), top_logp, top_ids, ctx, slots,
+                                  torch.tensor(r), *observed, shapes=shapes)
+        want = draft_trees(draft_step(eager, history), top_logp, top_ids, ctx, slots, DEPTH, observed=observed)
+        wrong += not (torch.equal(tree.tokens[:r], want[0].tokens) and torch.equal(plan.budgets[:r], want[1].budgets))
+    assert wrong > 0
+    assert not torch.equal(captured.lookup._state, eager.lookup._state)
 
 
 def test_the_switch_names_its_values_and_captures_on_cuda_by_default(monkeypatch):

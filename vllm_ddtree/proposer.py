@@ -33,12 +33,8 @@ from vllm_ddtree.tree import (
     SpeculationGate,
     StepGraphs,
     capture_width,
-    first_rows,
+    draft_trees,
     get_profile,
-    pad_depths,
-    pad_rows,
-    pad_slots,
-    padded_rows,
     plan_trees,
     plan_trees_with_lookup,
     head_topk,
@@ -600,38 +596,30 @@ class DDTreeProposer(DFlashProposer):
         if self.ngram is not None:
             tail = self.ngram.context_tail(slots)
             scorer = self.ngram.scorer(slots)
-        if self.history is not None and self.auto is not None:  # last step's lookup paths, scored
-            self._observe_lookup(req_ids, step_tokens)  # (before this step's replay overwrites them)
+        observed = None  # last step's lookup paths against this step's tokens, scored in the step function
+        if self.history is not None and self.auto is not None:
+            observed = self._lookup_outcome(req_ids, step_tokens)  # (before this step's replay overwrites them)
 
-        # build, budget, lookup path within the scheduler's count: the step's device function
-        def step(top_logp, top_ids, context_lens, slots, padded=False, rows=None):
+        # lookup calibration, build, budget, lookup path within the scheduler's count: the step's device function
+        def step(top_logp, top_ids, context_lens, slots, rows, observed):
+            if observed is not None:
+                self.auto.observe_lookup(*observed)
             if self.history is None:
                 return *plan_trees(top_logp, top_ids, build, context_lens, self.auto, None, None, self._cap,
                                    scorer=scorer, context_tail=tail, lam=self.options.ngram_weight, rows=rows), None, None
             # one more path per tree: the request's own text, continued
             return plan_trees_with_lookup(top_logp, top_ids, build, context_lens, self.auto, self.history, slots,
-                                          self.lookup, self._cap, padded=padded, scorer=scorer, context_tail=tail,
-                                          lam=self.options.ngram_weight, rows=rows)
+                                          self.lookup, self._cap, padded=rows is not None, scorer=scorer,
+                                          context_tail=tail, lam=self.options.ngram_weight, rows=rows)
 
         context_lens = cad.seq_lens[:r] if self.auto is not None else None
         slots = slots if self.history is not None else None  # (the n-gram tables' alone: not the step's)
         state = self._capture_state(r, scorer, top_logp.device)
-        if state is None:
-            tree, plan, branch, valid = step(top_logp, top_ids, context_lens, slots)
-        else:  # captured: one shape per (size class, width), whatever the batch and the depth cap drafted
-            def padded_step(top_logp, top_ids, context_lens, slots):
-                rows = None if context_lens is None else torch.count_nonzero(context_lens)  # padding: context 0
-                return step(top_logp, top_ids, context_lens, slots, padded=True, rows=rows)
-
-            total = padded_rows(r)
-            top_logp, top_ids, context_lens = pad_rows(total, *pad_depths(top_logp, top_ids, min(self.width, build)),
-                                                       context_lens, None, None)[:3]
-            inputs = (top_logp, top_ids, context_lens, None if slots is None else pad_slots(total, slots))
-            shapes = tuple(None if x is None else (tuple(x.shape), x.dtype) for x in inputs)
-            tree, plan, branch, valid = self.step_graphs((build, self._cap, shapes, state), padded_step, *inputs)
-            tree, plan = first_rows(tree, plan, r)
-            branch, valid = (None, None) if branch is None else (branch[:r], valid[:r])
-        if self.history is not None and self.auto is not None:  # scored next step (`_observe_lookup`)
+        # captured: one shape per (size class, width), whatever the batch and the depth cap drafted
+        tree, plan, branch, valid = draft_trees(step, top_logp, top_ids, context_lens, slots, min(self.width, build),
+                                                None if state is None else self.step_graphs, (build, self._cap, state),
+                                                observed)
+        if self.history is not None and self.auto is not None:  # scored next step (`_lookup_outcome`)
             self._proposed = (req_ids, branch, valid)
         host = self._store(req_ids, tree)
         if self.auto is not None:
@@ -657,12 +645,13 @@ class DDTreeProposer(DFlashProposer):
         self.proposed = ProposedTrees(dict(zip(req_ids, range(len(req_ids)))), *host.padded)
         return host
 
-    def _observe_lookup(self, req_ids: list[str], step_tokens: Tensor) -> None:
-        """Last step's lookup paths (all of them, verified or not) against what this step committed,
-        for the automatic budget's LookupCalibration. Rows are matched by request id (the batch may
-        have been reordered); a request new to the batch, or a row vLLM discards, proposed nothing."""
+    def _lookup_outcome(self, req_ids: list[str], step_tokens: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+        """Last step's lookup paths (all of them, verified or not) per row of this batch, with what this
+        step committed: (paths, valid [R, L], tokens [R, K]) for the automatic budget's
+        LookupCalibration (None before any). Rows are matched by request id (the batch may have been
+        reordered); a request new to the batch, or a row vLLM discards, proposed nothing."""
         if self._proposed is None:
-            return
+            return None
         before, proposed, valid = self._proposed
         r, none = len(req_ids), len(before)  # none: an all-invalid row appended below
         row = dict(zip(before, range(none)))
@@ -673,7 +662,7 @@ class DDTreeProposer(DFlashProposer):
         length, dev = proposed.shape[1], proposed.device
         proposed = torch.cat([proposed, constants.filled((1, length), 0, proposed.dtype, dev)])[index]
         valid = torch.cat([valid, constants.filled((1, length), False, torch.bool, dev)])[index]
-        self.auto.observe_lookup(proposed, valid, step_tokens)
+        return proposed, valid, step_tokens if step_tokens.shape[0] == r else step_tokens[:r]
 
     def _catch_up(self) -> None:
         """At an undrafted step (no `_observe`): a request whose last observed step's tokens were

@@ -8,7 +8,10 @@ reads from the budget's state is a tensor updated in place (`AutoBudget.plan`). 
 or captured (a CUDA graph per batch size and build width) and replayed while serving moves the
 state on. `plan_trees_with_lookup` finds the prompt-lookup path inside the same function: the token
 history it reads is a fixed buffer written in place. The n-gram tables' work (counting the step's
-tokens, rescoring) comes before it: their sizes follow the text seen so far.
+tokens, rescoring) comes before it: their sizes follow the text seen so far. The proposer runs it
+through `draft_trees`, which replays it from a capture per (size class, width):
+
+    tree, plan, branch, valid = draft_trees(step, top_logp, top_ids, context_lens, slots, depth, graphs, key)
 
 The verify side's device part has its function too, captured the same way:
 
@@ -61,7 +64,7 @@ def plan_trees(
     the scheduler takes (the path is cut there). Returns the trees (padded to at most `max_nodes`
     columns) and the budget's plan (None without `auto`). The host keeps its part of the plan:
     `auto.record_plan(plan, R)`. `rows` ([] int): the real requests of a batch padded past them
-    (`pad_rows`); the padding's trees are empty and the plan is the real batch's.
+    (`draft_trees`); the padding's trees are empty and the plan is the real batch's.
     """
     tree = build_tree(top_logp, top_ids, build, max_budget=build, scorer=scorer,
                       context_tail=context_tail if scorer is not None else None, lam=lam, validate=False)
@@ -121,18 +124,62 @@ def capture_width(build: int, cap: int) -> int:
     return min(cap, 1 << max(build - 1, 0).bit_length())
 
 
-def pad_depths(top_logp: Tensor, top_ids: Tensor, depth: int) -> tuple[Tensor, Tensor]:
-    """top_logp/top_ids [R, D, K] padded to [R, depth, K]: log-probability -inf and token 0 at the added
-    depths. `build_tree` never keeps a -inf candidate where a finite one is left (depth 1 alone holds
-    K >= the tree's width of them), and sets every field of a node it does not keep to the same
-    padding, so the trees are those of the unpadded input, bit for bit; only the shape, what a
-    capture is keyed on, stops following the drafter's depth cap."""
-    extra = depth - top_logp.shape[1]
-    if extra < 0:
-        raise ValueError(f"cannot pad {top_logp.shape[1]} depths to {depth}")
-    if extra == 0:
-        return top_logp, top_ids
-    return F.pad(top_logp, (0, 0, 0, extra), value=-math.inf), F.pad(top_ids, (0, 0, 0, extra), value=0)
+def draft_trees(step: Callable[..., tuple], top_logp: Tensor, top_ids: Tensor, context_lens: Tensor | None,
+                slots: Tensor | None, depth: int, graphs: StepGraphs | None = None, key: tuple = (),
+                observed: tuple[Tensor, Tensor, Tensor] | None = None,
+                ) -> tuple[DraftTree, BudgetPlan | None, Tensor | None, Tensor | None]:
+    """`step` (`plan_trees` or `plan_trees_with_lookup` as the proposer closes over them) on a drafting
+    step's top-k: (trees, plan, lookup path, its valid mask), cut to the batch's R requests.
+
+    step(top_logp, top_ids, context_lens, slots, rows, observed): `rows` None for the batch as it is,
+    else ([] int) the real requests of a padded batch, whose rows past them have log-probs -inf (no
+    tree), context 0 and slot -1 (no lookup path). top_logp/top_ids [R, D, K], context_lens/slots [R]
+    (each may be None). `observed` (optional): what the step feeds the automatic budget's lookup
+    calibration first (`AutoBudget.observe_lookup`), in the same function: last step's lookup paths
+    and their valid masks [R, L] per row of this batch, and the tokens this step committed [R, C], -1
+    padded; a padded batch's rows past R are not valid, its committed tokens past C are -1.
+
+    With `graphs` (the proposer's `step_graphs`) it is replayed from a capture per `key` and shape:
+    the batch padded to its size class (`padded_rows`) and the drafted depths D to `depth`, so a
+    server's steps take a few shapes whatever its batch and its depth cap. The inputs fill the
+    leading block of their buffers (`StepGraphs`), past which an earlier replay's values lie: the
+    captured step makes them the padding above through (R, D, C), the one input passed whole (a kept
+    constant per value). `build_tree` never keeps a -inf candidate where a finite one is left, and
+    sets every field of a node it does not keep to the same padding, so the real rows' trees are the
+    unpadded batch's, bit for bit; the plan counts the real requests only (`rows`)."""
+    if graphs is None:
+        return step(top_logp, top_ids, context_lens, slots, None, observed)
+    r, drafted, k = top_logp.shape
+    if drafted > depth:
+        raise ValueError(f"cannot pad {drafted} depths to {depth}")
+    total, device = padded_rows(r), top_logp.device
+    proposed, proposed_valid, committed = (None, None, None) if observed is None else observed
+    length = 0 if proposed is None else proposed.shape[1]
+    if committed is not None:
+        committed = committed[:, :length]  # (`LookupCalibration.update` reads no further)
+    # the one input passed whole: R, D and the committed tokens' columns C
+    counts = constants.device_ints((r, drafted, 0 if committed is None else committed.shape[1]), device)
+
+    def padded_draft_step(top_logp, top_ids, context_lens, slots, proposed, proposed_valid, committed, counts):
+        live = constants.arange(total, device) < counts[0]  # [total]: the batch's rows
+        drafted = (live[:, None] & (constants.arange(depth, device) < counts[1]))[:, :, None]  # [total, depth, 1]
+        top_logp, top_ids = torch.where(drafted, top_logp, -math.inf), torch.where(drafted, top_ids, 0)
+        context_lens = None if context_lens is None else torch.where(live, context_lens, 0)
+        slots = None if slots is None else torch.where(live, slots, -1)
+        observed = None
+        if proposed is not None:
+            observed = (proposed, proposed_valid & live[:, None],
+                        torch.where(constants.arange(length, device) < counts[2], committed, -1))
+        return step(top_logp, top_ids, context_lens, slots, counts[0], observed)
+
+    inputs = (top_logp, top_ids, context_lens, slots, proposed, proposed_valid, committed)
+    scores, paths = (total, depth, k), (total, length)
+    shapes = (scores, scores, *(None if x is None else (total,) for x in (context_lens, slots)),
+              *(None if x is None else paths for x in (proposed, proposed_valid, committed)), None)
+    dtypes = tuple(None if x is None else x.dtype for x in inputs)
+    tree, plan, branch, valid = graphs((*key, shapes, dtypes), padded_draft_step, *inputs, counts, shapes=shapes)
+    tree, plan = first_rows(tree, plan, r)
+    return tree, plan, None if branch is None else branch[:r], None if valid is None else valid[:r]
 
 
 def padded_rows(num_requests: int) -> int:
@@ -140,32 +187,6 @@ def padded_rows(num_requests: int) -> int:
     class (1, 2-3, 4-7, 8-15, ...; `SpeculationGate.size_class`), so the automatic budget's rate and
     capture state stay the class's, and a class is one capture per width."""
     return (1 << max(num_requests, 1).bit_length()) - 1
-
-
-def pad_rows(total: int, top_logp: Tensor, top_ids: Tensor, context_lens: Tensor | None,
-             branch: Tensor | None, valid: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None,
-                                                                    Tensor | None]:
-    """`plan_trees`' inputs for R requests padded to `total` rows: top-k log-probs -inf (no tree), token 0,
-    context 0, lookup path 0 and not valid. Pass `rows` = R to `plan_trees` and keep its first R rows."""
-    extra = total - top_logp.shape[0]
-    if extra < 0:
-        raise ValueError(f"cannot pad {top_logp.shape[0]} requests to {total}")
-
-    def grow(x: Tensor | None, fill) -> Tensor | None:
-        if x is None or extra == 0:
-            return x
-        return torch.cat([x, x.new_full((extra, *x.shape[1:]), fill)])
-
-    return (grow(top_logp, -math.inf), grow(top_ids, 0), grow(context_lens, 0), grow(branch, 0),
-            grow(valid, False))
-
-
-def pad_slots(total: int, slots: Tensor) -> Tensor:
-    """History slots [R] padded to `total` rows with -1 (`plan_trees_with_lookup(padded=True)`)."""
-    extra = total - slots.shape[0]
-    if extra < 0:
-        raise ValueError(f"cannot pad {slots.shape[0]} requests to {total}")
-    return slots if extra == 0 else torch.cat([slots, constants.filled((extra,), -1, slots.dtype, slots.device)])
 
 
 def first_rows(tree: DraftTree, plan: BudgetPlan | None, r: int) -> tuple[DraftTree, BudgetPlan | None]:
