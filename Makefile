@@ -30,13 +30,8 @@ $(FLASHINFER): $(STAMP)
 	$(PIP) install --quiet --no-deps --upgrade --target $(VENV)/flashinfer "flashinfer-python==$(FLASHINFER_VERSION)" nvidia-ml-py
 	touch $@
 
-# Two test processes, one thread each (tests/conftest.py): two engine tests share a 2-core machine at
-# little cost to either. Tests go out one at a time (--maxschedchunk 1), engine tests first, so the
-# long ones spread over both workers instead of queueing on the first.
-TEST_WORKERS ?= 2
-
 test: $(STAMP) $(FLASHINFER)
-	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --maxschedchunk 1
+	$(PY) -m pytest -q -p no:cacheprovider
 
 test-fast: $(STAMP) $(FLASHINFER)
 	$(PY) -m pytest -q -m "not slow and not vllm"

