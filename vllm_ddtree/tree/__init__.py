@@ -37,7 +37,8 @@ from .transfer import HostReads, to_device, to_device_together, to_host
 from .ngram import HostTokens, NGramCounts, NGramModel, NGramScorer, build_corpus_ngram, entropy_adaptive_lambda, windows_of
 from .lookup import TokenHistory
 from .graphs import StepGraphs
-from .step import (capture_width, draft_trees, first_rows, first_verified, padded_rows, padded_width, plan_trees, plan_trees_with_lookup, verify_trees)
+from .step import (capture_width, draft_trees, first_rows, first_verified, padded_rows, padded_width, plan_trees,
+                   plan_trees_with_lookup, verify_trees)
 from .verify import VerifiedStep, WalkResult, greedy_tokens, sample_tokens, verify_step, walk_tree
 
 __all__ = [name for name in dir() if not name.startswith("_")]
