@@ -129,6 +129,7 @@ TOPK_SEGMENT_CHOICES = (4, 16, 64)  # b.topk: slices per row of the "segmented" 
 DEPTHS = 15  # a DFlash drafter of block 16 drafts 15 depths
 BUILD = 64  # tree width built per request (the automatic budget's largest tree)
 LOOKUP = 8  # prompt-lookup branch length
+TOKEN_WIDTH = BUILD + LOOKUP + 1  # a captured step's new tokens per row, padded (the proposer's: max budget + 1)
 NGRAM_WEIGHT = 0.2
 REPO_FILES = ("vllm_ddtree", "benchmarks")
 
@@ -1233,14 +1234,15 @@ def advance_state(st: StepState, r: int, seed: int) -> None:
 
 
 def step_graphs_run(r: int, vocab: int, device: torch.device, backend: str, reps: int) -> dict:
-    """The proposer's own captured step: `draft_trees` with `StepGraphs(backend)` around the lookup
-    calibration's update and `plan_trees_with_lookup` (lookup path, build, automatic budget) as
-    `DDTreeProposer` calls it, its batch padded to the top of its size class (`padded_rows`: 1 / 15 /
-    127 / 511 rows at batch 1 / 8 / 64 / 256) and its depths to all DEPTHS. The class's first plan
-    runs eagerly, then the key's first call, then its capture, on one request more than the replay
-    (where the class holds one), all DEPTHS and LOOKUP committed tokens: the replay, on new inputs of
-    `r` requests, two depths fewer and two committed tokens, reads an earlier step's values past them
-    in its buffers. The state moves on between them (`advance_state`) and the replay
+    """The proposer's own captured step: `draft_trees` with `StepGraphs(backend)` around the step's
+    tokens appended to the token history, the lookup calibration's update and `plan_trees_with_lookup`
+    (lookup path, build, automatic budget) as `DDTreeProposer` calls it, its batch padded to the top
+    of its size class (`padded_rows`: 1 / 15 / 127 / 511 rows at batch 1 / 8 / 64 / 256), its depths
+    to all DEPTHS and its new tokens to TOKEN_WIDTH columns. The class's first plan runs eagerly, then
+    the key's first call, then its capture, on one request more than the replay (where the class
+    holds one), all DEPTHS and LOOKUP new tokens: the replay, on new inputs of `r` requests, two
+    depths fewer and two new tokens, reads an earlier step's values past them in its buffers (the
+    history it appends to is compared too). The state moves on between them (`advance_state`) and the replay
     must equal the eager step on the same padded shape; the unpadded eager step (the proposer's
     without graphs) is compared too. Returns the comparisons, the captures' counters and on request
     (`reps` > 0) eager and replay times. On a CPU the "trace" backend runs the same logic."""
@@ -1266,9 +1268,10 @@ def step_graphs_run(r: int, vocab: int, device: torch.device, backend: str, reps
         committed = torch.where(torch.rand(rows, columns, generator=g) < 0.6, proposed[:, :columns], -1)
         return proposed.to(device), valid.to(device), committed.to(device)
 
-    def step(top_logp, top_ids, context_lens, slots, rows, observed=None):
-        if observed is not None:  # the lookup calibration fed first, as the proposer's step does
-            state.auto.observe_lookup(*observed)
+    def step(top_logp, top_ids, context_lens, slots, rows, observed=None, new_tokens=None):
+        if new_tokens is not None:  # the step's tokens into the history, the lookup calibration fed, as the proposer's
+            state.history.append(slots, new_tokens)
+            state.auto.observe_lookup(*observed, new_tokens)
         return plan_trees_with_lookup(top_logp, top_ids, BUILD, context_lens, state.auto, state.history, slots, LOOKUP,
                                       BUILD + LOOKUP, padded=rows is not None, rows=rows)
 
@@ -1277,13 +1280,19 @@ def step_graphs_run(r: int, vocab: int, device: torch.device, backend: str, reps
         return ({f"tree.{k}": getattr(tree, k).clone() for k in ("tokens", "parents", "depths", "valid", "scores")}
                 | {f"plan.{k}": getattr(plan, k).clone() for k in ("budgets", "extra", "expected_tokens", "step_seconds")}
                 | {"lookup.tokens": branch.clone(), "lookup.valid": valid.clone(),
-                   "lookup.calibration": torch.stack([state.auto.lookup.hits, state.auto.lookup.at_risk]).clone()})
+                   "lookup.calibration": torch.stack([state.auto.lookup.hits, state.auto.lookup.at_risk]).clone(),
+                   "history.tokens": state.history.tokens.clone(), "history.lengths": state.history.lengths.clone()})
+
+    def drafted(x: tuple, seen: tuple | None = None, graphs: StepGraphs | None = None):
+        # (seen: last step's lookup paths, their valid masks, and this step's tokens)
+        return draft_trees(step, *x, DEPTHS, graphs, key() if graphs is not None else (),
+                           None if seen is None else seen[:2], None if seen is None else seen[2], TOKEN_WIDTH)
 
     first, first_observed = inputs(r, capture_requests, DEPTHS), observed(1, capture_requests, LOOKUP)
     draft_trees(step, *first, DEPTHS)  # the batch size's first plan seeds its rate: the proposer runs it eagerly
     assert state.auto.capture_state(r, device) is not None
     for _ in range(graphs.capture_after - 1):  # eager
-        draft_trees(step, *first, DEPTHS, graphs, key(), first_observed)
+        drafted(first, first_observed, graphs)
     # The capture: its time, and the memory its graph keeps (its private pool, which vLLM's memory
     # profiling does not see; the proposer keeps up to `max_graphs` of them).
     sync(device)
@@ -1292,23 +1301,23 @@ def step_graphs_run(r: int, vocab: int, device: torch.device, backend: str, reps
         torch.cuda.empty_cache()
     held = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
     t0 = time.perf_counter()
-    draft_trees(step, *first, DEPTHS, graphs, key(), first_observed)
+    drafted(first, first_observed, graphs)
     sync(device)
     capture_ms = 1e3 * (time.perf_counter() - t0)
     pool_bytes = torch.cuda.memory_reserved(device) - held if device.type == "cuda" else None
     advance_state(state, capture_requests, seed=3000 + r)
     x, x_observed = inputs(4000 + r, r, DEPTHS - 2), observed(2, r, 2)  # fewer committed columns, too
     saved = [t.clone() for t in state_tensors(state)]
-    replayed = named(draft_trees(step, *x, DEPTHS, graphs, key(), x_observed))
+    replayed = named(drafted(x, x_observed, graphs))
     for t, v in zip(state_tensors(state), saved):
         t.copy_(v)
     # the same padded shape, run eagerly (a StepGraphs that never captures pads its inputs with zeros)
-    eager = named(draft_trees(step, *x, DEPTHS, StepGraphs(backend, capture_after=1 << 30), key(), x_observed))
+    eager = named(drafted(x, x_observed, StepGraphs(backend, capture_after=1 << 30)))
     # The padding's rows change no real request's tree or plan (on the CPU bit for bit; here the sums
     # over longer arrays run on this device's kernels).
     for t, v in zip(state_tensors(state), saved):
         t.copy_(v)
-    unpadded = named(draft_trees(step, *x, DEPTHS, observed=x_observed))
+    unpadded = named(drafted(x, x_observed))
     rec = {"differs": outputs_differ(replayed, eager),
            "padding_differs": outputs_differ(unpadded, eager),
            "graphs": {"captures": graphs.captures, "replays": graphs.replays, "failed": graphs.failed},
@@ -1317,8 +1326,8 @@ def step_graphs_run(r: int, vocab: int, device: torch.device, backend: str, reps
     rec["padding_kept_plans"] = not rec["padding_differs"]
     rec["capture_ms"], rec["pool_bytes"] = round(capture_ms, 2), pool_bytes
     if reps:  # what the proposer runs either way: eager on the batch as it is, or padded and replayed
-        rec["eager_ms"] = timed_ms(lambda: draft_trees(step, *x, DEPTHS, observed=x_observed), device, reps)
-        rec["replay_ms"] = timed_ms(lambda: draft_trees(step, *x, DEPTHS, graphs, key(), x_observed), device, reps)
+        rec["eager_ms"] = timed_ms(lambda: drafted(x, x_observed), device, reps)
+        rec["replay_ms"] = timed_ms(lambda: drafted(x, x_observed, graphs), device, reps)
     return rec
 
 

@@ -495,10 +495,14 @@ class CapturedOpCounter(OpCounter):
         self.captured_ops = 0
         self.launches = 0  # graph replays (`ReplayedGraphs`)
 
+    def captured(self) -> bool:
+        """Whether the op being dispatched runs inside a captured function."""
+        return inside(self.functions, os.path.join("tree", "step.py"))
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         before = self.device_ops
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        if self.device_ops > before and inside(self.functions, os.path.join("tree", "step.py")):
+        if self.device_ops > before and self.captured():
             self.device_ops -= 1
             self.device_views -= func.is_view
             self.captured_ops += 1

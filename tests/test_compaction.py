@@ -113,6 +113,11 @@ def test_layers_of_one_allocation_move_as_one_stack(layout, interleaved, monkeyp
         ops[num_layers] = count.ops
         assert all(torch.equal(c, a) for c, a in zip(caches, alone))
         assert not any(torch.equal(c, b) for c, b in zip(caches, before))  # every layer moved
+        # the moves as [requests, depths], a column cut of a wider block (as the verify step hands them)
+        wide = caches_2d = _vllm_layer_views(num_layers, 8, 2, 4, 6, interleaved)
+        cut = lambda x: torch.cat([x.view(2, 2), torch.zeros(2, 3, dtype=x.dtype)], dim=1)[:, :2]  # noqa: E731
+        compaction.move_slots_(caches_2d, cut(src), cut(dst), layout)
+        assert all(torch.equal(c, a) for c, a in zip(wide, alone))
     assert ops[2] == ops[7], ops  # the layers cost no op each
     # chunked (a gather bound below one stack's moves): the same caches, a few more ops
     monkeypatch.setattr(compaction, "MOVE_CHUNK_BYTES", 2 * 4 * 2 * 6 * 4)  # two layers' moves per gather

@@ -81,7 +81,7 @@ def run_step(device: torch.device):
 def test_the_verify_step_never_reads_a_device_tensor():
     meta = torch.device("meta")
     runner, step, out = run_step(meta)
-    assert step.batch.tokens.device == meta and step.row_index.device == meta
+    assert step.batch.tokens.device == meta and step.order_index.device == meta and step.row_slots.device == meta
     assert out.sampled_token_ids.device == meta and runner.drafter.context_order.device == meta
 
 

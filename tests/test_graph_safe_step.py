@@ -317,11 +317,13 @@ DRAFT_STEPS = ((7, 6), (5, 4), (7, 6), (4, 3), (6, 6), (5, 2), (4, 5), (2, 6), (
 
 
 def draft_step(auto: AutoBudget, history: TokenHistory):
-    """The proposer's step function: the lookup calibration fed, then build, automatic budget and lookup
-    path (`plan_trees_with_lookup`)."""
-    def step(top_logp, top_ids, context_lens, slots, rows, observed=None):
+    """The proposer's step function: the step's new tokens appended to the token history, the lookup
+    calibration fed, then build, automatic budget and lookup path (`plan_trees_with_lookup`)."""
+    def step(top_logp, top_ids, context_lens, slots, rows, observed=None, new_tokens=None):
+        if new_tokens is not None:
+            history.append(slots, new_tokens)
         if observed is not None:
-            auto.observe_lookup(*observed)
+            auto.observe_lookup(*observed, new_tokens)
         return plan_trees_with_lookup(top_logp, top_ids, BUILD, context_lens, auto, history, slots, LOOKUP,
                                       BUILD + LOOKUP, padded=rows is not None, rows=rows)
     return step
@@ -346,22 +348,32 @@ def lookup_outcome(seed: int, r: int) -> tuple:
                                         committed, -1)
 
 
+#: Columns a captured step pads each row's new tokens to (`draft_trees`' token_width).
+TOKEN_WIDTH = 6
+
+
 def test_the_drafting_step_replayed_from_a_padded_capture_plans_as_eager():
-    """`draft_trees` with `StepGraphs` (what the proposer runs where it captures): the lookup
-    calibration it feeds, trees, plan, lookup path and the size class's rate equal the unpadded eager
-    step's bit for bit on every step, though a replay's buffers hold an earlier step's values past the
-    batch, past its drafted depths and past its committed tokens."""
-    history = history_with_repeats(0, 8)
+    """`draft_trees` with `StepGraphs` (what the proposer runs where it captures): the token history
+    it appends to, the lookup calibration it feeds, trees, plan, lookup path and the size class's rate
+    equal the unpadded eager step's bit for bit on every step, though a replay's buffers hold an
+    earlier step's values past the batch, past its drafted depths and past its new tokens. The
+    padding rows write slot 0, which row 0 of every batch writes too."""
+    histories = {"captured": history_with_repeats(0, 8), "eager": history_with_repeats(0, 8)}
     graphs = StepGraphs("trace")
     captured, eager = calibrated_budget(0), calibrated_budget(0)
-    for auto in (captured, eager):  # each class's first plan seeds its rate (the proposer runs it eagerly)
+    for auto, history in ((captured, histories["captured"]), (eager, histories["eager"])):
+        # each class's first plan seeds its rate (the proposer runs it eagerly)
         for r in (7, 2):
             draft_trees(draft_step(auto, history), *draft_inputs(99, r, DEPTH), DEPTH)
     for seed, (r, depth) in enumerate(DRAFT_STEPS):
-        x, observed = draft_inputs(seed, r, depth), lookup_outcome(seed, r)
-        got = draft_trees(draft_step(captured, history), *x, DEPTH, graphs, ("test",), observed)
-        want = draft_trees(draft_step(eager, history), *x, DEPTH, observed=observed)
+        x, (proposed, valid, new_tokens) = draft_inputs(seed, r, depth), lookup_outcome(seed, r)
+        got = draft_trees(draft_step(captured, histories["captured"]), *x, DEPTH, graphs, ("test",), (proposed, valid),
+                          new_tokens, TOKEN_WIDTH)
+        want = draft_trees(draft_step(eager, histories["eager"]), *x, DEPTH, observed=(proposed, valid),
+                           new_tokens=new_tokens)
         assert torch.equal(captured.lookup._state, eager.lookup._state), seed
+        for name in ("tokens", "lengths"):
+            assert torch.equal(getattr(histories["captured"], name), getattr(histories["eager"], name)), (name, seed)
         for name in ("tokens", "parents", "depths", "valid", "scores", "num_nodes"):
             assert torch.equal(getattr(got[0], name), getattr(want[0], name)), (name, seed)
         for name in ("budgets", "extra", "expected_tokens", "step_seconds"):
@@ -372,32 +384,42 @@ def test_the_drafting_step_replayed_from_a_padded_capture_plans_as_eager():
             assert torch.equal(a, b), seed
     assert (graphs.eager_calls, graphs.captures, graphs.replays) == (2, 2, 5)
     assert not torch.equal(eager.lookup._state, calibrated_budget(0).lookup._state)  # it was fed
+    fresh = history_with_repeats(0, 8)  # every step's new tokens were appended, each request's own
+    grown = histories["eager"].lengths - fresh.lengths
+    assert grown.sum() > 0 and torch.equal(grown, sum(
+        torch.zeros(8, dtype=torch.int64).index_add_(0, torch.arange(r), (lookup_outcome(seed, r)[2] >= 0).sum(dim=1))
+        for seed, (r, _) in enumerate(DRAFT_STEPS)))
     with pytest.raises(ValueError, match="cannot pad 6 depths to 5"):
-        draft_trees(draft_step(eager, history), *draft_inputs(0, 4, 6), 5, graphs)
+        draft_trees(draft_step(eager, histories["eager"]), *draft_inputs(0, 4, 6), 5, graphs)
+    with pytest.raises(ValueError, match="cannot pad 4 new tokens per row to 3"):
+        draft_trees(draft_step(eager, histories["eager"]), *draft_inputs(0, 4, 5), 5, graphs, new_tokens=torch.zeros(4, 4),
+                    token_width=3)
 
 
 def test_a_drafting_capture_that_reads_its_buffers_whole_plans_an_earlier_step_s_rows():
     """The negative control of the test above: the inputs in their buffers' leading blocks without the
-    mask `draft_trees` makes from (R, D, C) leave an earlier, larger step's rows, depths and committed
-    tokens in the capture's buffers: the replays plan trees that are not the step's, and feed the
-    lookup calibration outcomes that are not the step's."""
-    history = history_with_repeats(0, 8)
+    mask `draft_trees` makes from (R, D, T) leave an earlier, larger step's rows, depths and new
+    tokens in the capture's buffers: the replays plan trees that are not the step's, feed the lookup
+    calibration outcomes that are not the step's, and append tokens to the history that are not."""
+    histories = [history_with_repeats(0, 8), history_with_repeats(0, 8)]
     graphs = StepGraphs("trace")
     captured, eager = calibrated_budget(0), calibrated_budget(0)
-    for auto in (captured, eager):
+    for auto, history in zip((captured, eager), histories):
         draft_trees(draft_step(auto, history), *draft_inputs(99, 7, DEPTH), DEPTH)
     wrong = 0
     for seed, (r, depth) in enumerate(DRAFT_STEPS[:7]):
         top_logp, top_ids, ctx, slots = draft_inputs(seed, r, depth)
-        observed = lookup_outcome(seed, r)
-        step = draft_step(captured, history)
-        shapes = ((7, DEPTH, BUILD), (7, DEPTH, BUILD), (7,), (7,), None, (7, LOOKUP), (7, LOOKUP), (7, LOOKUP))
-        tree, plan, _, _ = graphs(("unmasked",), lambda *x: step(*x[:5], x[5:]), top_logp, top_ids, ctx, slots,
-                                  torch.tensor(r), *observed, shapes=shapes)
-        want = draft_trees(draft_step(eager, history), top_logp, top_ids, ctx, slots, DEPTH, observed=observed)
+        proposed, valid, new_tokens = lookup_outcome(seed, r)
+        step = draft_step(captured, histories[0])
+        shapes = ((7, DEPTH, BUILD), (7, DEPTH, BUILD), (7,), (7,), None, (7, LOOKUP), (7, LOOKUP), (7, TOKEN_WIDTH))
+        tree, plan, _, _ = graphs(("unmasked",), lambda *x: step(*x[:5], x[5:7], x[7]), top_logp, top_ids, ctx, slots,
+                                  torch.tensor(r), proposed, valid, new_tokens, shapes=shapes)
+        want = draft_trees(draft_step(eager, histories[1]), top_logp, top_ids, ctx, slots, DEPTH,
+                           observed=(proposed, valid), new_tokens=new_tokens)
         wrong += not (torch.equal(tree.tokens[:r], want[0].tokens) and torch.equal(plan.budgets[:r], want[1].budgets))
     assert wrong > 0
     assert not torch.equal(captured.lookup._state, eager.lookup._state)
+    assert not torch.equal(histories[0].lengths, histories[1].lengths)
 
 
 def test_the_switch_names_its_values_and_captures_on_cuda_by_default(monkeypatch):
@@ -447,18 +469,30 @@ VERIFY_STEPS = ((7, 15), (5, 9), (7, 15), (4, 10), (6, 12), (5, 9), (4, 8), (2, 
 
 def test_the_verify_step_replayed_from_a_padded_capture_walks_and_calibrates_as_eager():
     """`verify_trees` with `StepGraphs` (what sample_tree_step runs where the proposer captures): the
-    walk, the statistics' sums, the committed count and the acceptance calibration equal the eager
-    step's on every step, though a replay's buffers hold an earlier step's values past the batch."""
+    walk, the statistics' sums, the committed count, the acceptance calibration and the KV moves
+    equal the eager step's on every step, though a replay's buffers hold an earlier step's values past
+    the batch; the moves are those read off the walk by hand."""
     graphs = StepGraphs("trace")
     captured, eager = AcceptanceCalibration(), AcceptanceCalibration()
     for seed, (r, budget) in enumerate(VERIFY_STEPS):
         batch, row_tokens, scores = verify_inputs(seed, r, budget)
-        got = verify_trees(batch, row_tokens, scores, captured, graphs)
-        want = verify_trees(batch, row_tokens, scores, eager)
-        plain = walk_tree(batch, row_tokens, width=batch.tokens.shape[1])
+        n = batch.tokens.shape[1]
+        row_slots = torch.randperm(r * n, generator=torch.Generator().manual_seed(seed)).view(r, n) + 1000
+        got = verify_trees(batch, row_tokens, scores, captured, graphs, row_slots=row_slots)
+        want = verify_trees(batch, row_tokens, scores, eager, row_slots=row_slots)
+        plain = walk_tree(batch, row_tokens, width=n)
         for name in ("output_tokens", "num_emitted", "path_rows", "accepted_rows"):
             assert torch.equal(getattr(got.walk, name), getattr(want.walk, name)), (name, seed)
             assert torch.equal(getattr(want.walk, name), getattr(plain, name)), (name, seed)
+        for name in ("src_slots", "dst_slots", "path_first"):
+            assert torch.equal(getattr(got.moves, name), getattr(want.moves, name)), (name, seed)
+        for i in range(r):  # row path[j] moves to row j; past the path the root's slot onto itself
+            path = [p for p in plain.path_rows[i].tolist() if p >= 0]
+            src = [row_slots[i, path[j] if j < len(path) else 0] for j in range(1, n)]
+            dst = [row_slots[i, j if j < len(path) else 0] for j in range(1, n)]
+            assert want.moves.src_slots[i].tolist() == src and want.moves.dst_slots[i].tolist() == dst, (seed, i)
+            rest = [j for j in range(n) if j not in path and batch.valid[i, j]]
+            assert want.moves.path_first[i].tolist()[: len(path) + len(rest)] == path + rest, (seed, i)
         assert torch.equal(got.sums, want.sums) and torch.equal(got.committed, want.committed), seed
         assert int(got.committed) == int(plain.num_emitted.sum()) > r  # some nodes accepted
         assert got.sums.tolist() == [float((batch.num_rows > 1).sum()), float(batch.num_rows.sum()),

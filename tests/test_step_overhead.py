@@ -122,10 +122,14 @@ def test_the_counters_see_what_they_count():
 
 
 class EagerCapturable(step_overhead.CapturedOpCounter):
-    """The eager step's ops with those a captured step replays set apart: `plan_trees`' and what
-    `verify_trees` runs (without graphs it calls `verify_step` directly)."""
+    """The eager step's ops with those a captured step replays set apart: the proposer's step function
+    (`draft_trees` calls it: the token history's append, the lookup calibration, `plan_trees`) and
+    what `verify_trees` runs (without graphs it calls `verify_step` directly)."""
 
     functions = step_overhead.CAPTURED + ("verify_trees",)
+
+    def captured(self) -> bool:
+        return super().captured() or step_overhead.inside("step", "proposer.py")
 
 
 @pytest.mark.parametrize("budget, lookup", [(8, 8), ("auto", 8), ("auto", 0)])
@@ -137,7 +141,7 @@ def test_a_captured_step_is_the_ops_outside_its_graphs_their_input_copies_and_tw
     of the inputs and cut of the outputs, and the graphs' contents do not depend on how many padding
     rows the batch got (batch 1: none; batch 2: one)."""
     plan_inputs = 2 + (budget == "auto") + 2 * bool(lookup)
-    verify_inputs = 6 + (budget == "auto")  # the trees' fields, the target's tokens, the node scores
+    verify_inputs = 7 + (budget == "auto")  # the trees' fields, the target's tokens, the rows' KV slots, the node scores
     inside = []
     for batch in (1, 2):
         with torch.no_grad(), step_overhead.gpu_code_paths():

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from vllm_ddtree.tree import KVCompaction, TreeBatch, WalkResult, constants, path_row_moves
+from vllm_ddtree.tree import KVCompaction, TreeBatch, WalkResult, constants, path_slot_moves
 
 
 def positions_to_slots(block_table: Tensor, positions: Tensor, block_size: int) -> Tensor:
@@ -94,7 +94,8 @@ def layer_stacks(kv_caches: list[Tensor]) -> list[Tensor]:
 
 
 def move_slots_(kv_caches: list[Tensor], src_slots: Tensor, dst_slots: Tensor, layout: str = "rows") -> None:
-    """cache[dst] = cache[src] for physical slots in every layer cache, gather first.
+    """cache[dst] = cache[src] for physical slots in every layer cache, gather first (src_slots and
+    dst_slots of one shape, any: a verify step's [R, depth] moves as they are).
 
     The backends' layer caches are all [blocks, kv_heads, block_size, 2 * head_dim]; they differ inside
     (:mod:`vllm_ddtree.attention.cpu_tree` on the CPU): "cpu_attn" (vLLM's CPU_ATTN storage) holds per
@@ -156,24 +157,30 @@ class PathMoves:
 
 
 def accepted_path_moves(batch: TreeBatch, walk: WalkResult, row_index: Tensor, slot_mapping: Tensor) -> PathMoves:
-    """KV moves and the drafter's context order for a walked verify step, on the tensors' device.
+    """KV moves and the drafter's context order for a walked verify step, on the tensors' device
+    (what the verify step's device function computes, `path_slot_moves`, then `context_order`).
 
     batch: the step's `TreeBatch` [R, N]; walk: its `walk_tree` result; row_index [R, N]
     the flat index of each verify row among the step's T scheduled tokens (0 where padding);
-    slot_mapping [T] each token's physical KV slot. No host synchronisation (no boolean-mask
-    indexing: padding rows write to a spare last entry that is dropped).
+    slot_mapping [T] each token's physical KV slot. No host synchronisation.
     """
-    r, n = batch.tokens.shape
-    dev = row_index.device
     # (a walk may be wider than the deepest node: moves past it would be no-ops, on every layer)
-    path = walk.path_rows[:, : batch.max_depth + 1]
-    src_rows, dst_rows = (row_index.gather(1, rows) for rows in path_row_moves(path))
-    src, dst = slot_mapping[src_rows.reshape(-1)], slot_mapping[dst_rows.reshape(-1)]
-    # Accepted path first within each request: valid rows come first in a TreeBatch, and after the
-    # sort path rows (keys = path index, the row's depth, < n) precede the other valid rows (n + row)
-    # and the padding.
-    order = torch.where(walk.accepted_rows, batch.depths, constants.arange(2 * n, dev, start=n)).argsort(dim=1)
+    moves = path_slot_moves(walk.path_rows[:, : batch.max_depth + 1], walk.accepted_rows, batch.depths,
+                            slot_mapping[row_index])
     t = slot_mapping.shape[0]
-    context_order = constants.arange(t + 1, dev).scatter(0, torch.where(batch.valid, row_index, t).reshape(-1),
-                                                         torch.where(batch.valid, row_index.gather(1, order), t).reshape(-1))
-    return PathMoves(src, dst, context_order[:t])
+    return PathMoves(moves.src_slots.reshape(-1), moves.dst_slots.reshape(-1),
+                     context_order(torch.where(batch.valid, row_index, t), moves.path_first, t))
+
+
+def context_order(order_index: Tensor, path_first: Tensor, num_tokens: int) -> Tensor:
+    """The step's T = `num_tokens` tokens reordered with each request's accepted path first.
+
+    order_index [R, N]: each verify row's index among the T tokens, T where padding; path_first
+    [R, N]: each request's rows, its accepted path first (`PathSlotMoves`). A request's valid rows
+    come first and `path_first` permutes them among themselves, so the token at a valid row's index
+    takes the index of the row in its place; every other token stays. No host read (no
+    boolean-mask indexing: padding writes a spare last entry, dropped)."""
+    t = num_tokens
+    order = constants.arange(t + 1, order_index.device).scatter(
+        0, order_index.reshape(-1), order_index.gather(1, path_first).reshape(-1))
+    return order[:t]

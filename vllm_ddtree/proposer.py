@@ -590,20 +590,23 @@ class DDTreeProposer(DFlashProposer):
         self._draft_hidden = None
         if self._draft_to_target is not None:
             top_ids = self._draft_to_target[top_ids]
-        scorer = tail = slots = None
+        scorer = tail = slots = new_tokens = None
         if self.ngram is not None or self.history is not None:  # this step's tokens in, on the device
-            slots = self._observe(req_ids, step_tokens)
+            slots, new_tokens = self._observe(req_ids, step_tokens)
         if self.ngram is not None:
             tail = self.ngram.context_tail(slots)
             scorer = self.ngram.scorer(slots)
-        observed = None  # last step's lookup paths against this step's tokens, scored in the step function
+        observed = None  # last step's lookup paths, scored against this step's tokens in the step function
         if self.history is not None and self.auto is not None:
-            observed = self._lookup_outcome(req_ids, step_tokens)  # (before this step's replay overwrites them)
+            observed = self._lookup_outcome(req_ids)  # (before this step's replay overwrites them)
 
-        # lookup calibration, build, budget, lookup path within the scheduler's count: the step's device function
-        def step(top_logp, top_ids, context_lens, slots, rows, observed):
+        # the token history's new tokens, lookup calibration, build, budget, lookup path within the
+        # scheduler's count: the step's device function
+        def step(top_logp, top_ids, context_lens, slots, rows, observed, new_tokens):
+            if new_tokens is not None:
+                self.history.append(slots, new_tokens)
             if observed is not None:
-                self.auto.observe_lookup(*observed)
+                self.auto.observe_lookup(*observed, new_tokens)
             if self.history is None:
                 return *plan_trees(top_logp, top_ids, build, context_lens, self.auto, None, None, self._cap,
                                    scorer=scorer, context_tail=tail, lam=self.options.ngram_weight, rows=rows), None, None
@@ -616,9 +619,10 @@ class DDTreeProposer(DFlashProposer):
         slots = slots if self.history is not None else None  # (the n-gram tables' alone: not the step's)
         state = self._capture_state(r, scorer, top_logp.device)
         # captured: one shape per (size class, width), whatever the batch and the depth cap drafted
+        new_tokens = new_tokens if self.history is not None else None  # (the n-gram tables took theirs)
         tree, plan, branch, valid = draft_trees(step, top_logp, top_ids, context_lens, slots, min(self.width, build),
                                                 None if state is None else self.step_graphs, (build, self._cap, state),
-                                                observed)
+                                                observed, new_tokens, self.max_budget + 1)
         if self.history is not None and self.auto is not None:  # scored next step (`_lookup_outcome`)
             self._proposed = (req_ids, branch, valid)
         host = self._store(req_ids, tree)
@@ -645,11 +649,11 @@ class DDTreeProposer(DFlashProposer):
         self.proposed = ProposedTrees(dict(zip(req_ids, range(len(req_ids)))), *host.padded)
         return host
 
-    def _lookup_outcome(self, req_ids: list[str], step_tokens: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
-        """Last step's lookup paths (all of them, verified or not) per row of this batch, with what this
-        step committed: (paths, valid [R, L], tokens [R, K]) for the automatic budget's
-        LookupCalibration (None before any). Rows are matched by request id (the batch may have been
-        reordered); a request new to the batch, or a row vLLM discards, proposed nothing."""
+    def _lookup_outcome(self, req_ids: list[str]) -> tuple[Tensor, Tensor] | None:
+        """Last step's lookup paths (all of them, verified or not) per row of this batch: (paths, valid
+        [R, L]) for the automatic budget's LookupCalibration, which scores them against this step's
+        tokens (None before any). Rows are matched by request id (the batch may have been reordered);
+        a request new to the batch, or a row vLLM discards, proposed nothing."""
         if self._proposed is None:
             return None
         before, proposed, valid = self._proposed
@@ -662,7 +666,7 @@ class DDTreeProposer(DFlashProposer):
         length, dev = proposed.shape[1], proposed.device
         proposed = torch.cat([proposed, constants.filled((1, length), 0, proposed.dtype, dev)])[index]
         valid = torch.cat([valid, constants.filled((1, length), False, torch.bool, dev)])[index]
-        return proposed, valid, step_tokens if step_tokens.shape[0] == r else step_tokens[:r]
+        return proposed, valid
 
     def _catch_up(self) -> None:
         """At an undrafted step (no `_observe`): a request whose last observed step's tokens were
@@ -677,10 +681,11 @@ class DDTreeProposer(DFlashProposer):
         pinned = torch.where(seen == _COUNTED_ON_DEVICE, held, seen).tolist()
         self._seen.update(itertools.compress(zip(req_ids, pinned), (seen != _NOT_MET).tolist()))
 
-    def _observe(self, req_ids: list[str], step_tokens: Tensor) -> Tensor:
-        """Feed each request's newly committed tokens to the online n-gram model and the lookup's
-        token history; its slot per row (a device tensor [R]). No host read: the step's tokens stay
-        on the device.
+    def _observe(self, req_ids: list[str], step_tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """Feed each request's newly committed tokens to the online n-gram model, and the tokens the
+        host holds to the lookup's token history; (its slot per row, a device tensor [R], and the
+        step's new tokens [R, K], -1 padded, which the step function appends to the history). No host
+        read: the step's tokens stay on the device.
 
         vLLM runs the DFlash proposer before its bookkeeping writes this step's sampled tokens to the
         host batch (gpu_model_runner.py:4396, "does not need to wait for bookkeeping"): the batch
@@ -722,9 +727,9 @@ class DDTreeProposer(DFlashProposer):
         tokens = torch.where(discarded, -1, step_tokens if step_tokens.shape[0] == r else step_tokens[:r])
         if self.ngram is not None:
             slots_on_device = self.ngram.observe_step(slots, tokens, host)
-        if self.history is not None:
-            slots_on_device = self.history.observe_step(slots, tokens, host)
-        return slots_on_device
+        if self.history is not None:  # the step function appends `tokens` (`TokenHistory.append`)
+            slots_on_device = self.history.observe_host(slots, host)
+        return slots_on_device, tokens
 
 
 def _head_vocab(model, vllm_config) -> int:

@@ -27,7 +27,7 @@ from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 
 from vllm_ddtree.tree import NO_PARENT, DraftTree, TreeBatch, compile_tree, to_device, to_device_together, verify_trees
 
-from vllm_ddtree.compaction import accepted_path_moves, move_slots_
+from vllm_ddtree.compaction import context_order, move_slots_
 from vllm_ddtree.proposer import DDTreeProposer
 from vllm_ddtree.sampling import path_logprobs, sample_rows
 
@@ -37,9 +37,10 @@ class TreeStep:
     """What the verify step of one batch needs after its forward."""
 
     batch: TreeBatch
-    row_index: Tensor  # [R, N] flat token index of each verify row (0 where padding)
+    order_index: Tensor  # [R, N] flat token index of each verify row (T where padding: `context_order`)
     logit_rows: Tensor  # [R, N] each verify row's row of the target's logits (0 where padding)
-    slot_mapping: Tensor  # [T] KV slot of every scheduled token (sequential positions)
+    row_slots: Tensor  # [R, N] physical KV slot of each verify row (token 0's where padding)
+    num_tokens: int  # T, the step's scheduled tokens
     sequential_positions: Tensor | None = None  # [T] positions before the tree's context + depth rewrite
     # [R, N] prefix score of each verify row's node (automatic budget only); -inf for the root (row 0:
     # no node), where the request's drafts are not its proposed tree (a fallback chain: no score to
@@ -153,17 +154,20 @@ def prepare_tree_step(runner, spec_decode_metadata, total_tokens: int) -> TreeSt
         step_size = (float(rows.sum()), float((rows * (c + rows)).sum()), float(c.sum()))
     # To the device in queued copies, never waited for (the integer [R, N] fields in one); everything
     # after the forward (walk, compaction, masks) runs there.
-    tokens, parents, depths, positions, row_index, logit_rows, write_index = to_device_together(
-        [batch.tokens, batch.parents, batch.depths, batch.positions, row_index, logit_rows, write_index], dev)
+    order_index = torch.where(batch.valid, row_index, total_tokens)
+    tokens, parents, depths, positions, row_index, order_index, logit_rows, write_index = to_device_together(
+        [batch.tokens, batch.parents, batch.depths, batch.positions, row_index, order_index, logit_rows, write_index],
+        dev)
     runner.positions.index_put_((write_index,), positions)  # tree rows: context + depth
     batch = TreeBatch(tokens, parents, depths, positions,
                       *(to_device(t, dev) for t in (batch.valid, batch.num_rows, batch.context_lens, batch.ancestors)),
                       batch.max_depth)
     set_step_tree_masks(TreeStepMasks(has_tree=to_device(drafted_t > 0, dev), num_rows=batch.num_rows,
                                       ancestors=batch.ancestors, has_tree_cpu=drafted_t > 0))
-    slot_mapping = runner.input_batch.block_table[0].slot_mapping.gpu[:total_tokens].clone()
-    return TreeStep(batch=batch, row_index=row_index, logit_rows=logit_rows,
-                    slot_mapping=slot_mapping,
+    # (a gather: the runner rewrites its slot buffer for the next step, the moves come after it)
+    row_slots = runner.input_batch.block_table[0].slot_mapping.gpu[:total_tokens][row_index]
+    return TreeStep(batch=batch, order_index=order_index, logit_rows=logit_rows, row_slots=row_slots,
+                    num_tokens=total_tokens,
                     node_scores=None if node_scores is None else to_device(node_scores, dev),
                     sequential_positions=sequential, step_size=step_size)
 
@@ -190,18 +194,19 @@ def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadat
     auto = proposer.auto
     verified = verify_trees(batch, row_tokens, step.node_scores, None if auto is None else auto.acceptance,
                             getattr(proposer, "verify_graphs", None), checked_replays=VERIFY_CHECKED_REPLAYS,
-                            host_read=gpu_sync_allowed)
+                            host_read=gpu_sync_allowed, row_slots=step.row_slots)
     walk = verified.walk
     out = walk.output_tokens.to(torch.int32)
     path_rows = walk.path_rows
 
-    # KV compaction in the target's caches (slot of row path[j] -> slot of row j), and the order
-    # of the step's tokens with each request's accepted path first: vLLM's DFlash input prep trims
-    # a rejected suffix. The proposer applies that order to the context it is handed (the runner's
-    # own buffers stay as they are: they are the target's step state).
-    moves = accepted_path_moves(batch, walk, step.row_index, step.slot_mapping)
-    _compact_target_caches(runner, moves.src_slots, moves.dst_slots)
-    runner.drafter.context_order = moves.context_order
+    # KV compaction in the target's caches (slot of row path[j] -> slot of row j; the device function
+    # found the moves, up to the walk's width: past the deepest node they are no-ops, not applied), and
+    # the order of the step's tokens with each request's accepted path first: vLLM's DFlash input prep
+    # trims a rejected suffix. The proposer applies that order to the context it is handed (the
+    # runner's own buffers stay as they are: they are the target's step state).
+    moves, depth = verified.moves, batch.max_depth
+    _compact_target_caches(runner, moves.src_slots[:, :depth], moves.dst_slots[:, :depth])
+    runner.drafter.context_order = context_order(step.order_index, moves.path_first, step.num_tokens)
     # The drafter's context positions stay sequential: after the reorder the accepted path sits at
     # ctx, ctx + 1, ... (its depths), and the rejected rows after it, at positions no accepted row
     # has. With the tree's positions (ctx + depth) a rejected row would share an accepted row's

@@ -39,6 +39,7 @@ from .lookup import TokenHistory
 from .graphs import StepGraphs
 from .step import (capture_width, draft_trees, first_rows, first_verified, padded_rows, padded_width, plan_trees,
                    plan_trees_with_lookup, verify_trees)
-from .verify import VerifiedStep, WalkResult, greedy_tokens, sample_tokens, verify_step, walk_tree
+from .verify import (PathSlotMoves, VerifiedStep, WalkResult, greedy_tokens, path_slot_moves, sample_tokens, verify_step,
+                     walk_tree)
 
 __all__ = [name for name in dir() if not name.startswith("_")]

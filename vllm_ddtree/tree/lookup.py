@@ -66,7 +66,7 @@ class TokenHistory:
         self.observe_step([slot], to_device(t.view(1, -1), self.device))
 
     def observe_step(self, slots: Sequence[int], tokens: Tensor, host: HostTokens | None = None) -> Tensor:
-        """One engine step's new tokens, written with no host read.
+        """One engine step's new tokens, written with no host read (`observe_host`, then `append`).
 
         slots [R] host ints, each once. tokens [R, K] on the device: each row's new tokens, PAD
         (negative) after its last, appended to the slot's text. `host` (optional): tokens the host
@@ -74,22 +74,36 @@ class TokenHistory:
         host.token_ids[i, start:end] at its text positions start..end-1 (the slot has seen the first
         `start`). Returns the slots as a device tensor [R].
         """
-        if len(set(slots)) != len(slots):
-            raise ValueError(f"observe_step got a slot twice in one call: {list(slots)}")
         if tokens.dim() != 2 or tokens.shape[0] != len(slots):
             raise ValueError(f"tokens must be [requests={len(slots)}, K], got {tuple(tokens.shape)}")
+        slots = self.observe_host(slots, host)
+        self.append(slots, tokens.to(self.device))
+        return slots
+
+    def observe_host(self, slots: Sequence[int], host: HostTokens | None = None) -> Tensor:
+        """The part of `observe_step` that needs the host: the slots (each once) on the device [R],
+        returned, and the tokens the host holds for some rows (`host`), written."""
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"observe_step got a slot twice in one call: {list(slots)}")
         self._grow(max(slots, default=-1) + 1)
         slots = to_device(torch.tensor(list(slots), dtype=torch.int64), self.device)
         if host is not None:
             self._write_host(slots, host)
-        tokens = tokens.to(self.device)
+        return slots
+
+    def append(self, slots: Tensor, tokens: Tensor) -> None:
+        """tokens [R, K] on the device (negative after each row's last) appended to slots [R] (device,
+        each once, or -1: a row padded past a batch, all of whose tokens must be negative). Fixed
+        shapes and no host read, so a captured step holds it. A negative token writes the spare
+        column, and a slot's length grows by an add (`index_add_`), so a padding row, addressed to slot
+        0, changes nothing whatever request slot 0 is."""
         valid = tokens >= 0  # [R, K]: a prefix of each row
+        slots = slots.clamp(min=0)
         start = self.lengths[slots]  # [R]
         columns = (start[:, None] + constants.arange(tokens.shape[1], self.device)) % self.window
         columns = torch.where(valid, columns, self.window)  # padding into the spare column
         self.tokens.index_put_((slots[:, None], columns), tokens.to(torch.int32))
-        self.lengths.index_put_((slots,), start + valid.sum(dim=1))
-        return slots
+        self.lengths.index_add_(0, slots, valid.sum(dim=1))
 
     def _write_host(self, slots: Tensor, host: HostTokens) -> None:
         """Host tokens into the ring: tensor ops over all rows on the host, one write on the device

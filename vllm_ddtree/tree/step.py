@@ -11,7 +11,8 @@ history it reads is a fixed buffer written in place. The n-gram tables' work (co
 tokens, rescoring) comes before it: their sizes follow the text seen so far. The proposer runs it
 through `draft_trees`, which replays it from a capture per (size class, width):
 
-    tree, plan, branch, valid = draft_trees(step, top_logp, top_ids, context_lens, slots, depth, graphs, key)
+    tree, plan, branch, valid = draft_trees(step, top_logp, top_ids, context_lens, slots, depth, graphs, key,
+                                            observed, new_tokens, token_width)
 
 The verify side's device part has its function too, captured the same way:
 
@@ -38,7 +39,7 @@ from .acceptance import AcceptanceCalibration
 from .compile import TreeBatch
 from .graphs import StepGraphs
 from .transfer import to_host
-from .verify import VerifiedStep, WalkResult, verify_step, walk_tree
+from .verify import PathSlotMoves, VerifiedStep, WalkResult, verify_step, walk_tree
 
 
 def plan_trees(
@@ -126,56 +127,60 @@ def capture_width(build: int, cap: int) -> int:
 
 def draft_trees(step: Callable[..., tuple], top_logp: Tensor, top_ids: Tensor, context_lens: Tensor | None,
                 slots: Tensor | None, depth: int, graphs: StepGraphs | None = None, key: tuple = (),
-                observed: tuple[Tensor, Tensor, Tensor] | None = None,
-                ) -> tuple[DraftTree, BudgetPlan | None, Tensor | None, Tensor | None]:
+                observed: tuple[Tensor, Tensor] | None = None, new_tokens: Tensor | None = None,
+                token_width: int = 0) -> tuple[DraftTree, BudgetPlan | None, Tensor | None, Tensor | None]:
     """`step` (`plan_trees` or `plan_trees_with_lookup` as the proposer closes over them) on a drafting
     step's top-k: (trees, plan, lookup path, its valid mask), cut to the batch's R requests.
 
-    step(top_logp, top_ids, context_lens, slots, rows, observed): `rows` None for the batch as it is,
-    else ([] int) the real requests of a padded batch, whose rows past them have log-probs -inf (no
-    tree), context 0 and slot -1 (no lookup path). top_logp/top_ids [R, D, K], context_lens/slots [R]
-    (each may be None). `observed` (optional): what the step feeds the automatic budget's lookup
-    calibration first (`AutoBudget.observe_lookup`), in the same function: last step's lookup paths
-    and their valid masks [R, L] per row of this batch, and the tokens this step committed [R, C], -1
-    padded; a padded batch's rows past R are not valid, its committed tokens past C are -1.
+    step(top_logp, top_ids, context_lens, slots, rows, observed, new_tokens): `rows` None for the
+    batch as it is, else ([] int) the real requests of a padded batch, whose rows past them have
+    log-probs -inf (no tree), context 0, slot -1 (no lookup path) and no new token. top_logp/top_ids
+    [R, D, K], context_lens/slots [R] (each may be None). `new_tokens` (optional) [R, T]: the tokens
+    this step committed per row, -1 after each row's last, which the step appends to the token
+    history first (`TokenHistory.append`) and scores against `observed`, last step's lookup paths
+    and their valid masks [R, L] per row of this batch (`AutoBudget.observe_lookup`), in the same
+    function.
 
     With `graphs` (the proposer's `step_graphs`) it is replayed from a capture per `key` and shape:
-    the batch padded to its size class (`padded_rows`) and the drafted depths D to `depth`, so a
-    server's steps take a few shapes whatever its batch and its depth cap. The inputs fill the
-    leading block of their buffers (`StepGraphs`), past which an earlier replay's values lie: the
-    captured step makes them the padding above through (R, D, C), the one input passed whole (a kept
-    constant per value). `build_tree` never keeps a -inf candidate where a finite one is left, and
-    sets every field of a node it does not keep to the same padding, so the real rows' trees are the
-    unpadded batch's, bit for bit; the plan counts the real requests only (`rows`)."""
+    the batch padded to its size class (`padded_rows`), the drafted depths D to `depth` and the new
+    tokens' columns T to `token_width`, so a server's steps take a few shapes whatever its batch, its
+    depth cap and its accepted lengths. The inputs fill the leading block of their buffers
+    (`StepGraphs`), past which an earlier replay's values lie: the captured step makes them the
+    padding above through (R, D, T), the one input passed whole (a kept constant per value).
+    `build_tree` never keeps a -inf candidate where a finite one is left, and sets every field of a
+    node it does not keep to the same padding, so the real rows' trees are the unpadded batch's, bit
+    for bit; the plan counts the real requests only (`rows`)."""
     if graphs is None:
-        return step(top_logp, top_ids, context_lens, slots, None, observed)
+        return step(top_logp, top_ids, context_lens, slots, None, observed, new_tokens)
     r, drafted, k = top_logp.shape
     if drafted > depth:
         raise ValueError(f"cannot pad {drafted} depths to {depth}")
+    committed = 0 if new_tokens is None else new_tokens.shape[1]
+    if committed > token_width and new_tokens is not None:
+        raise ValueError(f"cannot pad {committed} new tokens per row to {token_width}")
     total, device = padded_rows(r), top_logp.device
-    proposed, proposed_valid, committed = (None, None, None) if observed is None else observed
+    proposed, proposed_valid = (None, None) if observed is None else observed
     length = 0 if proposed is None else proposed.shape[1]
-    if committed is not None:
-        committed = committed[:, :length]  # (`LookupCalibration.update` reads no further)
-    # the one input passed whole: R, D and the committed tokens' columns C
-    counts = constants.device_ints((r, drafted, 0 if committed is None else committed.shape[1]), device)
+    # the one input passed whole: R, D and the new tokens' columns T
+    counts = constants.device_ints((r, drafted, committed), device)
 
-    def padded_draft_step(top_logp, top_ids, context_lens, slots, proposed, proposed_valid, committed, counts):
+    def padded_draft_step(top_logp, top_ids, context_lens, slots, proposed, proposed_valid, new_tokens, counts):
         live = constants.arange(total, device) < counts[0]  # [total]: the batch's rows
         drafted = (live[:, None] & (constants.arange(depth, device) < counts[1]))[:, :, None]  # [total, depth, 1]
         top_logp, top_ids = torch.where(drafted, top_logp, -math.inf), torch.where(drafted, top_ids, 0)
         context_lens = None if context_lens is None else torch.where(live, context_lens, 0)
         slots = None if slots is None else torch.where(live, slots, -1)
-        observed = None
-        if proposed is not None:
-            observed = (proposed, proposed_valid & live[:, None],
-                        torch.where(constants.arange(length, device) < counts[2], committed, -1))
-        return step(top_logp, top_ids, context_lens, slots, counts[0], observed)
+        if new_tokens is not None:
+            new = live[:, None] & (constants.arange(token_width, device) < counts[2])
+            new_tokens = torch.where(new, new_tokens, -1)
+        observed = None if proposed is None else (proposed, proposed_valid & live[:, None])
+        return step(top_logp, top_ids, context_lens, slots, counts[0], observed, new_tokens)
 
-    inputs = (top_logp, top_ids, context_lens, slots, proposed, proposed_valid, committed)
+    inputs = (top_logp, top_ids, context_lens, slots, proposed, proposed_valid, new_tokens)
     scores, paths = (total, depth, k), (total, length)
     shapes = (scores, scores, *(None if x is None else (total,) for x in (context_lens, slots)),
-              *(None if x is None else paths for x in (proposed, proposed_valid, committed)), None)
+              *(None if x is None else paths for x in (proposed, proposed_valid)),
+              None if new_tokens is None else (total, token_width), None)
     dtypes = tuple(None if x is None else x.dtype for x in inputs)
     tree, plan, branch, valid = graphs((*key, shapes, dtypes), padded_draft_step, *inputs, counts, shapes=shapes)
     tree, plan = first_rows(tree, plan, r)
@@ -210,19 +215,23 @@ def first_verified(verified: VerifiedStep, r: int, n: int) -> VerifiedStep:
     """`verify_step`'s outputs for a padded batch cut to its first `r` requests and `n` columns (views:
     a captured step's outputs are overwritten by its next replay, and the caller reads them before
     then). The sums and the committed count cover the real requests already (padding has no rows and
-    emits nothing)."""
-    walk = verified.walk
+    emits nothing); so do the KV moves cut to the batch (a padding row's moves, made of an earlier
+    replay's slots, are never applied)."""
+    walk, moves = verified.walk, verified.moves
     walk = WalkResult(output_tokens=walk.output_tokens[:r, :n], num_emitted=walk.num_emitted[:r],
                       path_rows=walk.path_rows[:r, :n], accepted_rows=walk.accepted_rows[:r, :n])
-    return dataclasses.replace(verified, walk=walk)
+    if moves is not None:
+        moves = PathSlotMoves(moves.src_slots[:r, : n - 1], moves.dst_slots[:r, : n - 1], moves.path_first[:r, :n])
+    return dataclasses.replace(verified, walk=walk, moves=moves)
 
 
 def verify_trees(batch: TreeBatch, row_tokens: Tensor, node_scores: Tensor | None = None,
                  acceptance: AcceptanceCalibration | None = None, graphs: StepGraphs | None = None,
                  checked_replays: int = 0, host_read: Callable[[], ContextManager] = contextlib.nullcontext,
-                 ) -> VerifiedStep:
-    """`verify_step` on a verify step's trees: the walk, the statistics' sums, and the drafter's
-    acceptance calibration fed (its host count, `updates`, is the caller's).
+                 row_slots: Tensor | None = None) -> VerifiedStep:
+    """`verify_step` on a verify step's trees: the walk, the statistics' sums, the drafter's
+    acceptance calibration fed (its host count, `updates`, is the caller's), and given row_slots
+    [R, N] (each verify row's KV slot) the accepted paths' KV moves and row order.
 
     With `graphs` (the proposer's `verify_graphs`) it is replayed from a capture per (size class,
     padded width): the batch padded to its size class (`padded_rows`) and the verify width to the
@@ -244,21 +253,22 @@ def verify_trees(batch: TreeBatch, row_tokens: Tensor, node_scores: Tensor | Non
     r, n = batch.tokens.shape
     if graphs is None or graphs.failed is not None:  # (turned off: eager, unpadded)
         return verify_step(batch.tokens, batch.parents, batch.depths, batch.valid, batch.ancestors, row_tokens, n,
-                           scores, acceptance)
+                           scores, acceptance, row_slots)
     rows, width = padded_rows(r), padded_width(n)
     valid = F.pad(batch.valid, (0, width - n, 0, rows - r))  # whole: the rest of every buffer is read through it
     block = (rows, width)
-    shapes = (block, block, block, None, (rows, width, width), block, None if scores is None else block)
+    shapes = (block, block, block, None, (rows, width, width), block, None if scores is None else block,
+              None if row_slots is None else block)
 
-    def padded_verify_step(tokens, parents, depths, valid, ancestors, row_tokens, scores):
+    def padded_verify_step(tokens, parents, depths, valid, ancestors, row_tokens, scores, row_slots):
         # past the batch, an earlier replay's values: made the padding `compile_tree` makes (depth 0, no
         # ancestor) through `valid`; the walk reads the rest of them through it
         depths, ancestors = torch.where(valid, depths, 0), ancestors & valid[:, None, :]
-        return verify_step(tokens, parents, depths, valid, ancestors, row_tokens, width, scores, acceptance)
+        return verify_step(tokens, parents, depths, valid, ancestors, row_tokens, width, scores, acceptance, row_slots)
 
-    key = ("verify", rows, width, scores is not None)
+    key = ("verify", rows, width, scores is not None, row_slots is not None)
     verified = first_verified(graphs(key, padded_verify_step, batch.tokens, batch.parents, batch.depths, valid,
-                                     batch.ancestors, row_tokens, scores, shapes=shapes), r, n)
+                                     batch.ancestors, row_tokens, scores, row_slots, shapes=shapes), r, n)
     if 0 < graphs.replays_of(key) <= checked_replays:
         eager, walk = walk_tree(batch, row_tokens, width=n), verified.walk
         differs = ((eager.output_tokens != walk.output_tokens).any() | (eager.path_rows != walk.path_rows).any()
@@ -267,5 +277,5 @@ def verify_trees(batch: TreeBatch, row_tokens: Tensor, node_scores: Tensor | Non
             if bool(to_host(differs)):
                 graphs.turn_off(f"a replayed verify step differed from the eager walk (key {key})")
                 return verify_step(batch.tokens, batch.parents, batch.depths, batch.valid, batch.ancestors,
-                                   row_tokens, n)
+                                   row_tokens, n, row_slots=row_slots)
     return verified

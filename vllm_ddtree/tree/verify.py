@@ -18,7 +18,7 @@ from torch import Tensor
 
 from . import constants
 from .acceptance import AcceptanceCalibration
-from .compile import TreeBatch
+from .compile import TreeBatch, path_row_moves
 
 PAD_TOKEN = -1
 
@@ -106,6 +106,33 @@ def _walk(tokens: Tensor, parents: Tensor, depths: Tensor, valid: Tensor, ancest
 
 
 @dataclass
+class PathSlotMoves:
+    """Where a walked step's accepted path moves in the KV cache, and its rows' order.
+
+    src_slots, dst_slots [R, L]  physical KV slot of row path[j + 1] -> that of row j + 1 (past the
+                                 accepted path: the root's slot onto itself, a no-op)
+    path_first           [R, N]  each request's verify rows, its accepted path first in path
+                                 order, then its other rows in row order (valid ones first)
+    """
+
+    src_slots: Tensor
+    dst_slots: Tensor
+    path_first: Tensor
+
+
+def path_slot_moves(path_rows: Tensor, accepted_rows: Tensor, depths: Tensor, row_slots: Tensor) -> PathSlotMoves:
+    """The KV moves that make each accepted path contiguous, as physical slots, and the rows' order
+    with the path first. path_rows [R, L + 1], accepted_rows [R, N] (`WalkResult`); depths [R, N];
+    row_slots [R, N]: each verify row's physical KV slot. A fixed number of ops, no host read."""
+    n = accepted_rows.shape[1]
+    src_rows, dst_rows = path_row_moves(path_rows)
+    # keys: a path row's index on the path (its depth, < n), then n + row for the others; valid rows
+    # come first in a TreeBatch, so they precede the padding (keys are distinct: any sort will do)
+    order = torch.where(accepted_rows, depths, constants.arange(2 * n, accepted_rows.device, start=n)).argsort(dim=1)
+    return PathSlotMoves(row_slots.gather(1, src_rows), row_slots.gather(1, dst_rows), order)
+
+
+@dataclass
 class VerifiedStep:
     """What one verify step's device function (`verify_step`) returns.
 
@@ -114,18 +141,21 @@ class VerifiedStep:
                             included), deepest node depths, emitted tokens (`DDTreeStats`)
     committed  []  float64  tokens the step commits: accepted nodes and one bonus per request
                             (`sums[3]`)
+    moves      the accepted paths' KV moves and row order (`path_slot_moves`; given row slots)
     """
 
     walk: WalkResult
     sums: Tensor
     committed: Tensor
+    moves: PathSlotMoves | None = None
 
 
 def verify_step(tokens: Tensor, parents: Tensor, depths: Tensor, valid: Tensor, ancestors: Tensor,
                 row_tokens: Tensor, width: int, node_scores: Tensor | None = None,
-                acceptance: AcceptanceCalibration | None = None) -> VerifiedStep:
-    """The verify side's device function: `walk_tree`, the step's statistics, and the drafter's
-    acceptance calibration fed (`AcceptanceCalibration.update_state`; its host count is the caller's).
+                acceptance: AcceptanceCalibration | None = None, row_slots: Tensor | None = None) -> VerifiedStep:
+    """The verify side's device function: `walk_tree`, the step's statistics, the drafter's
+    acceptance calibration fed (`AcceptanceCalibration.update_state`; its host count is the caller's),
+    and, given each row's KV slot (row_slots [R, N]), the accepted paths' KV moves (`path_slot_moves`).
 
     Fields as `compile_tree` makes them ([R, N], ancestors [R, N, N]; a padding row has depth 0 and
     is no valid row's ancestor); row_tokens [R, N] the target's token per row; width: the walk's
@@ -138,4 +168,5 @@ def verify_step(tokens: Tensor, parents: Tensor, depths: Tensor, valid: Tensor, 
     sums = torch.stack([rows > 1, rows, depths.amax(dim=1), walk.num_emitted]).sum(dim=1, dtype=torch.float64)
     if acceptance is not None and node_scores is not None:
         acceptance.update_state(node_scores, valid, walk.accepted_rows)
-    return VerifiedStep(walk=walk, sums=sums, committed=sums[3])
+    moves = None if row_slots is None else path_slot_moves(walk.path_rows, walk.accepted_rows, depths, row_slots)
+    return VerifiedStep(walk=walk, sums=sums, committed=sums[3], moves=moves)
