@@ -388,16 +388,19 @@ def render_step_overhead(study: dict, rows: list[dict]) -> list[str]:
     arrow = " → ".join(codes)
     views = any(r.get("device_views") is not None for r in rows)  # recorded by later runs
     lines = any(r.get("python_lines") is not None for r in rows)
+    outside = any(r.get("outside_ops_ms") is not None for r in rows)  # recorded by later runs
     header = ["engine", "batch", "budget", "n-gram", "lookup", f"device ops ({arrow})",
               *([f"of them views ({arrow})"] if views else []), f"host reads ({arrow})",
-              *([f"Python lines ({arrow})"] if lines else []), f"glue ms ({arrow})"]
+              *([f"Python lines ({arrow})"] if lines else []), f"glue ms ({arrow})",
+              *([f"host ms outside the ops ({arrow})"] if outside else [])]
     body = []
     for (engine, batch, budget, ngram, lookup), per in by.items():
         def col(key: str, digits: int = 0) -> str:
             return " → ".join("-" if per.get(c, {}).get(key) is None else fmt(per[c][key], digits) for c in codes)
         body.append([engine, batch, budget, "on" if ngram else "off", lookup, col("device_ops"),
                      *([col("device_views")] if views else []), col("host_copies", 1),
-                     *([col("python_lines")] if lines else []), col("glue_ms", 1)])
+                     *([col("python_lines")] if lines else []), col("glue_ms", 1),
+                     *([col("outside_ops_ms", 1)] if outside else [])])
     return table(header, body)
 
 

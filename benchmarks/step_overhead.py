@@ -26,6 +26,11 @@ leaves the GPU idle. Neither shows as time on a CPU, so this counts them, on the
   * ``glue_ms``: host time of the same step with tiny tensors (V = 512), the median of repeats. On
     a CPU it includes the ops' own compute, which grows with the batch; the op counts and
     ``python_lines`` are what shows that no Python loop runs over requests or nodes.
+  * ``outside_ops_ms``: the same step's host time outside the aten ops (its wall time under a
+    dispatch mode that times every op's call, less those calls: Python, list building, the mode's
+    own per-op cost), the median of repeats: what a GPU's host pays besides its launches, whose
+    kernels run on the device meanwhile. On a CPU it still moves with the batch through caches and
+    allocations; it holds no op's compute.
   * ``python_lines``: lines of vllm_ddtree's own Python executed in the counted step (a
     ``sys.settrace`` line count; a loop's or a comprehension's every iteration counts). Constant in
     the batch where the step has no Python per request; what grows with it, per request, is Python
@@ -183,6 +188,22 @@ class OpCounter(TorchDispatchMode):
             self.host_ops += 1
         out = func(*args, **kwargs)
         return device(out) if made_there and isinstance(out, torch.Tensor) else out
+
+
+class OpTimer(TorchDispatchMode):
+    """Times every aten op's own call (`op_s`: its dispatch and, on a CPU, its compute). The step's wall
+    time less it is the host time spent outside the ops: Python, list building, this mode's per-op
+    cost; what a GPU's host pays besides its per-op launches, which run while the device computes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.op_s = 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        t = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        self.op_s += time.perf_counter() - t
+        return out
 
 
 # ------------------------------------------------------------------------------------ the product's code
@@ -353,7 +374,8 @@ def verify_inputs(code, proposer, drafts: list[list[int]], ctx: int, vocab: int,
 
 
 def one_step(code, batch: int, budget, ngram: bool, lookup: int, vocab: int, layers: int, seed: int,
-             count: bool, counter_class: type = None, steady: bool = False, graphs=None) -> dict:
+             count: bool, counter_class: type = None, steady: bool = False, graphs=None,
+             timer: bool = False) -> dict:
     """One engine step of ddtree's code (propose's tree part, prepare, sample) on the stand-in runner.
 
     `steady` False: every request's first step (each brings its prompt, which the n-gram tables take
@@ -361,17 +383,18 @@ def one_step(code, batch: int, budget, ngram: bool, lookup: int, vocab: int, lay
     (the steady state of a server: nothing new comes from the host).
     Counted after one uncounted step of the same shapes: the constants ddtree makes once per shape and
     device (cached index tables, digit weights) are start-up work, not the step's.
+    `timer`: the timed step runs under `OpTimer`, and the row has `outside_ops_ms` too.
     """
     if count:
         _one_step(code, batch, budget, ngram, lookup, vocab, layers, seed, False, warm_up=True, steady=steady,
                   graphs=graphs)
     return _one_step(code, batch, budget, ngram, lookup, vocab, layers, seed, count, counter_class=counter_class,
-                     steady=steady, graphs=graphs)
+                     steady=steady, graphs=graphs, timer=timer)
 
 
 def _one_step(code, batch: int, budget, ngram: bool, lookup: int, vocab: int, layers: int, seed: int,
               count: bool, warm_up: bool = False, counter_class: type = None, steady: bool = False,
-              graphs=None) -> dict:
+              graphs=None, timer: bool = False) -> dict:
     MARK[0] = count or warm_up
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     ctx = CONTEXT
@@ -400,7 +423,7 @@ def _one_step(code, batch: int, budget, ngram: bool, lookup: int, vocab: int, la
             batch_.num_tokens_no_spec[i] = n + len(kept)
         steps = device(committed)
     # the warm-up counts too (its counts unused): a copy to the stand-in device makes device data only then
-    counter = (counter_class or OpCounter)() if count or warm_up else contextlib.nullcontext()
+    counter = (counter_class or OpCounter)() if count or warm_up else OpTimer() if timer else contextlib.nullcontext()
     lines = LineCounter() if count else contextlib.nullcontext()
     DeviceData.reads = 0
     if code.host_reads is not None:
@@ -409,6 +432,8 @@ def _one_step(code, batch: int, budget, ngram: bool, lookup: int, vocab: int, la
     reads = DeviceData.reads
     accepted = (out.sampled_token_ids >= 0).sum(dim=1).float().mean().item() - 1
     row = dict(nodes=sum(len(d) for d in drafts) / batch, accepted=accepted, glue_ms=1e3 * glue_s)
+    if isinstance(counter, OpTimer):
+        row["outside_ops_ms"] = 1e3 * (glue_s - counter.op_s)
     if count:
         row |= dict(captured_ops=getattr(counter, "captured_ops", None), launches=getattr(counter, "launches", None))
         row |= dict(device_ops=counter.device_ops, device_views=counter.device_views, host_ops=counter.host_ops,
@@ -572,12 +597,14 @@ def pipeline_rows(quick: bool, repeats: int) -> list[dict]:
                                                True, steady=steady)
                             glue = [one_step(code, batch, budget, ngram, lookup, 512, 36, s, False,
                                              steady=steady)["glue_ms"] for s in range(repeats)]
+                            outside = [one_step(code, batch, budget, ngram, lookup, 512, 36, s, False, steady=steady,
+                                                timer=True)["outside_ops_ms"] for s in range(repeats)]
                         rows.append(dict(engine="pipeline", step="steady" if steady else "first", batch=batch,
                                          budget=budget, ngram=ngram, lookup=lookup,
                                          **{k: counted[k] for k in ("device_ops", "device_views", "host_ops",
                                                                     "host_copies", "counted_host_reads",
                                                                     "python_lines", "nodes", "accepted")},
-                                         glue_ms=statistics.median(glue)))
+                                         glue_ms=statistics.median(glue), outside_ops_ms=statistics.median(outside)))
                         print(json.dumps(rows[-1]), flush=True)
                         gc.collect()
         for budget in ("auto", 8):  # the GPU defaults, and a fixed budget, with the tree step captured
@@ -719,14 +746,16 @@ def _dirty() -> bool:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["code      engine             step   batch budget ngram lookup  device_ops  host_copies  py_lines  glue_ms"]
+    lines = ["code      engine             step   batch budget ngram lookup  device_ops  host_copies  py_lines  glue_ms"
+             "  outside_ops_ms"]
     for r in rows:
         copies = "-" if r.get("host_copies") is None else f"{r['host_copies']:.1f}"
         py = "-" if r.get("python_lines") is None else str(r["python_lines"])
         glue = "-" if r.get("glue_ms") is None else f"{r['glue_ms']:.2f}"
+        outside = "-" if r.get("outside_ops_ms") is None else f"{r['outside_ops_ms']:.2f}"
         lines.append(f"{r['code'][:9]:9} {r['engine']:18} {r.get('step', '-'):6} {r['batch']:5} {str(r['budget']):6} "
                      f"{str(r['ngram']):5} "
-                     f"{r['lookup']:6} {r['device_ops']:11.0f} {copies:>12} {py:>9} {glue:>8}")
+                     f"{r['lookup']:6} {r['device_ops']:11.0f} {copies:>12} {py:>9} {glue:>8} {outside:>15}")
     return "\n".join(lines)
 
 
@@ -761,6 +790,10 @@ def plot(rows: list[dict], path: Path) -> None:
         label = f"{steady[0]['code']}, budget {budget}, steady step"
         for i in range(3 if lines else 2):
             axes[i].plot([p[0] for p in pts], [p[i + 1] for p in pts], "-.", marker="^", label=label)
+        outside = sorted((r["batch"], r["outside_ops_ms"]) for r in steady
+                         if str(r["budget"]) == budget and r.get("outside_ops_ms") is not None)
+        if outside:
+            axes[1].plot(*zip(*outside), ":", marker="x", label=f"{label}, host time outside the ops")
     captured = [r for r in rows if r["engine"] == "pipeline, captured"]
     for code, budget in sorted({(r["code"], str(r["budget"])) for r in captured}):
         pts = sorted((r["batch"], r["device_ops"]) for r in captured if r["code"] == code and str(r["budget"]) == budget)
