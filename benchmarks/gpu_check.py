@@ -1355,12 +1355,13 @@ def verify_step_inputs(r: int, budget: int, device: torch.device, seed: int) -> 
 
 def verify_graphs_run(r: int, device: torch.device, backend: str, reps: int) -> dict:
     """The verify side's captured step: `verify_trees` (walk, statistics, the drafter's acceptance
-    calibration) with `StepGraphs(backend)`, as `sample_tree_step` calls it. Five steps whose batches
-    (the size class of `r`) and verify widths (33-64 rows) pad to one capture: eager, capture, then
-    replays, some smaller than a step before, so the capture's buffers hold an earlier step's values
-    past the batch. Each is compared with the eager `verify_trees` on a calibration of its own:
-    walk, sums and committed count equal; the calibrations' largest difference reported (sums over
-    padded arrays may round differently). On request (`reps` > 0) eager and replay times."""
+    calibration, the KV moves from each row's slot) with `StepGraphs(backend)`, as `sample_tree_step`
+    calls it. Five steps whose batches (the size class of `r`) and verify widths (33-64 rows) pad to
+    one capture: eager, capture, then replays, some smaller than a step before, so the capture's
+    buffers hold an earlier step's values past the batch. Each is compared with the eager
+    `verify_trees` on a calibration of its own: walk, sums, committed count and KV moves equal; the
+    calibrations' largest difference reported (sums over padded arrays may round differently). On
+    request (`reps` > 0) eager and replay times."""
     top = padded_rows(r)
     steps = ((top, 63), (r, 39), (top, 63), (r, 33), ((r + top) // 2, 49))
     graphs = StepGraphs(backend)
@@ -1368,11 +1369,16 @@ def verify_graphs_run(r: int, device: torch.device, backend: str, reps: int) -> 
     differs, calibration_gap = [], 0.0
     for i, (rows, budget) in enumerate(steps):
         batch, row_tokens, scores = verify_step_inputs(rows, budget, device, seed=5000 + 7 * r + i)
-        got = verify_trees(batch, row_tokens, scores, captured, graphs)
-        want = verify_trees(batch, row_tokens, scores, eager)
+        n = batch.tokens.shape[1]  # each row's KV slot: distinct, as a step's are
+        row_slots = (torch.randperm(rows * n, generator=torch.Generator().manual_seed(i)).view(rows, n) + 64).to(device)
+        got = verify_trees(batch, row_tokens, scores, captured, graphs, row_slots=row_slots)
+        want = verify_trees(batch, row_tokens, scores, eager, row_slots=row_slots)
         for name in ("output_tokens", "num_emitted", "path_rows", "accepted_rows"):
             if not torch.equal(getattr(got.walk, name), getattr(want.walk, name)):
                 differs.append(f"step {i}: walk.{name}")
+        for name in ("src_slots", "dst_slots", "path_first"):
+            if not torch.equal(getattr(got.moves, name), getattr(want.moves, name)):
+                differs.append(f"step {i}: moves.{name}")
         for name in ("sums", "committed"):
             if not torch.equal(getattr(got, name), getattr(want, name)):
                 differs.append(f"step {i}: {name}")
@@ -1384,8 +1390,9 @@ def verify_graphs_run(r: int, device: torch.device, backend: str, reps: int) -> 
                       "failed": graphs.failed}}
     rec["replay_equals_eager"] = not differs and graphs.failed is None and graphs.replays == len(steps) - 2
     if reps:
-        rec["eager_ms"] = timed_ms(lambda: verify_trees(batch, row_tokens, scores, eager), device, reps)
-        rec["replay_ms"] = timed_ms(lambda: verify_trees(batch, row_tokens, scores, captured, graphs), device, reps)
+        rec["eager_ms"] = timed_ms(lambda: verify_trees(batch, row_tokens, scores, eager, row_slots=row_slots), device, reps)
+        rec["replay_ms"] = timed_ms(lambda: verify_trees(batch, row_tokens, scores, captured, graphs,
+                                                         row_slots=row_slots), device, reps)
     return rec
 
 
