@@ -392,7 +392,7 @@ def render_step_overhead(study: dict, rows: list[dict]) -> list[str]:
     header = ["engine", "batch", "budget", "n-gram", "lookup", f"device ops ({arrow})",
               *([f"of them views ({arrow})"] if views else []), f"host reads ({arrow})",
               *([f"Python lines ({arrow})"] if lines else []), f"glue ms ({arrow})",
-              *([f"host ms outside the ops ({arrow})"] if outside else [])]
+              *([f"host ms outside the ops ({arrow})", f"host ops ms ({arrow})"] if outside else [])]
     body = []
     for (engine, batch, budget, ngram, lookup), per in by.items():
         def col(key: str, digits: int = 0) -> str:
@@ -400,7 +400,7 @@ def render_step_overhead(study: dict, rows: list[dict]) -> list[str]:
         body.append([engine, batch, budget, "on" if ngram else "off", lookup, col("device_ops"),
                      *([col("device_views")] if views else []), col("host_copies", 1),
                      *([col("python_lines")] if lines else []), col("glue_ms", 1),
-                     *([col("outside_ops_ms", 1)] if outside else [])])
+                     *([col("outside_ops_ms", 1), col("host_ops_ms", 1)] if outside else [])])
     return table(header, body)
 
 

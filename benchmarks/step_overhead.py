@@ -28,9 +28,11 @@ leaves the GPU idle. Neither shows as time on a CPU, so this counts them, on the
     ``python_lines`` are what shows that no Python loop runs over requests or nodes.
   * ``outside_ops_ms``: the same step's host time outside the aten ops (its wall time under a
     dispatch mode that times every op's call, less those calls: Python, list building, the mode's
-    own per-op cost), the median of repeats: what a GPU's host pays besides its launches, whose
-    kernels run on the device meanwhile. On a CPU it still moves with the batch through caches and
-    allocations; it holds no op's compute.
+    own per-op cost), the median of repeats. On a CPU it still moves with the batch through caches
+    and allocations; it holds no op's compute. ``host_ops_ms``: the time inside the counted step's
+    host ops (host tensors only: the scheduler's lists made into tensors, the tree compiled on the
+    host), one run. A GPU's host pays both, besides its launches, whose kernels run on the device
+    meanwhile.
   * ``python_lines``: lines of vllm_ddtree's own Python executed in the counted step (a
     ``sys.settrace`` line count; a loop's or a comprehension's every iteration counts). Constant in
     the batch where the step has no Python per request; what grows with it, per request, is Python
@@ -174,6 +176,7 @@ class OpCounter(TorchDispatchMode):
         super().__init__()
         self.device_ops = self.host_ops = 0
         self.device_views = 0  # of the device ops, views (no kernel: a dispatch of host time only)
+        self.host_ops_s = 0.0  # time inside the host ops' calls (host work on a GPU's host too)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -184,9 +187,12 @@ class OpCounter(TorchDispatchMode):
         if made_there or any(isinstance(a, DeviceData) for a in flat) or in_ngram_tables():
             self.device_ops += 1
             self.device_views += func.is_view
+            out = func(*args, **kwargs)
         else:
             self.host_ops += 1
-        out = func(*args, **kwargs)
+            t = time.perf_counter()
+            out = func(*args, **kwargs)
+            self.host_ops_s += time.perf_counter() - t
         return device(out) if made_there and isinstance(out, torch.Tensor) else out
 
 
@@ -437,6 +443,7 @@ def _one_step(code, batch: int, budget, ngram: bool, lookup: int, vocab: int, la
     if count:
         row |= dict(captured_ops=getattr(counter, "captured_ops", None), launches=getattr(counter, "launches", None))
         row |= dict(device_ops=counter.device_ops, device_views=counter.device_views, host_ops=counter.host_ops,
+                    host_ops_ms=1e3 * counter.host_ops_s,
                     host_copies=reads, python_lines=lines.lines,
                     counted_host_reads=code.host_reads.count if code.host_reads is not None else None)
     return row
@@ -602,7 +609,7 @@ def pipeline_rows(quick: bool, repeats: int) -> list[dict]:
                         rows.append(dict(engine="pipeline", step="steady" if steady else "first", batch=batch,
                                          budget=budget, ngram=ngram, lookup=lookup,
                                          **{k: counted[k] for k in ("device_ops", "device_views", "host_ops",
-                                                                    "host_copies", "counted_host_reads",
+                                                                    "host_ops_ms", "host_copies", "counted_host_reads",
                                                                     "python_lines", "nodes", "accepted")},
                                          glue_ms=statistics.median(glue), outside_ops_ms=statistics.median(outside)))
                         print(json.dumps(rows[-1]), flush=True)
