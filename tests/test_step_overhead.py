@@ -7,6 +7,7 @@ on a stand-in runner.
 """
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -189,3 +190,32 @@ def test_the_host_held_tokens_go_to_the_n_gram_tables_without_python_per_request
     lines(32, observe_history)  # once first: the shared index ranges it slices are made on first use
     assert lines(1, observe_history) == lines(32, observe_history) > 0
     assert lines(32, from_lists) > lines(1, from_lists)
+
+
+def test_the_host_time_outside_the_ops_leaves_their_calls_out():
+    """`outside_ops_ms` is the step's wall time less the time inside its ops' calls: positive, below
+    the wall time of the same step, and it does not count what an op computes (a step whose ops are
+    made 4 ms slower each keeps it, while its wall time grows by the ops' number times 4 ms).
+    `host_ops_ms` times the counted step's host ops."""
+    def timed(slow: bool) -> dict:
+        with torch.no_grad(), step_overhead.gpu_code_paths():
+            if not slow:
+                return step_overhead.one_step(step_overhead.product(), 2, 8, False, 0, VOCAB, LAYERS, 0, False,
+                                              timer=True)
+            original = step_overhead.OpTimer.__torch_dispatch__
+
+            def slower(self, func, types, args=(), kwargs=None):
+                return original(self, lambda *a, **k: (time.sleep(0.004), func(*a, **k))[1], types, args, kwargs)
+            step_overhead.OpTimer.__torch_dispatch__ = slower
+            try:
+                return step_overhead.one_step(step_overhead.product(), 2, 8, False, 0, VOCAB, LAYERS, 0, False,
+                                              timer=True)
+            finally:
+                step_overhead.OpTimer.__torch_dispatch__ = original
+
+    fast, slow = timed(False), timed(True)
+    assert 0 < fast["outside_ops_ms"] < fast["glue_ms"], fast
+    assert slow["glue_ms"] > fast["glue_ms"] + 100 * 4  # more than 100 ops, each 4 ms slower
+    assert slow["outside_ops_ms"] < fast["outside_ops_ms"] + 100, (fast, slow)
+    counted = count(2, 8, False, 0)
+    assert counted["host_ops"] > 0 and counted["host_ops_ms"] > 0, counted
