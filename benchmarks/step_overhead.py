@@ -812,10 +812,14 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_title(title)
         ax.grid(alpha=0.3)
     handles, labels = axes[0].get_legend_handles_labels()
+    for handle, label in zip(*axes[1].get_legend_handles_labels()):  # the host time's lines are drawn there only
+        if label not in labels:
+            handles.append(handle)
+            labels.append(label)
     fig.legend(handles, labels, fontsize=7, loc="center right")
     fig.suptitle("ddtree step overhead, lookup branch on, n-gram rescoring off: every request's first step "
                  "(dashed: the earlier code) and the step after it (steady)")
-    fig.tight_layout(rect=(0, 0, 0.86, 1))  # the legend to the right of the panels
+    fig.tight_layout(rect=(0, 0, 0.82, 1))  # the legend to the right of the panels
     fig.savefig(path, dpi=120)
 
 
