@@ -163,7 +163,8 @@ def _engine_like_observation(catch_up: bool) -> tuple[dict, dict, object]:
         kept = torch.randint(1, k + 1, (len(ids),), generator=g)
         tokens = torch.where(torch.arange(k) < kept[:, None], tokens, -1) if step < 13 else torch.full_like(tokens, -1)
         if step % 3 != 1 or step == 13:  # drafted (the last step counts what the host holds)
-            p._observe(ids, tokens)
+            slots, new_tokens = p._observe(ids, tokens)
+            p.history.append(slots, new_tokens)  # what the step function does first (`_tree_drafts`)
         elif catch_up:
             p._catch_up()  # what propose does at an undrafted step
         for i, rid in enumerate(ids):  # vLLM's bookkeeping: the step's kept tokens join the host batch
