@@ -47,9 +47,10 @@ def install_compaction_counter(worker) -> bool:
                                             "checksum": torch.zeros((), dtype=torch.int64)}
 
     def counting(runner, src_slots, dst_slots):
-        moved = src_slots != dst_slots
-        order = torch.arange(1, src_slots.numel() + 1, device=src_slots.device)
-        pairs = (src_slots.long() * 1_000_003 + dst_slots.long()) * order
+        src, dst = src_slots.reshape(-1), dst_slots.reshape(-1)  # (the step's [R, depth] moves, in order)
+        moved = src != dst
+        order = torch.arange(1, src.numel() + 1, device=src.device)
+        pairs = (src.long() * 1_000_003 + dst.long()) * order
         totals["steps"] += 1
         totals["moved"] += moved.sum().cpu()
         totals["checksum"] = (totals["checksum"] + torch.where(moved, pairs, 0).sum().cpu()) % (2**61 - 1)
