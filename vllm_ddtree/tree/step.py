@@ -156,7 +156,7 @@ def draft_trees(step: Callable[..., tuple], top_logp: Tensor, top_ids: Tensor, c
     if drafted > depth:
         raise ValueError(f"cannot pad {drafted} depths to {depth}")
     committed = 0 if new_tokens is None else new_tokens.shape[1]
-    if committed > token_width and new_tokens is not None:
+    if committed > token_width:
         raise ValueError(f"cannot pad {committed} new tokens per row to {token_width}")
     total, device = padded_rows(r), top_logp.device
     proposed, proposed_valid = (None, None) if observed is None else observed
