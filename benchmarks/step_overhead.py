@@ -512,7 +512,7 @@ class LineCounter:
 #: The captured step functions of `tree.step` (`plan_trees_with_lookup` finds the lookup path in it too;
 #: `padded_draft_step` is either of them as `draft_trees` captures it, its padding made inside;
 #: `padded_verify_step` is the verify side's `verify_step`, as `verify_trees` captures it)
-CAPTURED = ("plan_trees", "plan_trees_with_lookup", "padded_draft_step", "padded_verify_step")
+CAPTURED = ("plan_trees", "plan_trees_with_lookup", "padded_draft_step", "padded_verify_step", "padded_schedule")
 
 
 class CapturedOpCounter(OpCounter):

@@ -31,6 +31,7 @@ from vllm_ddtree.tree import (
     get_profile,
     padded_rows,
     padded_width,
+    schedule_rows,
     plan_trees_with_lookup,
     topk_per_depth,
     verify_step,
@@ -575,3 +576,145 @@ def test_the_first_replays_of_a_verify_capture_are_checked_against_the_eager_wal
             assert graphs.replays == 1 and graphs.eager_calls == 1  # (off: not called again)
         else:  # eager, capture, two checked replays, then trusted
             assert reads == [0, 0, 1, 1, 0, 0] and graphs.failed is None and graphs.replays == 4
+
+
+def schedule_inputs(seed: int, proposed_rows: int, r: int, nodes: int, with_scores: bool = True):
+    """The proposer's trees (packed as `tree_to_host` leaves them on the device) and a step that
+    schedules some of them: request i keeps a prefix of tree `tree_row[i]`, or (from_tree 0) drafts
+    the proposer did not make (a chain). Returns the inputs of `schedule_rows` and, per request, the
+    expected (tokens, parents, depths, scores) of its verify rows, root first."""
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda hi: int(torch.randint(0, max(hi, 1), (1,), generator=g))  # noqa: E731
+    trees = []
+    block = torch.zeros(proposed_rows, 4 * nodes, dtype=torch.float64)
+    for p in range(proposed_rows):
+        count = rand(nodes + 1)
+        parents = [rand(j + 1) - 1 for j in range(count)]  # parent before child
+        depths = []
+        for q in parents:
+            depths.append(1 if q < 0 else depths[q] + 1)
+        tokens = [rand(1000) for _ in range(count)]
+        scores = sorted((-float(torch.rand(1, generator=g)) * 4 for _ in range(count)), reverse=True)
+        trees.append((tokens, parents, depths, scores))
+        fill = lambda xs, v: xs + [v] * (nodes - count)  # noqa: E731
+        block[p] = torch.tensor(fill(tokens, 0) + fill(parents, -1) + fill(depths, 0) + fill(scores, -math.inf),
+                                dtype=torch.float64)
+    if not with_scores:
+        block = block[:, : 3 * nodes]
+    table, ids, expected, ctx = [], [], [], 0
+    for i in range(r):
+        row = rand(proposed_rows)
+        tokens, parents, depths, scores = trees[row] if proposed_rows else ([], [], [], [])
+        from_tree = bool(tokens) and rand(4) > 0
+        if from_tree:
+            d = 1 + rand(len(tokens))
+            rows = ([-1] + [q + 1 for q in parents[:d]], [0] + depths[:d], [-math.inf] + scores[:d])
+            drafts = tokens[:d]
+        else:
+            d = rand(nodes + 3)  # a chain may be longer than any tree (or empty: a plain decode)
+            drafts = [rand(1000) for _ in range(d)]
+            rows = (list(range(-1, d)), list(range(d + 1)), [-math.inf] * (d + 1))
+        root = rand(1000)
+        context = 3 + rand(40)
+        table.append([row if proposed_rows else 0, d, int(from_tree), len(ids), context, len(ids)])
+        expected.append(([root, *drafts], *rows, context))
+        ids += [root, *drafts]
+    step_ids = torch.tensor(ids + [7] * (256 - len(ids)), dtype=torch.int32)  # the runner's whole input buffer
+    n = 1 + max(len(e[0]) - 1 for e in expected)
+    return block, torch.tensor(table, dtype=torch.int64).T.contiguous(), step_ids, n, expected
+
+
+# (proposed trees, requests, nodes): mostly one size class, so later steps replay earlier captures
+SCHEDULE_STEPS = [(5, 4, 6)] * 3 + [(7, 6, 6), (6, 5, 6), (4, 7, 6), (5, 5, 6), (0, 2, 6), (9, 11, 6), (6, 4, 6), (7, 7, 6)]
+
+
+def expected_rows(expected, n: int):
+    """The scheduled rows by hand (per request, from lists), compiled by `compile_tree`."""
+    r = len(expected)
+    pad = lambda xs, v, width=n - 1: xs + [v] * (width - len(xs))  # noqa: E731
+    tokens = torch.tensor([pad(e[0][1:], 0) for e in expected], dtype=torch.int64).view(r, n - 1)
+    parents = torch.tensor([pad([q - 1 for q in e[1][1:]], -1) for e in expected], dtype=torch.int64).view(r, n - 1)
+    depths = torch.tensor([pad(e[2][1:], 0) for e in expected], dtype=torch.int64).view(r, n - 1)
+    num = torch.tensor([len(e[0]) - 1 for e in expected])
+    valid = torch.arange(n - 1) < num[:, None]
+    from vllm_ddtree.tree import DraftTree
+
+    zeros = torch.zeros(r, n - 1)
+    tree = DraftTree(tokens, parents, depths, zeros, zeros, valid, num, int(depths.max()) if depths.numel() else 0)
+    batch = compile_tree(tree, torch.tensor([e[0][0] for e in expected]), torch.tensor([e[4] for e in expected]))
+    scores = torch.tensor([pad(e[3], -math.inf, n) for e in expected], dtype=torch.float32).view(r, n)
+    return batch, scores
+
+
+def test_the_scheduled_rows_are_the_proposed_trees_cut_to_the_scheduler_s_counts():
+    """`schedule_rows` (eager, and replayed from padded captures on later steps of other sizes)
+    equals the rows made by hand from lists: each request's kept prefix of its tree, a chain where
+    the drafts are not the proposer's, the root first; positions context + depth, the ancestor
+    masks `compile_tree` makes, and each row's place in the step's tokens and logits."""
+    graphs = StepGraphs("trace")
+    for seed, (proposed_rows, r, nodes) in enumerate(SCHEDULE_STEPS):
+        block, table, step_ids, n, expected = schedule_inputs(seed, proposed_rows, r, nodes)
+        want, want_scores = expected_rows(expected, n)
+        deepest = int(want.depths.max())
+        for g in (None, graphs):
+            got = schedule_rows(block, nodes, table, step_ids, n, deepest, True, g)
+            b = got.batch
+            for name in ("tokens", "parents", "depths", "positions", "valid", "num_rows", "context_lens", "ancestors"):
+                assert torch.equal(getattr(b, name), getattr(want, name)), (name, seed, g)
+            assert b.max_depth == deepest
+            assert torch.equal(got.node_scores, torch.where(want.valid, want_scores, -math.inf)), seed
+            starts = torch.tensor([sum(len(e[0]) for e in expected[:i]) for i in range(r)])
+            index = torch.where(want.valid, starts[:, None] + torch.arange(n), 0)
+            assert torch.equal(got.row_index, index) and torch.equal(got.logit_rows, index), seed
+            assert torch.equal(got.write_index, torch.where(want.valid, index, starts[:, None])), seed
+            assert torch.equal(step_ids[got.row_index].long() * want.valid, want.tokens * want.valid)
+    assert graphs.replays >= 3 and graphs.captures >= 2 and graphs.failed is None
+
+
+def test_a_schedule_capture_reading_its_request_table_s_leading_block_makes_wrong_rows():
+    """The negative control of the test above: the request table given like the proposed block (its
+    leading block only, not padded on the host) leaves an earlier, larger step's requests in the
+    capture's buffer, and its padding rows keep their drafts."""
+    from vllm_ddtree.tree.compile import scheduled_rows
+
+    graphs, wrong = StepGraphs("trace"), 0
+    for seed, (proposed_rows, r, nodes) in enumerate([(9, 7, 6), (9, 6, 6), (9, 5, 6), (9, 4, 6)] * 3):
+        block, table, step_ids, n, expected = schedule_inputs(seed, proposed_rows, r, nodes)
+        rows, width = padded_rows(r), padded_width(n)
+
+        def step(block, table, step_ids):
+            return scheduled_rows(block, nodes, table, step_ids, width, width - 1, True)
+
+        got = graphs(("schedule", rows, width), step, block, table, step_ids,
+                     shapes=((padded_rows(proposed_rows), 4 * nodes), (6, rows), None))
+        wrong += bool((got.batch.num_rows[r:] > 1).any())
+    assert wrong > 0
+
+
+class CorruptSchedules(StepGraphs):
+    """StepGraphs whose replays return wrong positions (as a capture that went wrong on a device would)."""
+
+    def __call__(self, key, fn, *inputs, shapes=None):
+        out = super().__call__(key, fn, *inputs, shapes=shapes)
+        if self.replays_of(key):
+            out.batch.positions.add_(1)
+        return out
+
+
+def test_the_first_replays_of_a_schedule_capture_are_checked_against_the_eager_rows():
+    """`schedule_rows(checked_replays=k)` compares a capture's first k replays with the eager rows (one
+    counted host read each): a replay that differs is not used and the graphs turn off; correct
+    replays pass and stay on."""
+    steps = [schedule_inputs(seed, 5, 4, 6) for seed in (0, 1, 3, 4, 5, 8)]  # one key: 8 rows each
+    for graphs, corrupt in ((StepGraphs("trace"), False), (CorruptSchedules("trace"), True)):
+        reads = []
+        for block, table, step_ids, n, expected in steps:
+            want, _ = expected_rows(expected, n)
+            HostReads.reset()
+            got = schedule_rows(block, 6, table, step_ids, n, int(want.depths.max()), True, graphs, checked_replays=2)
+            reads.append(HostReads.reset())
+            assert torch.equal(got.batch.positions, want.positions)
+        if corrupt:
+            assert reads == [0, 0, 1, 0, 0, 0] and "differed from the eager one" in graphs.failed
+        else:
+            assert reads[:4] == [0, 0, 1, 1] and reads[4:] == [0, 0] and graphs.failed is None

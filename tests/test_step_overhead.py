@@ -124,25 +124,28 @@ def test_the_counters_see_what_they_count():
 
 class EagerCapturable(step_overhead.CapturedOpCounter):
     """The eager step's ops with those a captured step replays set apart: the proposer's step function
-    (`draft_trees` calls it: the token history's append, the lookup calibration, `plan_trees`) and
-    what `verify_trees` runs (without graphs it calls `verify_step` directly)."""
+    (`draft_trees` calls it: the token history's append, the lookup calibration, `plan_trees`), what
+    `schedule_rows` runs (the request table's copy included) and what `verify_trees` runs (without
+    graphs they call `scheduled_rows` and `verify_step` directly)."""
 
-    functions = step_overhead.CAPTURED + ("verify_trees",)
+    functions = step_overhead.CAPTURED + ("verify_trees", "schedule_rows")
 
     def captured(self) -> bool:
         return super().captured() or step_overhead.inside("step", "proposer.py")
 
 
 @pytest.mark.parametrize("budget, lookup", [(8, 8), ("auto", 8), ("auto", 0)])
-def test_a_captured_step_is_the_ops_outside_its_graphs_their_input_copies_and_two_launches(budget, lookup):
+def test_a_captured_step_is_the_ops_outside_its_graphs_their_input_copies_and_three_launches(budget, lookup):
     """The "pipeline, captured" rows: the steady step through the proposer's and the verify side's
-    capture paths, with the ops inside `plan_trees` (build, budget, lookup path) and `verify_step`
-    (walk, statistics, calibration) set apart as two graph launches after one copy per input.
+    capture paths, with the ops inside `plan_trees` (build, budget, lookup path), `scheduled_rows`
+    (the verify rows cut from the proposed trees, ancestor masks) and `verify_step` (walk,
+    statistics, calibration) set apart as three graph launches after one copy per input.
     Everything the eager step runs outside them is still counted, the capture paths add their padding
     of the inputs and cut of the outputs, and the graphs' contents do not depend on how many padding
     rows the batch got (batch 1: none; batch 2: one)."""
     plan_inputs = 2 + (budget == "auto") + 2 * bool(lookup)
     verify_inputs = 7 + (budget == "auto")  # the trees' fields, the target's tokens, the rows' KV slots, the node scores
+    schedule_inputs = 3  # the proposed trees' block, the request table, the step's token ids
     inside = []
     for batch in (1, 2):
         with torch.no_grad(), step_overhead.gpu_code_paths():
@@ -151,9 +154,9 @@ def test_a_captured_step_is_the_ops_outside_its_graphs_their_input_copies_and_tw
                                            counter_class=EagerCapturable)
             captured = step_overhead.captured_step(code, batch, budget, lookup, VOCAB, LAYERS)
         assert captured["captured_ops"] >= 50 + 20  # the build alone is dozens of ops, the walk a score
-        assert captured["launches"] == 2
+        assert captured["launches"] == 3
         outside = eager["device_ops"]  # the eager step's ops outside what the graphs hold
-        assert captured["device_ops"] >= outside + plan_inputs + verify_inputs + 2, (captured, eager)
+        assert captured["device_ops"] >= outside + plan_inputs + schedule_inputs + verify_inputs + 3, (captured, eager)
         assert captured["device_ops"] < outside + eager["captured_ops"]  # fewer launches than eagerly
         assert captured["host_copies"] == eager["host_copies"] == 1
         inside.append(captured["captured_ops"])

@@ -200,7 +200,8 @@ def test_prompt_lookup_branch_keeps_outputs_and_finds_the_request_s_repetitions(
 
 def test_the_tree_step_replayed_from_captures_drafts_the_same_trees(tmp_path, drafter):
     # VLLM_DDTREE_STEP_GRAPHS: the proposer replays `plan_trees` (build, budget, lookup path), and the
-    # verify side `verify_step` (walk, statistics, calibration), from one capture per shape: a CUDA
+    # verify side `scheduled_rows` (the verify rows, before the forward) and `verify_step` (walk,
+    # statistics, calibration), from one capture per shape: a CUDA
     # graph on a GPU; here `make_fx` traces, which freeze Python numbers and hold tensors where they
     # lie, as a capture does. A fixed budget's trees depend on nothing timed,
     # so with and without the captures the engine drafts the same trees and accepts the same tokens;
@@ -221,8 +222,8 @@ def test_the_tree_step_replayed_from_captures_drafts_the_same_trees(tmp_path, dr
     assert "verify_graphs" not in eager["ddtree"][1]
     for summary in traced["ddtree"]:
         # (how many keys recur depends on the batch's shapes over time: at least one capture is replayed,
-        # of the drafting step and of the verify side's: walk, statistics, calibration, its first
-        # replays checked against the eager walk)
+        # of the drafting step and of the verify side's: rows, walk, statistics, calibration, their
+        # first replays checked against the eager rows and walk)
         for name in ("step_graphs", "verify_graphs"):
             graphs = summary[name]
             assert graphs["failed"] is None and graphs["captures"] >= 1 and graphs["replays"] >= 1, (name, graphs)

@@ -66,11 +66,12 @@ class RequestTree:
 
 @dataclass
 class ProposedTrees:
-    """The last propose's trees, as host tensors padded to B nodes, for the verify step.
+    """The last propose's trees, padded to B nodes, for the verify step: on the host and on the device.
 
-    `prepare_tree_step` looks a scheduled request up by id (`row_of`) and applies the scheduler's
-    count to its row with tensor ops: no per-request Python, no rebuild from lists. These are the
-    tensors of the one host copy the step makes (`tree_to_host`), so reading them costs nothing.
+    `prepare_tree_step` looks a scheduled request up by id (`row_of`), checks on the host that the
+    scheduler kept a prefix of its tree (the host tensors are those of the one host copy the step
+    makes, `tree_to_host`, so reading them costs nothing), and cuts its rows from `on_device` to the
+    scheduler's count there (`tree.scheduled_rows`): no per-request Python, no rebuild from lists.
     """
 
     row_of: dict[str, int]  # request id -> row
@@ -78,6 +79,21 @@ class ProposedTrees:
     parents: Tensor  # [R, B] int64, -1 for children of the root and past the nodes
     depths: Tensor  # [R, B] int64, 0 past the nodes
     scores: Tensor | None  # [R, B] float32 prefix scores (automatic budget only), -inf past the nodes
+    # float64 [R, >= 3B] on the drafter's device: B columns each of tokens, parents, depths, then
+    # scores where `scores` is not None (`HostTrees.on_device`)
+    on_device: Tensor | None = None
+
+    @property
+    def nodes(self) -> int:
+        """B, the columns of each field."""
+        return self.tokens.shape[1]
+
+    def device_block(self, device: torch.device) -> Tensor:
+        """`on_device`, or the host fields packed as it is (trees made from lists) on `device`."""
+        if self.on_device is not None:
+            return self.on_device
+        fields = [self.tokens, self.parents, self.depths] + ([] if self.scores is None else [self.scores])
+        return to_device(torch.cat([f.double() for f in fields], dim=1), device)
 
     @classmethod
     def from_requests(cls, trees: dict[str, RequestTree]) -> "ProposedTrees":
@@ -646,7 +662,7 @@ class DDTreeProposer(DFlashProposer):
         with gpu_sync_allowed():  # deliberate: vLLM's scheduler reads the drafts on the host next
             host = tree_to_host(tree, with_scores=self.auto is not None)
         self.depth_cap.observe(host.deepest)
-        self.proposed = ProposedTrees(dict(zip(req_ids, range(len(req_ids)))), *host.padded)
+        self.proposed = ProposedTrees(dict(zip(req_ids, range(len(req_ids)))), *host.padded, host.on_device)
         return host
 
     def _lookup_outcome(self, req_ids: list[str]) -> tuple[Tensor, Tensor] | None:

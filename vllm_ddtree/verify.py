@@ -17,15 +17,13 @@
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 
-from vllm_ddtree.tree import NO_PARENT, DraftTree, TreeBatch, compile_tree, to_device, to_device_together, verify_trees
+from vllm_ddtree.tree import TreeBatch, schedule_rows, verify_trees
 
 from vllm_ddtree.compaction import context_order, move_slots_
 from vllm_ddtree.proposer import DDTreeProposer
@@ -100,15 +98,17 @@ def prepare_tree_step(runner, spec_decode_metadata, total_tokens: int) -> TreeSt
     drafted_t = torch.tensor(drafted, dtype=torch.int64)
     root_index = qsl[1:] - 1 - drafted_t  # the root is the first of the request's last 1 + n tokens
     step_ids = runner.input_ids.cpu  # host: each request's drafts follow its root
-    # Every request's row at once, as host tensor ops on [R, width] (no per-request Python): the
-    # scheduled drafts, and the proposed tree they are a prefix of, when they are.
+    # On the host, as tensor ops on [R, width] (no per-request Python): is each request's scheduled
+    # drafts a prefix of its proposed tree (the scheduler kept a prefix, or all of it)? Anything
+    # else (drafts vLLM filled in when the drafter was skipped) is verified as a chain, which is just
+    # as lossless. And the deepest scheduled node, which bounds the walk.
     cols = torch.arange(width)
     in_draft = cols[None, :] < drafted_t[:, None]  # [R, width]
     at = ((root_index + 1)[:, None] + cols).clamp(max=step_ids.shape[0] - 1)
     drafts = torch.where(in_draft, step_ids[at].long(), 0)
     proposed = proposer.proposed
     prow = torch.tensor(list(map(proposed.row_of.get, req_ids, itertools.repeat(-1, r))), dtype=torch.int64)
-    b = min(proposed.tokens.shape[1], width)
+    b = min(proposed.nodes, width)
 
     def proposed_rows(x: Tensor, fill) -> Tensor:  # [R, width]: each request's proposed row, padded
         out = torch.full((r, width), fill, dtype=x.dtype)
@@ -116,60 +116,36 @@ def prepare_tree_step(runner, spec_decode_metadata, total_tokens: int) -> TreeSt
             out[:, :b] = x[prow.clamp(min=0), :b] if x.shape[0] else fill
         return out
 
-    tree_tok, tree_dep = proposed_rows(proposed.tokens, -1), proposed_rows(proposed.depths, 0)
-    # The scheduler keeps a prefix of the tree (or all of it): still a tree. Anything else — drafts
-    # vLLM filled in when the drafter was skipped — is verified as a chain, which is just as lossless.
-    is_prefix = ((tree_tok == drafts) & (tree_dep > 0)) | ~in_draft
+    tree_dep = proposed_rows(proposed.depths, 0)
+    is_prefix = ((proposed_rows(proposed.tokens, -1) == drafts) & (tree_dep > 0)) | ~in_draft
     from_tree = (prow >= 0) & (drafted_t > 0) & is_prefix.all(dim=1)
-    chain = from_tree.logical_not()[:, None]
-    par = torch.where(in_draft, torch.where(chain, cols[None, :] - 1, proposed_rows(proposed.parents, NO_PARENT)), NO_PARENT)
-    dep = torch.where(in_draft, torch.where(chain, cols[None, :] + 1, tree_dep), 0)
-    node_scores = None
-    if calibrating:
-        scores = proposed_rows(proposed.scores, -math.inf) if proposed.scores is not None else torch.full((r, width), -math.inf)
-        node_scores = F.pad(torch.where(in_draft & ~chain, scores, -math.inf), (1, 0), value=-math.inf)  # (host)
-    valid = in_draft
-    zeros = torch.zeros(r, width)
     # The walk and the ancestor masks follow the deepest scheduled node (at most the drafter's width
     # W plus a lookup path, or a chain's length), not the step's row count.
-    deepest = int(dep.max()) if width else 0
-    tree = DraftTree(drafts, par, dep, zeros, zeros, valid, drafted_t, deepest)
+    deepest = int(torch.where(from_tree, torch.where(in_draft, tree_dep, 0).amax(dim=1), drafted_t).max())
     ctx = runner.optimistic_seq_lens_cpu[:r].long() - 1 - drafted_t
-    roots = step_ids[root_index].long()
-    batch = compile_tree(tree, roots, ctx)  # on the host: the scheduled drafts are host lists
-    row_index = torch.where(batch.valid, root_index[:, None] + torch.arange(width + 1), 0)
-    # logits rows are request-major, 1 + drafts per request (spec_decode_metadata.logits_indices)
-    counts = torch.tensor(spec_decode_metadata.num_draft_tokens, dtype=torch.int64) + 1
-    logit_rows = torch.where(batch.valid, (torch.cumsum(counts, 0) - counts)[:, None] + torch.arange(width + 1), 0)
-    # Where each row's position goes: padding writes its request's root row, with the root's position
-    # (a padding row's depth is 0), so the rewrite is one write of the [R, N] block already sent.
-    write_index = torch.where(batch.valid, row_index, root_index[:, None])
-    dev = runner.positions.device
-    sequential = runner.positions[:total_tokens].clone()  # the drafter's context positions (sample_tree_step)
+    counts = drafted_t + 1  # logits rows are request-major, 1 + drafts per request (spec_decode_metadata.logits_indices)
     # The step's size for the cost calibration, from host numbers (no device read later).
-    rows = batch.num_rows.double()
     step_size = None
-    if calibrating and width > 0 and int(rows.sum()) == total_tokens:  # trees, and nothing else
-        c = ctx.double()
+    if calibrating and int(counts.sum()) == total_tokens:  # trees, and nothing else
+        rows, c = counts.double(), ctx.double()
         step_size = (float(rows.sum()), float((rows * (c + rows)).sum()), float(c.sum()))
-    # To the device in queued copies, never waited for (the integer [R, N] fields in one); everything
-    # after the forward (walk, compaction, masks) runs there.
-    order_index = torch.where(batch.valid, row_index, total_tokens)
-    tokens, parents, depths, positions, row_index, order_index, logit_rows, write_index = to_device_together(
-        [batch.tokens, batch.parents, batch.depths, batch.positions, row_index, order_index, logit_rows, write_index],
-        dev)
-    runner.positions.index_put_((write_index,), positions)  # tree rows: context + depth
-    batch = TreeBatch(tokens, parents, depths, positions,
-                      *(to_device(t, dev) for t in (batch.valid, batch.num_rows, batch.context_lens, batch.ancestors)),
-                      batch.max_depth)
-    set_step_tree_masks(TreeStepMasks(has_tree=to_device(drafted_t > 0, dev), num_rows=batch.num_rows,
+    # The rows themselves are cut on the device from the proposer's trees, to the counts the
+    # scheduler kept (one copy of the request table; captured where the proposer captures).
+    table = torch.stack([prow.clamp(min=0), drafted_t, from_tree.long(), root_index, ctx, torch.cumsum(counts, 0) - counts])
+    dev = runner.positions.device
+    scheduled = schedule_rows(proposed.device_block(dev), proposed.nodes, table, runner.input_ids.gpu, width + 1,
+                              deepest, calibrating, getattr(proposer, "verify_graphs", None),
+                              checked_replays=VERIFY_CHECKED_REPLAYS, host_read=gpu_sync_allowed)
+    batch, row_index = scheduled.batch, scheduled.row_index
+    sequential = runner.positions[:total_tokens].clone()  # the drafter's context positions (sample_tree_step)
+    runner.positions.index_put_((scheduled.write_index,), batch.positions)  # tree rows: context + depth
+    set_step_tree_masks(TreeStepMasks(has_tree=batch.num_rows > 1, num_rows=batch.num_rows,
                                       ancestors=batch.ancestors, has_tree_cpu=drafted_t > 0))
     # (a gather: the runner rewrites its slot buffer for the next step, the moves come after it)
     row_slots = runner.input_batch.block_table[0].slot_mapping.gpu[:total_tokens][row_index]
-    return TreeStep(batch=batch, order_index=order_index, logit_rows=logit_rows, row_slots=row_slots,
-                    num_tokens=total_tokens,
-                    node_scores=None if node_scores is None else to_device(node_scores, dev),
-                    sequential_positions=sequential, step_size=step_size)
+    return TreeStep(batch=batch, order_index=torch.where(batch.valid, row_index, total_tokens),
+                    logit_rows=scheduled.logit_rows, row_slots=row_slots, num_tokens=total_tokens,
+                    node_scores=scheduled.node_scores, sequential_positions=sequential, step_size=step_size)
 
 
 def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadata):

@@ -24,6 +24,8 @@ from .build import (
 from .compile import (
     FlashInferTreeMask,
     KVCompaction,
+    SCHEDULE_FIELDS,
+    ScheduledRows,
     TreeBatch,
     ancestor_mask,
     apply_compaction_,
@@ -32,13 +34,14 @@ from .compile import (
     compile_tree,
     dense_attention_mask,
     flashinfer_tree_mask,
+    scheduled_rows,
 )
 from .transfer import HostReads, to_device, to_device_together, to_host
 from .ngram import HostTokens, NGramCounts, NGramModel, NGramScorer, build_corpus_ngram, entropy_adaptive_lambda, windows_of
 from .lookup import TokenHistory
 from .graphs import StepGraphs
-from .step import (capture_width, draft_trees, first_rows, first_verified, padded_rows, padded_width, plan_trees,
-                   plan_trees_with_lookup, verify_trees)
+from .step import (capture_width, draft_trees, first_rows, first_scheduled, first_verified, padded_rows, padded_width,
+                   plan_trees, plan_trees_with_lookup, schedule_rows, verify_trees)
 from .verify import (PathSlotMoves, VerifiedStep, WalkResult, greedy_tokens, path_slot_moves, sample_tokens, verify_step,
                      walk_tree)
 

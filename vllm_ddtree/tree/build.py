@@ -183,6 +183,10 @@ class HostTrees:
     deepest: int  # the largest depth of any kept node the drafter ranked (finite score; 0 if none)
     ranked: int  # the most nodes the drafter ranked in one request's tree (an `add_branch` path not counted)
     padded: tuple[Tensor, Tensor, Tensor, Tensor | None]  # host [R, B] tokens, parents, depths, scores (padding: 0, -1, 0, -inf)
+    # the block copied, still on the device: float64 [R, >= 3B], B columns each of tokens, parents,
+    # depths, then (copied with scores) scores; what the verify step cuts its rows from
+    # (`compile.scheduled_rows`)
+    on_device: Tensor | None = None
 
     def _kept(self, block: Tensor) -> list[list]:
         return [row[: len(t)] for row, t in zip(block.tolist(), self.tokens)]
@@ -221,7 +225,8 @@ def tree_to_host(tree: DraftTree, with_scores: bool = False) -> HostTrees:
         is_ranked = tree.scores > -math.inf
         extra = [torch.where(is_ranked, tree.depths, 0), is_ranked.sum(dim=1, keepdim=True)]
     # one cast: `cat` promotes the other fields to the first one's float64
-    packed = to_host(torch.cat([tree.tokens.double(), tree.parents, tree.depths, *extra], dim=1))
+    block = torch.cat([tree.tokens.double(), tree.parents, tree.depths, *extra], dim=1)
+    packed = to_host(block)
     depths = packed[:, 2 * w : 3 * w].long()
     valid = depths > 0
     counts = valid.sum(dim=1).tolist()
@@ -236,7 +241,7 @@ def tree_to_host(tree: DraftTree, with_scores: bool = False) -> HostTrees:
     most = int(ranked_counts.max()) if packed.shape[0] else 0
     padded = (torch.where(valid, packed[:, :w].long(), 0), torch.where(valid, packed[:, w : 2 * w].long(), NO_PARENT),
               torch.where(valid, depths, 0), torch.where(valid, scores, -math.inf) if with_scores else None)
-    return HostTrees(tokens, deepest, most, padded)
+    return HostTrees(tokens, deepest, most, padded, block)
 
 
 #: At most this many bytes of float32 log-probabilities `topk_per_depth` holds at once. vLLM's memory

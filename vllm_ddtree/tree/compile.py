@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from . import constants
@@ -95,6 +96,81 @@ def compile_tree(tree: DraftTree, root_tokens: Tensor, context_lens: Tensor) -> 
     )
 
 
+#: The rows of `scheduled_rows`' request table [6, R] int64, made on the host from the scheduler's
+#: numbers (one copy to the device): each request's row in the proposed block, the drafts the
+#: scheduler kept, 1 if they are a prefix of that row's tree (0: verified as a chain), its root's
+#: index in the step's tokens, its context length (tokens in the KV cache before the root), and its
+#: first row of the target's logits.
+SCHEDULE_FIELDS = ("tree_row", "drafted", "from_tree", "root_index", "context_len", "logit_start")
+
+
+@dataclass
+class ScheduledRows:
+    """A verify step's rows for the drafts the scheduler kept, on the device (`scheduled_rows`).
+
+    batch        the compiled trees [R, N]
+    row_index    [R, N] int64    each verify row's index in the step's tokens (0 where padding)
+    logit_rows   [R, N] int64    each verify row's row of the target's logits (0 where padding)
+    write_index  [R, N] int64    where each row's position goes: its own index; padding its root's,
+                                 with the root's position (a padding row's depth is 0)
+    node_scores  [R, N] float32  each row's node's prefix score; -inf for the root, a chain's rows
+                                 and padding (None without scores)
+    """
+
+    batch: TreeBatch
+    row_index: Tensor
+    logit_rows: Tensor
+    write_index: Tensor
+    node_scores: Tensor | None
+
+
+def scheduled_rows(proposed: Tensor, nodes: int, table: Tensor, step_ids: Tensor, n: int, max_depth: int,
+                   with_scores: bool) -> ScheduledRows:
+    """The verify rows of the drafts the scheduler kept, from the proposer's trees on the device.
+
+    The scheduler keeps a prefix of each proposed tree (or all of it): a prefix of a best-first
+    tree is a tree, so its rows are the proposed rows cut to the kept count. Drafts that are not a
+    prefix of the request's tree (`from_tree` 0: drafts vLLM filled in itself) are verified as a
+    chain, which is just as lossless. The host only decides which (it compares the token lists the
+    scheduler returned): parents, depths and the ancestor masks are made here.
+
+    proposed [Rp, P] float64: the proposer's trees as `tree_to_host` packs them, `nodes` columns
+             each of tokens, parents, depths, then (with_scores) prefix scores
+    table    [6, R] int64: `SCHEDULE_FIELDS` per request of the step
+    step_ids [T'] the step's token ids (the runner's whole input buffer): each root, then its drafts
+    n        verify rows per request (1 + the most drafts); max_depth: at least the deepest row
+    No host read, shapes from the host integers alone: it can be captured per (n, shapes).
+    """
+    dev = step_ids.device
+    tree_row, drafted, from_tree, root, ctx, logit_start = table.unbind(0)
+    r = table.shape[1]
+    if proposed.shape[0] == 0:  # no proposed tree (every request's drafts a chain): one row to gather
+        proposed = constants.filled((1, proposed.shape[1]), 0, proposed.dtype, dev)
+    mine = proposed[tree_row]  # [R, P] each request's tree
+
+    def rows_of(field: int, fill: float) -> Tensor:  # [R, N]: row k holds node k - 1's field, `fill` past them
+        x = mine[:, field * nodes : field * nodes + min(nodes, n - 1)]
+        return F.pad(x, (1, n - 1 - x.shape[1]), value=fill)
+
+    k = constants.arange_rows(r, n, dev)  # [R, N] row index (row 0 the root)
+    valid = k <= drafted[:, None]
+    chain = (from_tree == 0)[:, None]
+    tokens = torch.where(valid, step_ids[(root[:, None] + k).clamp(max=step_ids.shape[0] - 1)].long(), 0)
+    # (a node's parent NO_PARENT is the root, row 0: node parents + 1; the root's own, -1)
+    tree_parents = rows_of(1, NO_PARENT - 1).long() + 1
+    parents = torch.where(valid, torch.where(chain, k - 1, tree_parents), NO_PARENT)
+    depths = torch.where(valid, torch.where(chain, k, rows_of(2, 0).long()), 0)
+    batch = TreeBatch(tokens=tokens, parents=parents, depths=depths, positions=ctx[:, None] + depths, valid=valid,
+                      num_rows=drafted + 1, context_lens=ctx, ancestors=ancestor_mask(parents, max_depth),
+                      max_depth=max_depth)
+    row_index = torch.where(valid, root[:, None] + k, 0)
+    node_scores = None
+    if with_scores:
+        node_scores = torch.where(valid & ~chain, rows_of(3, -math.inf).float(), -math.inf)  # (row 0: the pad's -inf)
+    return ScheduledRows(batch=batch, row_index=row_index, logit_rows=torch.where(valid, logit_start[:, None] + k, 0),
+                         write_index=torch.where(valid, row_index, root[:, None]), node_scores=node_scores)
+
+
 def ancestor_mask(parents: Tensor, max_depth: int) -> Tensor:
     """[R, N] parent rows (-1 = none) -> [R, N, N] bool: row i sees itself, its ancestors and row 0.
 
@@ -108,15 +184,22 @@ def ancestor_mask(parents: Tensor, max_depth: int) -> Tensor:
     return ancestors_by_chasing(parents, max_depth)
 
 
+#: `ancestors_by_squaring` squares at least this many times (paths up to 2^6 = 64 rows long): a
+#: step's op count then does not follow its trees' depth (a tree, a lookup path or a chain of vLLM's
+#: drafts is seldom deeper), and each extra square is one small batched matmul on a GPU.
+MIN_SQUARINGS = 6
+
+
 def ancestors_by_squaring(parents: Tensor, max_depth: int) -> Tensor:
-    """`ancestor_mask` in a fixed handful of ops: [R, N, N] reachability squared log2(depth) times."""
+    """`ancestor_mask` in a fixed handful of ops: [R, N, N] reachability squared log2(depth) times
+    (`MIN_SQUARINGS` at least)."""
     r, n = parents.shape
     device = parents.device
     # [R, N, N + 1]: each row's parent column (a spare last column for "no parent"), plus itself.
     step = torch.zeros(r, n, n + 1, dtype=torch.float32, device=device)
     step.scatter_(2, torch.where(parents >= 0, parents, n).unsqueeze(2), 1.0)
     reach = step[:, :, :n] + torch.eye(n, dtype=torch.float32, device=device)
-    for _ in range(math.ceil(math.log2(max(max_depth, 1)))):  # paths of length <= 2, 4, 8, ...
+    for _ in range(max(math.ceil(math.log2(max(max_depth, 1))), MIN_SQUARINGS)):  # paths of length <= 2, 4, 8, ...
         reach = torch.bmm(reach, reach).clamp_(max=1.0)  # 0/1 entries: sums are exact in float32
     mask = reach > 0
     mask[:, :, 0] = True  # the root is everyone's ancestor (keeps padding rows non-empty)

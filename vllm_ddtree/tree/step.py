@@ -14,8 +14,9 @@ through `draft_trees`, which replays it from a capture per (size class, width):
     tree, plan, branch, valid = draft_trees(step, top_logp, top_ids, context_lens, slots, depth, graphs, key,
                                             observed, new_tokens, token_width)
 
-The verify side's device part has its function too, captured the same way:
+The verify side's device parts have their functions too, captured the same way:
 
+    scheduled = schedule_rows(proposed, nodes, table, step_ids, n, deepest, with_scores, graphs)  # before the forward
     verified = verify_trees(batch, row_tokens, node_scores, acceptance, graphs)   # walk, sums, calibration
 """
 
@@ -36,9 +37,9 @@ from .budget import AutoBudget
 from .build import DraftTree, PrefixScorer, add_branch, build_tree
 from .lookup import TokenHistory
 from .acceptance import AcceptanceCalibration
-from .compile import TreeBatch
+from .compile import ScheduledRows, TreeBatch, scheduled_rows
 from .graphs import StepGraphs
-from .transfer import to_host
+from .transfer import to_device, to_host
 from .verify import PathSlotMoves, VerifiedStep, WalkResult, verify_step, walk_tree
 
 
@@ -279,3 +280,59 @@ def verify_trees(batch: TreeBatch, row_tokens: Tensor, node_scores: Tensor | Non
                 return verify_step(batch.tokens, batch.parents, batch.depths, batch.valid, batch.ancestors,
                                    row_tokens, n, row_slots=row_slots)
     return verified
+
+
+def first_scheduled(rows: ScheduledRows, r: int, n: int, max_depth: int) -> ScheduledRows:
+    """`scheduled_rows`' outputs for a padded batch and width cut to `r` requests and `n` rows each
+    (views, read before the key's next replay), with the step's own deepest row as `max_depth`."""
+    b = rows.batch
+    batch = TreeBatch(tokens=b.tokens[:r, :n], parents=b.parents[:r, :n], depths=b.depths[:r, :n],
+                      positions=b.positions[:r, :n], valid=b.valid[:r, :n], num_rows=b.num_rows[:r],
+                      context_lens=b.context_lens[:r], ancestors=b.ancestors[:r, :n, :n], max_depth=max_depth)
+    return ScheduledRows(batch=batch, row_index=rows.row_index[:r, :n], logit_rows=rows.logit_rows[:r, :n],
+                         write_index=rows.write_index[:r, :n],
+                         node_scores=None if rows.node_scores is None else rows.node_scores[:r, :n])
+
+
+def schedule_rows(proposed: Tensor, nodes: int, table: Tensor, step_ids: Tensor, n: int, deepest: int,
+                  with_scores: bool, graphs: StepGraphs | None = None, checked_replays: int = 0,
+                  host_read: Callable[[], ContextManager] = contextlib.nullcontext) -> ScheduledRows:
+    """`compile.scheduled_rows` for a verify step: the host-made request table [6, R] (host tensor)
+    goes to the step's device in one copy, and the rows are cut there from the proposer's trees.
+
+    With `graphs` (the proposer's `verify_graphs`) it is replayed from a capture per (size class,
+    padded width, block shape): the table padded on the host to the size class (padding requests keep
+    no drafts), the rows to the next power of two with the ancestor masks' depth bound at the padded
+    width, the proposed block to its own size class (rows past it are never gathered); the outputs are
+    cut back to the batch's [R, n] (`first_scheduled`). The rows decide the forward's attention, so a
+    capture's first `checked_replays` replays are compared with the eager rows (one host read each,
+    under `host_read()`): one that differs is not used and `graphs` turn off.
+    """
+    dev = step_ids.device
+    r = table.shape[1]
+    if graphs is None or graphs.failed is not None:  # (turned off: eager, unpadded)
+        return scheduled_rows(proposed, nodes, to_device(table, dev), step_ids, n, deepest, with_scores)
+    rows, width = padded_rows(r), padded_width(n)
+    padded_table = to_device(F.pad(table, (0, rows - r)), dev)
+    block = (padded_rows(proposed.shape[0]), proposed.shape[1])
+
+    def padded_schedule(proposed, table, step_ids):
+        return scheduled_rows(proposed, nodes, table, step_ids, width, width - 1, with_scores)
+
+    key = ("schedule", rows, width, block, nodes, with_scores, tuple(step_ids.shape))
+    scheduled = first_scheduled(graphs(key, padded_schedule, proposed, padded_table, step_ids,
+                                       shapes=(block, None, None)), r, n, deepest)
+    if 0 < graphs.replays_of(key) <= checked_replays:
+        eager = scheduled_rows(proposed, nodes, padded_table[:, :r], step_ids, n, deepest, with_scores)
+        pairs = [(getattr(eager.batch, f), getattr(scheduled.batch, f)) for f in
+                 ("tokens", "parents", "depths", "positions", "valid", "num_rows", "context_lens", "ancestors")]
+        pairs += [(getattr(eager, f), getattr(scheduled, f)) for f in ("row_index", "logit_rows", "write_index")]
+        differs = torch.stack([(a != b).any() for a, b in pairs])
+        if with_scores:
+            differs = torch.cat([differs, (eager.node_scores != scheduled.node_scores).any().view(1)])
+        with host_read():
+            if bool(to_host(differs.any())):
+                graphs.turn_off(f"a replayed verify schedule differed from the eager one (key {key})")
+                return eager
+    return scheduled
+
