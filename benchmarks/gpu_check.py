@@ -37,8 +37,9 @@ run in the order of `PARTS`):
              state moved on (calibrations updated, the cost model refit), equal to eager; eager vs
              replay time. Then the proposer's own captures (`StepGraphs` around
              `plan_trees_with_lookup`, what VLLM_DDTREE_STEP_GRAPHS=1 runs) the same way, and the
-             verify side's (`verify_trees`: walk, statistics, calibration) over steps that pad to
-             one capture, smaller ones after larger. CUDA only; last, so a failed capture cannot
+             verify side's (`schedule_rows`: the verify rows before the forward; `verify_trees`:
+             walk, statistics, calibration) over steps that pad to one capture, smaller ones after
+             larger. CUDA only; last, so a failed capture cannot
              disturb the other parts.
 
     python benchmarks/gpu_check.py --device cuda --json-dir benchmarks/results/gpu   # <device>.json/.png
@@ -113,6 +114,7 @@ from vllm_ddtree.tree import (  # noqa: E402
     padded_rows,
     padded_width,
     plan_trees_with_lookup,
+    schedule_rows,
     topk_per_depth,
     verify_trees,
     walk_tree,
@@ -1396,6 +1398,70 @@ def verify_graphs_run(r: int, device: torch.device, backend: str, reps: int) -> 
     return rec
 
 
+SCHEDULE_GRAPHS = "schedule_rows"  # b.graphs' rows of the verify rows cut before the forward (`schedule_graphs_run`)
+
+
+def schedule_step_inputs(r: int, budget: int, device: torch.device, seed: int, max_budget: int = 40,
+                         buffer: int = 8192) -> tuple:
+    """A verify step as `prepare_tree_step` hands it to `schedule_rows`: `r` proposed trees of up to
+    `budget` nodes (padded to `max_budget`), packed on the device as `tree_to_host` leaves them, and a step whose requests
+    (shuffled against the proposer's rows) keep a random prefix of their tree, or (one in five) a
+    chain of drafts the proposer did not make. Returns (block, nodes, table [6, R] host, the step's
+    token ids in a buffer of `buffer` tokens, n, deepest)."""
+    g = torch.Generator().manual_seed(seed)
+    top_logp, top_ids = topk_per_depth(torch.randn(r, 6, 32, generator=g) * 2, 8)
+    tree = build_tree(top_logp, top_ids, torch.randint(budget // 2, budget + 1, (r,), generator=g),
+                      max_budget=max_budget)
+    block = torch.cat([tree.tokens.double(), tree.parents, tree.depths, tree.scores], dim=1)
+    order = torch.randperm(r, generator=g)
+    chain = torch.rand(r, generator=g) < 0.2
+    kept = torch.where(chain, torch.randint(0, budget + 2, (r,), generator=g),
+                       (torch.rand(r, generator=g) * (tree.num_nodes[order] + 1)).long().clamp(max=tree.num_nodes[order]))
+    ids, table, deepest = [], [], 0
+    for i in range(r):  # (the check's inputs, made once per step on the host; not the product's path)
+        d, p = int(kept[i]), int(order[i])
+        drafts = torch.randint(0, 32, (d,), generator=g).tolist() if chain[i] else tree.tokens[p, :d].tolist()
+        deepest = max(deepest, d if chain[i] else int(tree.depths[p, :d].max()) if d else 0)
+        table.append([p, d, int(not chain[i] and d > 0), len(ids), int(torch.randint(0, 900, (1,), generator=g)), len(ids)])
+        ids += [int(torch.randint(0, 32, (1,), generator=g)), *drafts]
+    step_ids = torch.tensor(ids + [0] * (buffer - len(ids)), dtype=torch.int32)
+    n = 1 + int(kept.max())
+    return block.to(device), tree.max_nodes, torch.tensor(table).T.contiguous(), step_ids.to(device), n, deepest
+
+
+def schedule_graphs_run(r: int, device: torch.device, backend: str, reps: int) -> dict:
+    """The verify rows cut before the forward: `schedule_rows` with `StepGraphs(backend)`, as
+    `prepare_tree_step` calls it. Five steps whose batches (the size class of `r`) and widths pad to
+    one capture, the later ones smaller than an earlier one; each compared with the eager rows (no
+    graphs): the trees, positions, ancestor masks, row and logits indices and node scores equal. On
+    request (`reps` > 0) eager and replay times."""
+    top = padded_rows(r)
+    steps = ((top, 40), (r, 30), (top, 40), (r, 33), ((r + top) // 2, 36))
+    graphs = StepGraphs(backend)
+    differs, widths = [], set()
+    for i, (rows, budget) in enumerate(steps):
+        block, nodes, table, step_ids, n, deepest = schedule_step_inputs(rows, budget, device, seed=6000 + 7 * r + i)
+        n = max(n, 33)  # (one padded width, 64, for every step)
+        widths.add(padded_width(n))
+        got = schedule_rows(block, nodes, table, step_ids, n, deepest, True, graphs)
+        want = schedule_rows(block, nodes, table, step_ids, n, deepest, True)
+        for name in ("tokens", "parents", "depths", "positions", "valid", "num_rows", "context_lens", "ancestors"):
+            if not torch.equal(getattr(got.batch, name), getattr(want.batch, name)):
+                differs.append(f"step {i}: batch.{name}")
+        for name in ("row_index", "logit_rows", "write_index", "node_scores"):
+            if not torch.equal(getattr(got, name), getattr(want, name)):
+                differs.append(f"step {i}: {name}")
+    rec = {"differs": differs, "padded": [top, sorted(widths)],
+           "graphs": {"captures": graphs.captures, "replays": graphs.replays, "eager_calls": graphs.eager_calls,
+                      "failed": graphs.failed}}
+    rec["replay_equals_eager"] = not differs and graphs.failed is None and graphs.replays == len(steps) - 2
+    if reps:
+        rec["eager_ms"] = timed_ms(lambda: schedule_rows(block, nodes, table, step_ids, n, deepest, True), device, reps)
+        rec["replay_ms"] = timed_ms(lambda: schedule_rows(block, nodes, table, step_ids, n, deepest, True, graphs),
+                                    device, reps)
+    return rec
+
+
 def capture_rows(ctx: "Check", variant: str, run: Callable[[int], dict], detail: Callable[[dict], str],
                  rows: list[dict], bad: list[str]) -> None:
     """b.graphs' rows of one of the product's own capture paths, one per batch size: `run(batch)` gives
@@ -1490,6 +1556,8 @@ def part_b_graphs(ctx: "Check") -> dict:
                  rows, bad)
     capture_rows(ctx, VERIFY_GRAPHS, lambda r: verify_graphs_run(r, ctx.device, "cuda", ctx.sizes.reps),
                  lambda rec: f"calibration gap {rec['calibration_max_rel_gap']:.1e}", rows, bad)
+    capture_rows(ctx, SCHEDULE_GRAPHS, lambda r: schedule_graphs_run(r, ctx.device, "cuda", ctx.sizes.reps),
+                 lambda rec: f"padded to {rec['padded']}", rows, bad)
     return {"passed": not bad, "captures": rows, "failed": bad,
             "summary": "every capture replays equal to eager" if not bad else f"FAILED {', '.join(bad)}"}
 
@@ -1888,7 +1956,8 @@ def plot_report(report: dict, png: str) -> None:
         pts = sorted((s["batch"], s["replay_ms"]) for s in g if s.get("variant") == variant and "replay_ms" in s)
         if pts:
             ax.plot(*zip(*pts), style + ":", label=f"{variant} graph replay")
-    for variant, name, marker in ((STEP_GRAPHS, "plan_trees", "D"), (VERIFY_GRAPHS, "verify_trees", "v")):
+    for variant, name, marker in ((STEP_GRAPHS, "plan_trees", "D"), (VERIFY_GRAPHS, "verify_trees", "v"),
+                                  (SCHEDULE_GRAPHS, "schedule_rows", "x")):
         for key, line in (("eager_ms", "-"), ("replay_ms", ":")):
             pts = sorted((s["batch"], s[key]) for s in g if s.get("variant") == variant and key in s)
             if pts:
