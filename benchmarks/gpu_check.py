@@ -94,6 +94,7 @@ from vllm_ddtree.attention.tree_mask import (  # noqa: E402
 from vllm_ddtree.compaction import accepted_path_moves, layer_stacks, move_slots_  # noqa: E402
 from vllm_ddtree.tree.lookup import LOOKUP_WINDOW  # noqa: E402
 from vllm_ddtree.tree import (  # noqa: E402
+    CHAIN,
     AcceptanceCalibration,
     AutoBudget,
     CostModel,
@@ -1422,7 +1423,8 @@ def schedule_step_inputs(r: int, budget: int, device: torch.device, seed: int, m
         d, p = int(kept[i]), int(order[i])
         drafts = torch.randint(0, 32, (d,), generator=g).tolist() if chain[i] else tree.tokens[p, :d].tolist()
         deepest = max(deepest, d if chain[i] else int(tree.depths[p, :d].max()) if d else 0)
-        table.append([p, d, int(not chain[i] and d > 0), len(ids), int(torch.randint(0, 900, (1,), generator=g)), len(ids)])
+        table.append([p, d, 0 if not chain[i] and d > 0 else CHAIN, len(ids), int(torch.randint(0, 900, (1,), generator=g)),
+                      len(ids)])
         ids += [int(torch.randint(0, 32, (1,), generator=g)), *drafts]
     step_ids = torch.tensor(ids + [0] * (buffer - len(ids)), dtype=torch.int32)
     n = 1 + int(kept.max())

@@ -24,6 +24,7 @@ from vllm_ddtree.tree import (
     StepGraphs,
     TokenHistory,
     build_tree,
+    CHAIN,
     capture_width,
     compile_tree,
     draft_trees,
@@ -616,7 +617,7 @@ def schedule_inputs(seed: int, proposed_rows: int, r: int, nodes: int, with_scor
             rows = (list(range(-1, d)), list(range(d + 1)), [-math.inf] * (d + 1))
         root = rand(1000)
         context = 3 + rand(40)
-        table.append([row if proposed_rows else 0, d, int(from_tree), len(ids), context, len(ids)])
+        table.append([row if proposed_rows else 0, d, 0 if from_tree else CHAIN, len(ids), context, len(ids)])
         expected.append(([root, *drafts], *rows, context))
         ids += [root, *drafts]
     step_ids = torch.tensor(ids + [7] * (256 - len(ids)), dtype=torch.int32)  # the runner's whole input buffer
@@ -649,7 +650,7 @@ def expected_rows(expected, n: int):
 def test_the_scheduled_rows_are_the_proposed_trees_cut_to_the_scheduler_s_counts():
     """`schedule_rows` (eager, and replayed from padded captures on later steps of other sizes)
     equals the rows made by hand from lists: each request's kept prefix of its tree, a chain where
-    the drafts are not the proposer's, the root first; positions context + depth, the ancestor
+    the drafts are not the proposer's (`CHAIN`), the root first; positions context + depth, the ancestor
     masks `compile_tree` makes, and each row's place in the step's tokens and logits."""
     graphs = StepGraphs("trace")
     for seed, (proposed_rows, r, nodes) in enumerate(SCHEDULE_STEPS):
@@ -687,7 +688,7 @@ def test_a_schedule_capture_reading_its_request_table_s_leading_block_makes_wron
 
         got = graphs(("schedule", rows, width), step, block, table, step_ids,
                      shapes=((padded_rows(proposed_rows), 4 * nodes), (6, rows), None))
-        wrong += bool((got.batch.num_rows[r:] > 1).any())
+        wrong += bool((got.batch.num_rows[r:] > 1).any())  # a padding request with drafts
     assert wrong > 0
 
 
@@ -697,7 +698,7 @@ class CorruptSchedules(StepGraphs):
     def __call__(self, key, fn, *inputs, shapes=None):
         out = super().__call__(key, fn, *inputs, shapes=shapes)
         if self.replays_of(key):
-            out.batch.positions.add_(1)
+            out[0][3].add_(1)  # the stacked int fields' positions (`tree.step._packed_schedule`)
         return out
 
 

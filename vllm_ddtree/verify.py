@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 
-from vllm_ddtree.tree import TreeBatch, schedule_rows, verify_trees
+from vllm_ddtree.tree import CHAIN, TreeBatch, schedule_rows, verify_trees
 
 from vllm_ddtree.compaction import context_order, move_slots_
 from vllm_ddtree.proposer import DDTreeProposer
@@ -131,7 +131,8 @@ def prepare_tree_step(runner, spec_decode_metadata, total_tokens: int) -> TreeSt
         step_size = (float(rows.sum()), float((rows * (c + rows)).sum()), float(c.sum()))
     # The rows themselves are cut on the device from the proposer's trees, to the counts the
     # scheduler kept (one copy of the request table; captured where the proposer captures).
-    table = torch.stack([prow.clamp(min=0), drafted_t, from_tree.long(), root_index, ctx, torch.cumsum(counts, 0) - counts])
+    table = torch.stack([prow.clamp(min=0), drafted_t, torch.where(from_tree, 0, CHAIN), root_index, ctx,
+                         torch.cumsum(counts, 0) - counts])  # (tree.SCHEDULE_FIELDS)
     dev = runner.positions.device
     scheduled = schedule_rows(proposed.device_block(dev), proposed.nodes, table, runner.input_ids.gpu, width + 1,
                               deepest, calibrating, getattr(proposer, "verify_graphs", None),

@@ -24,6 +24,7 @@ from .build import (
 from .compile import (
     FlashInferTreeMask,
     KVCompaction,
+    CHAIN,
     SCHEDULE_FIELDS,
     ScheduledRows,
     TreeBatch,

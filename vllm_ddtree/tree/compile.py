@@ -97,11 +97,13 @@ def compile_tree(tree: DraftTree, root_tokens: Tensor, context_lens: Tensor) -> 
 
 
 #: The rows of `scheduled_rows`' request table [6, R] int64, made on the host from the scheduler's
-#: numbers (one copy to the device): each request's row in the proposed block, the drafts the
-#: scheduler kept, 1 if they are a prefix of that row's tree (0: verified as a chain), its root's
-#: index in the step's tokens, its context length (tokens in the KV cache before the root), and its
-#: first row of the target's logits.
-SCHEDULE_FIELDS = ("tree_row", "drafted", "from_tree", "root_index", "context_len", "logit_start")
+#: numbers (one copy to the device): each request's row in the proposed block; the drafts the
+#: scheduler kept; the last verify row that is not its tree's (0 where the drafts are a prefix of the
+#: tree: the root only; `CHAIN` where they are verified as a chain: every row); its root's index in
+#: the step's tokens; its context length (tokens in the KV cache before the root); and its first row
+#: of the target's logits.
+SCHEDULE_FIELDS = ("tree_row", "drafted", "chain_rows", "root_index", "context_len", "logit_start")
+CHAIN = 1 << 30  # `chain_rows` of a request whose drafts are not a prefix of its proposed tree
 
 
 @dataclass
@@ -130,9 +132,9 @@ def scheduled_rows(proposed: Tensor, nodes: int, table: Tensor, step_ids: Tensor
 
     The scheduler keeps a prefix of each proposed tree (or all of it): a prefix of a best-first
     tree is a tree, so its rows are the proposed rows cut to the kept count. Drafts that are not a
-    prefix of the request's tree (`from_tree` 0: drafts vLLM filled in itself) are verified as a
-    chain, which is just as lossless. The host only decides which (it compares the token lists the
-    scheduler returned): parents, depths and the ancestor masks are made here.
+    prefix of the request's tree (drafts vLLM filled in itself) are verified as a chain, which is
+    just as lossless. The host only decides which (it compares the token lists the scheduler
+    returned): tokens, parents, depths and the ancestor masks are made here.
 
     proposed [Rp, P] float64: the proposer's trees as `tree_to_host` packs them, `nodes` columns
              each of tokens, parents, depths, then (with_scores) prefix scores
@@ -142,33 +144,31 @@ def scheduled_rows(proposed: Tensor, nodes: int, table: Tensor, step_ids: Tensor
     No host read, shapes from the host integers alone: it can be captured per (n, shapes).
     """
     dev = step_ids.device
-    tree_row, drafted, from_tree, root, ctx, logit_start = table.unbind(0)
-    r = table.shape[1]
-    if proposed.shape[0] == 0:  # no proposed tree (every request's drafts a chain): one row to gather
-        proposed = constants.filled((1, proposed.shape[1]), 0, proposed.dtype, dev)
-    mine = proposed[tree_row]  # [R, P] each request's tree
-
-    def rows_of(field: int, fill: float) -> Tensor:  # [R, N]: row k holds node k - 1's field, `fill` past them
-        x = mine[:, field * nodes : field * nodes + min(nodes, n - 1)]
-        return F.pad(x, (1, n - 1 - x.shape[1]), value=fill)
-
+    tree_row, drafted, chain_rows, root, ctx, logit_start = table.unbind(0)
+    r, fields = table.shape[1], 2 + with_scores  # parents, depths(, scores): the tokens come from step_ids
+    if proposed.shape[0] == 0 or proposed.shape[1] < (1 + fields) * nodes:  # no tree, or no scores: chains only
+        proposed = F.pad(proposed, (0, max((1 + fields) * nodes - proposed.shape[1], 0), 0, proposed.shape[0] == 0),
+                         value=-math.inf)
+    # [R, fields, N]: row k holds node k - 1's fields (row 0, the root, and rows past the nodes are
+    # never read: a chain's rows and padding take their values from `chain` and `valid`)
+    mine = proposed[:, nodes : (1 + fields) * nodes][tree_row].view(r, fields, nodes)[:, :, : n - 1]
+    mine = F.pad(mine, (1, n - 1 - mine.shape[2]))
+    ints = mine[:, :2].long()
     k = constants.arange_rows(r, n, dev)  # [R, N] row index (row 0 the root)
     valid = k <= drafted[:, None]
-    chain = (from_tree == 0)[:, None]
-    tokens = torch.where(valid, step_ids[(root[:, None] + k).clamp(max=step_ids.shape[0] - 1)].long(), 0)
-    # (a node's parent NO_PARENT is the root, row 0: node parents + 1; the root's own, -1)
-    tree_parents = rows_of(1, NO_PARENT - 1).long() + 1
-    parents = torch.where(valid, torch.where(chain, k - 1, tree_parents), NO_PARENT)
-    depths = torch.where(valid, torch.where(chain, k, rows_of(2, 0).long()), 0)
+    chain = k <= chain_rows[:, None]  # the root, and every row of a chain
+    root_col = root[:, None]
+    row_index = torch.where(valid, root_col + k, 0)
+    tokens = torch.where(valid, step_ids[row_index].long(), 0)
+    # (a node's parent NO_PARENT is the root, row 0: node parents + 1)
+    parents = torch.where(valid, torch.where(chain, k - 1, ints[:, 0] + 1), NO_PARENT)
+    depths = torch.where(valid, torch.where(chain, k, ints[:, 1]), 0)
     batch = TreeBatch(tokens=tokens, parents=parents, depths=depths, positions=ctx[:, None] + depths, valid=valid,
                       num_rows=drafted + 1, context_lens=ctx, ancestors=ancestor_mask(parents, max_depth),
                       max_depth=max_depth)
-    row_index = torch.where(valid, root[:, None] + k, 0)
-    node_scores = None
-    if with_scores:
-        node_scores = torch.where(valid & ~chain, rows_of(3, -math.inf).float(), -math.inf)  # (row 0: the pad's -inf)
+    node_scores = torch.where(valid > chain, mine[:, 2].float(), -math.inf) if with_scores else None  # tree nodes
     return ScheduledRows(batch=batch, row_index=row_index, logit_rows=torch.where(valid, logit_start[:, None] + k, 0),
-                         write_index=torch.where(valid, row_index, root[:, None]), node_scores=node_scores)
+                         write_index=torch.where(valid, row_index, root_col), node_scores=node_scores)
 
 
 def ancestor_mask(parents: Tensor, max_depth: int) -> Tensor:
@@ -184,10 +184,10 @@ def ancestor_mask(parents: Tensor, max_depth: int) -> Tensor:
     return ancestors_by_chasing(parents, max_depth)
 
 
-#: `ancestors_by_squaring` squares at least this many times (paths up to 2^6 = 64 rows long): a
-#: step's op count then does not follow its trees' depth (a tree, a lookup path or a chain of vLLM's
-#: drafts is seldom deeper), and each extra square is one small batched matmul on a GPU.
-MIN_SQUARINGS = 6
+#: `ancestors_by_squaring` squares at least this many times (paths up to 2^4 = 16 rows long, the
+#: drafter's 15 depths and a lookup path of up to 16 tokens): a step's op count then does not follow
+#: its trees' depth below that, and each extra square is one small batched matmul on a GPU.
+MIN_SQUARINGS = 4
 
 
 def ancestors_by_squaring(parents: Tensor, max_depth: int) -> Tensor:

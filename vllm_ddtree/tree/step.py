@@ -282,16 +282,28 @@ def verify_trees(batch: TreeBatch, row_tokens: Tensor, node_scores: Tensor | Non
     return verified
 
 
-def first_scheduled(rows: ScheduledRows, r: int, n: int, max_depth: int) -> ScheduledRows:
-    """`scheduled_rows`' outputs for a padded batch and width cut to `r` requests and `n` rows each
-    (views, read before the key's next replay), with the step's own deepest row as `max_depth`."""
+#: The [R, N] int64 fields a captured `scheduled_rows` hands out stacked (one cut for all of them).
+_SCHEDULED_INTS = ("tokens", "parents", "depths", "positions", "row_index", "logit_rows", "write_index")
+
+
+def _packed_schedule(rows: ScheduledRows) -> tuple:
+    """`scheduled_rows`' outputs as a capture hands them out: the int64 [R, N] fields stacked."""
     b = rows.batch
-    batch = TreeBatch(tokens=b.tokens[:r, :n], parents=b.parents[:r, :n], depths=b.depths[:r, :n],
-                      positions=b.positions[:r, :n], valid=b.valid[:r, :n], num_rows=b.num_rows[:r],
-                      context_lens=b.context_lens[:r], ancestors=b.ancestors[:r, :n, :n], max_depth=max_depth)
-    return ScheduledRows(batch=batch, row_index=rows.row_index[:r, :n], logit_rows=rows.logit_rows[:r, :n],
-                         write_index=rows.write_index[:r, :n],
-                         node_scores=None if rows.node_scores is None else rows.node_scores[:r, :n])
+    ints = torch.stack([b.tokens, b.parents, b.depths, b.positions, rows.row_index, rows.logit_rows, rows.write_index])
+    return ints, b.valid, b.num_rows, b.context_lens, b.ancestors, rows.node_scores
+
+
+def first_scheduled(packed: tuple, r: int, n: int, max_depth: int) -> ScheduledRows:
+    """A captured `scheduled_rows`' outputs (`_packed_schedule`) for a padded batch and width, cut to
+    `r` requests and `n` rows each (views, read before the key's next replay), with the step's own
+    deepest row as `max_depth`."""
+    ints, valid, num_rows, context_lens, ancestors, node_scores = packed
+    f = dict(zip(_SCHEDULED_INTS, ints[:, :r, :n].unbind(0)))
+    batch = TreeBatch(tokens=f["tokens"], parents=f["parents"], depths=f["depths"], positions=f["positions"],
+                      valid=valid[:r, :n], num_rows=num_rows[:r], context_lens=context_lens[:r],
+                      ancestors=ancestors[:r, :n, :n], max_depth=max_depth)
+    return ScheduledRows(batch=batch, row_index=f["row_index"], logit_rows=f["logit_rows"], write_index=f["write_index"],
+                         node_scores=None if node_scores is None else node_scores[:r, :n])
 
 
 def schedule_rows(proposed: Tensor, nodes: int, table: Tensor, step_ids: Tensor, n: int, deepest: int,
@@ -304,7 +316,8 @@ def schedule_rows(proposed: Tensor, nodes: int, table: Tensor, step_ids: Tensor,
     padded width, block shape): the table padded on the host to the size class (padding requests keep
     no drafts), the rows to the next power of two with the ancestor masks' depth bound at the padded
     width, the proposed block to its own size class (rows past it are never gathered); the outputs are
-    cut back to the batch's [R, n] (`first_scheduled`). The rows decide the forward's attention, so a
+    cut back to the batch's [R, n] (`first_scheduled`: the int64 fields come stacked, one cut for
+    all). The rows decide the forward's attention, so a
     capture's first `checked_replays` replays are compared with the eager rows (one host read each,
     under `host_read()`): one that differs is not used and `graphs` turn off.
     """
@@ -317,7 +330,7 @@ def schedule_rows(proposed: Tensor, nodes: int, table: Tensor, step_ids: Tensor,
     block = (padded_rows(proposed.shape[0]), proposed.shape[1])
 
     def padded_schedule(proposed, table, step_ids):
-        return scheduled_rows(proposed, nodes, table, step_ids, width, width - 1, with_scores)
+        return _packed_schedule(scheduled_rows(proposed, nodes, table, step_ids, width, width - 1, with_scores))
 
     key = ("schedule", rows, width, block, nodes, with_scores, tuple(step_ids.shape))
     scheduled = first_scheduled(graphs(key, padded_schedule, proposed, padded_table, step_ids,
