@@ -1403,7 +1403,7 @@ SCHEDULE_GRAPHS = "schedule_rows"  # b.graphs' rows of the verify rows cut befor
 
 
 def schedule_step_inputs(r: int, budget: int, device: torch.device, seed: int, max_budget: int = 40,
-                         buffer: int = 8192) -> tuple:
+                         buffer: int = 4096) -> tuple:
     """A verify step as `prepare_tree_step` hands it to `schedule_rows`: `r` proposed trees of up to
     `budget` nodes (padded to `max_budget`), packed on the device as `tree_to_host` leaves them, and a step whose requests
     (shuffled against the proposer's rows) keep a random prefix of their tree, or (one in five) a
@@ -1426,6 +1426,8 @@ def schedule_step_inputs(r: int, budget: int, device: torch.device, seed: int, m
         table.append([p, d, 0 if not chain[i] and d > 0 else CHAIN, len(ids), int(torch.randint(0, 900, (1,), generator=g)),
                       len(ids)])
         ids += [int(torch.randint(0, 32, (1,), generator=g)), *drafts]
+    if len(ids) > buffer:
+        raise ValueError(f"a step of {len(ids)} tokens does not fit a buffer of {buffer}")
     step_ids = torch.tensor(ids + [0] * (buffer - len(ids)), dtype=torch.int32)
     n = 1 + int(kept.max())
     return block.to(device), tree.max_nodes, torch.tensor(table).T.contiguous(), step_ids.to(device), n, deepest
@@ -1442,7 +1444,9 @@ def schedule_graphs_run(r: int, device: torch.device, backend: str, reps: int) -
     graphs = StepGraphs(backend)
     differs, widths = [], set()
     for i, (rows, budget) in enumerate(steps):
-        block, nodes, table, step_ids, n, deepest = schedule_step_inputs(rows, budget, device, seed=6000 + 7 * r + i)
+        # (one input buffer for every step, as the runner's: room for the largest step's tokens)
+        block, nodes, table, step_ids, n, deepest = schedule_step_inputs(rows, budget, device, seed=6000 + 7 * r + i,
+                                                                         buffer=top * (40 + 3))
         n = max(n, 33)  # (one padded width, 64, for every step)
         widths.add(padded_width(n))
         got = schedule_rows(block, nodes, table, step_ids, n, deepest, True, graphs)

@@ -268,12 +268,12 @@ def test_a_cost_model_sized_for_less_than_its_steps_makes_the_capture_stale(monk
     assert not rec["replay_equals_eager"] and rec["graphs"]["replays"] == 0, rec
 
 
-@pytest.mark.parametrize("requests", [4, 64])
+@pytest.mark.parametrize("requests", [4, 64, 256])
 def test_the_verify_rows_cut_before_the_forward_replay_equal_to_eager_over_stale_buffers(requests):
     """`b.graphs`' rows of the schedule capture (`schedule_graphs_run`) with `make_fx` traces: five
     steps of one padded shape, the later ones smaller than an earlier one, every field equal to eager."""
     rec = gpu_check.schedule_graphs_run(requests, torch.device("cpu"), "trace", reps=1 if requests == 4 else 0)
     assert rec["replay_equals_eager"] and not rec["differs"], rec
     assert rec["graphs"] == {"captures": 1, "replays": 3, "eager_calls": 1, "failed": None}
-    assert rec["padded"] == [7 if requests == 4 else 127, [64]]
+    assert rec["padded"] == [{4: 7, 64: 127, 256: 511}[requests], [64]]
     assert (rec.get("replay_ms", 0) > 0) == (requests == 4)
