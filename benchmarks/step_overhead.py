@@ -356,12 +356,18 @@ def verify_inputs(code, proposer, drafts: list[list[int]], ctx: int, vocab: int,
                                logitsprocs=SimpleNamespace(non_argmax_invariant=[]), max_num_logprobs=None)
     slots = device(torch.arange(total + 8))
     # Tiny heads, every layer a view of one buffer a fixed stride apart, as vLLM 0.32.0 allocates them
-    # (`allocate_kv_cache`); the GPU's layout (FlashInfer's) where the revision knows it.
-    blocks = total // 16 + 2
-    backing = torch.zeros(layers * blocks * 16 * 8)
-    caches = [device(backing.as_strided((blocks, 1, 16, 8), (16 * 8, 16 * 8, 8, 1), layer * blocks * 16 * 8))
-              for layer in range(layers)]
+    # (`allocate_kv_cache`); the GPU's layout (FlashInfer's) where the revision knows it. Allocated once
+    # per runner, as an engine's are, with room for any step's rows (at most 96 per request).
     runner = proposer.runner
+    blocks = max(total, len(drafts) * 96) // 16 + 2
+    if getattr(runner, "_ddtree_target_caches", None) is None or runner._ddtree_target_caches[0][0].shape[0] < blocks:
+        backing = torch.zeros(layers * blocks * 16 * 8)
+        caches = [device(backing.as_strided((blocks, 1, 16, 8), (16 * 8, 16 * 8, 8, 1), layer * blocks * 16 * 8))
+                  for layer in range(layers)]
+        from vllm_ddtree import compaction  # the row layout is named "cpu" in code before the CPU_ATTN layout existed
+
+        layouts = getattr(compaction, "LAYOUTS", ())
+        runner._ddtree_target_caches = (caches, next((x for x in ("flashinfer", "rows") if x in layouts), "cpu"))
     runner.input_batch.prev_sampled_token_ids = None
     runner.input_batch.block_table = [SimpleNamespace(slot_mapping=SimpleNamespace(gpu=slots))]
     runner.input_batch.sampling_metadata = sampling
@@ -371,10 +377,6 @@ def verify_inputs(code, proposer, drafts: list[list[int]], ctx: int, vocab: int,
     runner.positions = device(torch.zeros(total + 8, dtype=torch.int64))
     runner.positions[:total] = positions
     runner.drafter = proposer
-    from vllm_ddtree import compaction  # the row layout is named "cpu" in code before the CPU_ATTN layout existed
-
-    layouts = getattr(compaction, "LAYOUTS", ())
-    runner._ddtree_target_caches = (caches, next((x for x in ("flashinfer", "rows") if x in layouts), "cpu"))
     spec = SimpleNamespace(num_draft_tokens=n, draft_token_ids=device(torch.tensor([t for d in drafts for t in d])))
     return spec, total, device(logits)
 

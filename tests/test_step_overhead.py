@@ -42,6 +42,21 @@ def test_device_ops_and_python_lines_do_not_grow_with_the_batch(budget, ngram, l
     assert lines[1] > 0 and lines[32] - lines[1] < 32 - 1, lines
 
 
+def test_the_steady_step_s_python_does_not_grow_with_the_model_s_layers():
+    """The KV moves cover every layer of the target with one op pair per strided stack, and the layers
+    are checked and stacked once per engine (`compaction.CacheStacks`): a steady step of a 36-layer
+    target runs the same lines of Python and the same device ops as one of a 4-layer target. Looking
+    at each layer every step ran 12 more lines per layer (rerun with that fault: 913 lines at 4 layers,
+    1297 at 36)."""
+    rows = {}
+    for layers in (4, 36):
+        with torch.no_grad(), step_overhead.gpu_code_paths():
+            rows[layers] = step_overhead.one_step(step_overhead.product(), 2, "auto", False, 8, VOCAB, layers, 0,
+                                                  True, steady=True)
+    assert rows[4]["python_lines"] == rows[36]["python_lines"], {k: r["python_lines"] for k, r in rows.items()}
+    assert rows[4]["device_ops"] == rows[36]["device_ops"], {k: r["device_ops"] for k, r in rows.items()}
+
+
 def test_counting_the_gpu_code_paths_leaves_the_cpu_s_in_place():
     """The GPU's code paths are swapped in for counting only: after it, the CPU's are back."""
     import vllm_ddtree.tree.build as build

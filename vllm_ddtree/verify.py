@@ -25,7 +25,7 @@ from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 
 from vllm_ddtree.tree import CHAIN, TreeBatch, schedule_rows, verify_trees
 
-from vllm_ddtree.compaction import context_order, move_slots_
+from vllm_ddtree.compaction import CacheStacks, context_order
 from vllm_ddtree.proposer import DDTreeProposer
 from vllm_ddtree.sampling import path_logprobs, sample_rows
 
@@ -225,5 +225,7 @@ def _compact_target_caches(runner, src_slots: Tensor, dst_slots: Tensor) -> None
 
             layout = cache_layout(caches[0], next(iter(layers.values()))) if caches else "rows"
         found = runner._ddtree_target_caches = (caches, layout)
-    caches, layout = found
-    move_slots_(caches, src_slots, dst_slots, layout)
+    made = getattr(runner, "_ddtree_target_stacks", None)  # (the lookup it was made from, CacheStacks)
+    if made is None or made[0] is not found:  # checked and stacked once, not every step
+        made = runner._ddtree_target_stacks = (found, CacheStacks.of(*found))
+    made[1].move_(src_slots, dst_slots)
