@@ -53,6 +53,9 @@ leaves the GPU idle. Neither shows as time on a CPU, so this counts them, on the
   and the verify step run them on a CUDA device (VLLM_DDTREE_STEP_GRAPHS, on by default there): the
   ops outside them (the padding of the inputs to the capture's shape included), one copy into each
   of a graph's input buffers, one launch per replay (``captured_ops``: the ops inside, set apart).
+  Their ``python_lines`` are the lines the host runs around the replays (a replay runs none of the
+  captured functions' Python; the replays' own bookkeeping, about a dozen lines each, is not
+  counted): a GPU host's Python per step.
 - ``vllm-cpu`` rows: the real engine (toy pair, SmolLM2-135M + the toy drafter, float32, greedy),
   the same counters wrapped around the same three functions for every step of a generate() call:
   per-step means.
@@ -557,6 +560,16 @@ class ReplayedGraphs:
         return 1 << 30
 
     def __call__(self, key, fn, *inputs, shapes=None):
+        # A replay runs none of the captured function's Python: neither its lines nor this stand-in's
+        # are counted (nor `StepGraphs.__call__`'s own bookkeeping on a replay, about a dozen lines).
+        tracer = sys.gettrace()
+        sys.settrace(None)
+        try:
+            return self._replay(fn, inputs, shapes)
+        finally:
+            sys.settrace(tracer)
+
+    def _replay(self, fn, inputs, shapes):
         from torch.utils._python_dispatch import _get_current_dispatch_mode
 
         counter = _get_current_dispatch_mode()
@@ -623,7 +636,8 @@ def pipeline_rows(quick: bool, repeats: int) -> list[dict]:
                 rows.append(dict(engine="pipeline, captured", step="steady", batch=batch, budget=budget, ngram=False,
                                  lookup=8,
                                  **{k: counted[k] for k in ("device_ops", "device_views", "host_ops", "host_copies",
-                                                            "counted_host_reads", "nodes", "accepted", "captured_ops")},
+                                                            "counted_host_reads", "nodes", "accepted", "captured_ops",
+                                                            "python_lines")},
                                  glue_ms=None))
                 print(json.dumps(rows[-1]), flush=True)
     return rows
