@@ -213,7 +213,8 @@ def test_the_host_held_tokens_go_to_the_n_gram_tables_without_python_per_request
 def test_the_host_time_outside_the_ops_leaves_their_calls_out():
     """`outside_ops_ms` is the step's wall time less the time inside its ops' calls: positive, below
     the wall time of the same step, and it does not count what an op computes (a step whose ops are
-    made 4 ms slower each keeps it, while its wall time grows by the ops' number times 4 ms).
+    made 4 ms slower each keeps it, up to the host's noise, while its wall time grows by the ops'
+    number times 4 ms).
     `host_ops_ms` times the counted step's host ops."""
     def timed(slow: bool) -> dict:
         with torch.no_grad(), step_overhead.gpu_code_paths():
@@ -234,6 +235,8 @@ def test_the_host_time_outside_the_ops_leaves_their_calls_out():
     fast, slow = timed(False), timed(True)
     assert 0 < fast["outside_ops_ms"] < fast["glue_ms"], fast
     assert slow["glue_ms"] > fast["glue_ms"] + 100 * 4  # more than 100 ops, each 4 ms slower
-    assert slow["outside_ops_ms"] < fast["outside_ops_ms"] + 100, (fast, slow)
+    # Counting the ops' time would add all of the wall time's growth; a quarter leaves room for the
+    # host's scheduling noise over a step made more than a second long.
+    assert slow["outside_ops_ms"] - fast["outside_ops_ms"] < 0.25 * (slow["glue_ms"] - fast["glue_ms"]), (fast, slow)
     counted = count(2, 8, False, 0)
     assert counted["host_ops"] > 0 and counted["host_ops_ms"] > 0, counted

@@ -120,7 +120,6 @@ class CacheStacks:
     layout: str
     shape: tuple[int, int, int, int]  # (blocks, kv_heads, block_size, 2 * head_dim) of every layer
     stacks: tuple[Tensor, ...]  # [layers, blocks, ...] per stack; [layers, rows, row] for the flat layouts
-    row: int  # elements per gathered row of the flat layouts (1: single elements)
 
     @classmethod
     def of(cls, kv_caches: list[Tensor], layout: str = "rows") -> "CacheStacks":
@@ -128,19 +127,19 @@ class CacheStacks:
         if layout not in LAYOUTS:
             raise ValueError(f"unknown KV cache layout {layout!r}; expected one of {LAYOUTS}")
         if not kv_caches:
-            return cls((), layout, (0, 0, 0, 0), (), 1)
+            return cls((), layout, (0, 0, 0, 0), ())
         nb, h, bs, two_hd = shape = tuple(kv_caches[0].shape)
         for cache in kv_caches:
             if cache.shape != shape:
                 raise ValueError(f"layer caches differ in shape: {tuple(cache.shape)} vs {shape}")
             if layout != "flashinfer" and not cache.is_contiguous():
                 raise ValueError(f"a {layout!r} layer cache must be contiguous (its slots are flat indices)")
-        row = {"rows": two_hd // 2, "cpu_attn": 1, "flashinfer": 1}[layout]
         stacks = layer_stacks(kv_caches)
         if layout != "flashinfer":  # [layers, rows, row]: each layer's flat view (contiguous, checked above)
+            row = two_hd // 2 if layout == "rows" else 1  # K/V rows, or single elements
             stacks = [stack.as_strided((stack.shape[0], nb * h * bs * two_hd // row, row), (stack.stride(0), row, 1),
                                        stack.storage_offset()) for stack in stacks]
-        return cls(tuple(kv_caches), layout, shape, tuple(stacks), row)
+        return cls(tuple(kv_caches), layout, shape, tuple(stacks))
 
     def move_(self, src_slots: Tensor, dst_slots: Tensor) -> None:
         """cache[dst] = cache[src] for physical slots in every layer, gather first."""
