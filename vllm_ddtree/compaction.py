@@ -116,7 +116,6 @@ class CacheStacks:
     of gathered K/V), not per layer.
     """
 
-    caches: tuple[Tensor, ...]  # the layer caches it was made from
     layout: str
     shape: tuple[int, int, int, int]  # (blocks, kv_heads, block_size, 2 * head_dim) of every layer
     stacks: tuple[Tensor, ...]  # [layers, blocks, ...] per stack; [layers, rows, row] for the flat layouts
@@ -127,7 +126,7 @@ class CacheStacks:
         if layout not in LAYOUTS:
             raise ValueError(f"unknown KV cache layout {layout!r}; expected one of {LAYOUTS}")
         if not kv_caches:
-            return cls((), layout, (0, 0, 0, 0), ())
+            return cls(layout, (0, 0, 0, 0), ())
         nb, h, bs, two_hd = shape = tuple(kv_caches[0].shape)
         for cache in kv_caches:
             if cache.shape != shape:
@@ -139,7 +138,7 @@ class CacheStacks:
             row = two_hd // 2 if layout == "rows" else 1  # K/V rows, or single elements
             stacks = [stack.as_strided((stack.shape[0], nb * h * bs * two_hd // row, row), (stack.stride(0), row, 1),
                                        stack.storage_offset()) for stack in stacks]
-        return cls(tuple(kv_caches), layout, shape, tuple(stacks))
+        return cls(layout, shape, tuple(stacks))
 
     def move_(self, src_slots: Tensor, dst_slots: Tensor) -> None:
         """cache[dst] = cache[src] for physical slots in every layer, gather first."""
