@@ -185,6 +185,11 @@ class OpCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         flat, _ = tree_flatten((args, kwargs))
         made_there = _is_standin(kwargs.get("device"))  # a factory or a copy on the device
+        if (made_there and func is torch.ops.aten._to_copy.default and isinstance(args[0], DeviceData)
+                and kwargs.get("dtype", args[0].dtype) == args[0].dtype):
+            # `torch.as_tensor(x, device=x.device)` of device data: a GPU returns x itself, no kernel
+            # (`x.to(x.device)` does not get here: `DeviceData` made it a move to the host's own device)
+            return args[0]
         if made_there:
             kwargs = kwargs | {"device": torch.device("cpu")}
         if made_there or any(isinstance(a, DeviceData) for a in flat) or in_ngram_tables():
@@ -420,12 +425,13 @@ def _one_step(code, batch: int, budget, ngram: bool, lookup: int, vocab: int, la
     p._depth = min(WIDTH, p._build)
     p._draft_to_target = None
     cad = SimpleNamespace(seq_lens=device(torch.full((batch,), ctx + 1, dtype=torch.int32)))
-    steps = device(torch.randint(0, vocab, (batch, 3), generator=gen))
+    # (the step's tokens as vLLM hands them: the sampler output's int32)
+    steps = device(torch.randint(0, vocab, (batch, 3), generator=gen, dtype=torch.int32))
     if steady:  # the first step, uncounted; its committed tokens join the host batch, as vLLM's bookkeeping does
         # (under a counter of its own when counting: what it copies to the stand-in device is device data)
         first = OpCounter() if count or warm_up else contextlib.nullcontext()
         out = _run_step(code, p, cad, steps, ctx, vocab, layers, gen, first)[1]
-        committed = out.sampled_token_ids.as_subclass(torch.Tensor).long()
+        committed = out.sampled_token_ids.as_subclass(torch.Tensor)
         batch_ = runner.input_batch
         for i, row in enumerate(committed.tolist()):
             kept = [t for t in row if t >= 0]

@@ -131,10 +131,14 @@ def test_the_counters_see_what_they_count():
     with step_overhead.OpCounter() as viewed:
         x.view(2, 3), x + 1
     assert viewed.device_ops == 2 and viewed.device_views == 1
-    # and a move of device data to where it is makes nothing
+    # and a move of device data to where it is makes nothing, whichever way it is asked for; a
+    # change of dtype there is a device op
     with step_overhead.OpCounter() as moved:
-        x.to(x.device)
+        x.to(x.device), torch.as_tensor(x, device=x.device)
     assert moved.device_ops == moved.host_ops == 0
+    with step_overhead.OpCounter() as cast:
+        torch.as_tensor(x, device=x.device, dtype=torch.float32)
+    assert cast.device_ops == 1
 
 
 class EagerCapturable(step_overhead.CapturedOpCounter):
