@@ -59,11 +59,27 @@ def test_both_ancestor_masks_are_every_row_s_ancestors(seed):
 
     tree, batch = make_batch(seed, depth=2 + seed, budget=4 + 6 * seed)
     depth = batch.max_depth
-    for mask in (ancestors_by_squaring(batch.parents, depth), ancestors_by_chasing(batch.parents, depth)):
+    squared, chased = ancestors_by_squaring(batch.parents, depth), ancestors_by_chasing(batch.parents, depth)
+    for mask in (squared, chased):
         for r in range(batch.batch_size):
             par = batch.parents[r].tolist()
             for i in range(int(batch.num_rows[r])):
                 assert set(mask[r, i].nonzero().flatten().tolist()) == ancestors_naive(par, i), (r, i)
+    assert torch.equal(squared, chased)  # padding rows too: themselves and the root
+
+
+@pytest.mark.parametrize("length", [1, 15, 16, 17, 64, 100, 200])
+def test_the_squared_mask_keeps_long_chains_whole(length):
+    """A chain as long as a lookup path or longer: the squarings' path counts grow past float32's
+    exact integers and, unclamped, past its range (2^256 at 8 squarings), yet every ancestor stays
+    seen and no other row."""
+    from vllm_ddtree.tree.compile import ancestors_by_chasing, ancestors_by_squaring
+
+    parents = torch.arange(-1, length, dtype=torch.int64)[None, :]  # row 0 the root, row k the child of k - 1
+    parents = torch.cat([parents, torch.full((1, 3), -1)], dim=1)  # and three padding rows
+    squared = ancestors_by_squaring(parents, length)
+    assert torch.equal(squared, ancestors_by_chasing(parents, length))
+    assert torch.equal(squared[0, : length + 1, : length + 1], torch.ones(length + 1, length + 1, dtype=torch.bool).tril())
 
 
 def test_flashinfer_layout_matches_dense_mask():

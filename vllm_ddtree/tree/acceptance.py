@@ -11,8 +11,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from . import constants
-
 
 @dataclass
 class AcceptanceCalibration:
@@ -101,13 +99,12 @@ class AcceptanceCalibration:
         # once each result is a fresh tensor
         lp = draft_logp.to(dev).float()
         counted = verified.to(dev) & (lp > -math.inf)  # (log-probabilities: never +inf)
-        hit = (accepted.to(dev) & counted).float()
+        hit = (accepted.to(dev) & counted).float().reshape(-1)  # [R * N]
         lp = torch.where(counted, lp, -math.inf).reshape(-1)  # [R * N]
         # the bins' predictions use the exponent the budget uses right now
-        self._bin_sums.mul_(self.bin_decay).index_add_(
-            1, self._bins(lp), torch.stack([torch.exp(self.beta * lp), hit.reshape(-1)]))
+        self._bin_sums.mul_(self.bin_decay).index_add_(1, self._bins(lp), torch.stack([torch.exp(self.beta * lp), hit]))
         pred = torch.exp(self._betas_column * lp).sum(dim=1)  # [K]
-        self._ema.mul_(1 - self.alpha).add_(torch.cat([pred, hit.sum().view(1)]), alpha=self.alpha)
+        self._ema.mul_(1 - self.alpha).add_(torch.cat([pred, hit.sum(dim=0, keepdim=True)]), alpha=self.alpha)
         self._fit_beta()
 
     def _fit_beta(self) -> None:
@@ -137,9 +134,9 @@ class AcceptanceCalibration:
     def rescale(self, draft_logp: Tensor) -> Tensor:
         """Calibrated log acceptance probabilities (same shape, at most 0; -inf stays -inf)."""
         dev = draft_logp.device
-        bins = self._bins(draft_logp.to(self.bin_edges.device)).reshape(-1)
-        factor = self.reliability.log().index_select(0, bins).view(draft_logp.shape).to(dev)
-        return (draft_logp * self.beta.to(dev) + factor).clamp(max=0.0)
+        bins = self._bins(draft_logp.to(self.bin_edges.device))
+        factor = self.reliability.log().take(bins).to(dev)  # (take: any index shape, no 0-dim host read)
+        return torch.addcmul(factor, draft_logp, self.beta.to(dev)).clamp_(max=0.0)  # draft_logp * beta + factor
 
 
 @dataclass
@@ -200,10 +197,10 @@ class LookupCalibration:
                 else torch.nn.functional.pad(committed, (0, length - committed.shape[1]), value=-1))
         committed_at = step >= 0  # [R, L] the step committed a token at this depth (a prefix)
         same = (proposed == step) & valid  # (a proposed token is >= 0: never equal to the padding)
-        matched = same.int().cummin(dim=1).values.sum(dim=1, keepdim=True)  # [R, 1] accepted depth
-        index = constants.arange(length, dev)  # [L] depth - 1
-        hit = index < matched
-        at_risk = valid & (index <= matched) & committed_at
+        hit = same.int().cummin(dim=1).values  # [R, L] 1 at the accepted depths (a prefix)
+        # at risk: proposed where the step committed a token and the parent was accepted (depth 1's
+        # parent is the root)
+        at_risk = valid & committed_at & torch.nn.functional.pad(hit[:, :-1], (1, 0), value=1)
         self._state.mul_(1 - self.alpha).add_(torch.stack([hit, at_risk]).sum(dim=1, dtype=torch.float32),
                                               alpha=self.alpha)
 
@@ -214,4 +211,4 @@ class LookupCalibration:
 
     def gains(self, valid: Tensor) -> Tensor:
         """[R, L] predicted acceptance of each proposed node (0 where the path has none)."""
-        return torch.where(valid.to(self.hits.device), self.acceptance[None, :], 0.0)
+        return torch.where(valid.to(self.hits.device), self.acceptance, 0.0)  # ([L] broadcast over the rows)

@@ -146,15 +146,16 @@ def allocate_batch(
     total_nodes = extra + (float(r * min_budget) if rows is None else rows * min_budget)
     expected = n + forced + cum
     secs = cost.step_seconds(total_nodes, context_lens.sum(), n)
-    score = expected / secs if rate is None else expected - torch.as_tensor(rate, device=secs.device) * secs
-    best = score.argmax()
-    chosen = extra[: r * w] < best
+    if isinstance(rate, Tensor):
+        rate = rate.to(secs.device)
+    score = expected / secs if rate is None else expected - rate * secs
+    best = score.argmax(dim=0, keepdim=True)  # [1]: index_select below, not expected[best] (a 0-dim index is read on the host)
+    chosen = constants.arange(r * w, flat.device) < best
     picked = constants.filled((r * w,), False, torch.bool, flat.device).scatter(0, order, chosen).view(r, w)
     tree_w = max_budget - min_budget
     budgets = min_budget + picked[:, :tree_w].sum(dim=1)
     # The plan's estimate is the curves' point at `best` (what `batch_estimate` of these budgets
     # gives, up to float summation order): no second pass through the gains and the cost model.
-    at = best.view(1)  # index_select, not expected[best]: a 0-dim index is read on the host
-    tokens, seconds = expected.index_select(0, at)[0], secs.index_select(0, at)[0]
+    tokens, seconds = expected.index_select(0, best)[0], secs.index_select(0, best)[0]
     return BudgetPlan(budgets, tokens, seconds, tokens / seconds,
                       None if extra_gains is None else picked[:, tree_w:].sum(dim=1))

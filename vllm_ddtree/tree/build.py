@@ -136,30 +136,32 @@ def add_branch(tree: DraftTree, tokens: Tensor, valid: Tensor, max_nodes: int) -
     ok = torch.cat([holds, constants.filled((r, 1), True, torch.bool, dev)], dim=1)
     # parents, the root's children's (-1) made the root column B
     up = torch.cat([tree.parents.remainder(b + 1), constants.filled((r, 1), b, torch.int64, dev)], dim=1)
-    for _ in range(math.ceil(math.log2(length)) if length > 1 else 0):
+    passes = math.ceil(math.log2(length)) if length > 1 else 0
+    for i in range(passes):
         ok = ok & ok.gather(1, up)
-        up = up.gather(1, up)
+        if i < passes - 1:  # (the last pass's ancestors are not read)
+            up = up.gather(1, up)
     shared, node = torch.where(ok[:, :b], tree.depths, 0).max(dim=1, keepdim=True)  # [R, 1] path depths the
     node = torch.where(shared > 0, node, NO_PARENT)                                  # tree has; its deepest node
-    # New nodes: path depths shared+1.. (while valid), at slots num_nodes.., each the previous one's child.
-    depth = constants.arange(length + 1, dev, start=1)  # [L]
-    beyond = depth - shared  # [R, L] how far past the shared part each path depth is
-    slot = (tree.num_nodes - 1)[:, None] + beyond
-    new = valid & (beyond > 0) & (slot < min(width, max_nodes))
-    parent = torch.where(beyond == 1, node, slot - 1)
-    # The integer fields as one [4, R, B] block, written at once: a new node's values go to its slot,
-    # the others' to a spare last column that is cut off (parents + 1, so that padding is 0 for all).
-    old = torch.stack([tree.tokens, tree.parents + 1, tree.depths, tree.valid.long()])
-    out = torch.nn.functional.pad(old, (0, width + 1 - b))
-    added = torch.stack([tokens, parent + 1, depth.expand(r, -1), new.long()])
-    out.scatter_(2, torch.where(new, slot, width).expand(4, r, length), added)
-    tokens_out, parents_out, depths_out, valid_out = out[:, :, :width].unbind(0)
-    valid_out = valid_out.bool()
+    # New nodes: path depths shared+1.. (while valid), at slots num_nodes.., each the previous one's
+    # child: path depth j + 1 goes to slot num_nodes + j - shared, new when that is num_nodes or past.
+    num_nodes = tree.num_nodes[:, None]
+    slot = (num_nodes - shared) + constants.arange(length, dev)  # [R, L]
+    new = valid & (slot >= num_nodes) & (slot < min(width, max_nodes))
+    parent = torch.where(slot == num_nodes, node, slot - 1)
+    # The integer fields as one [3, R, B] block, written at once: a new node's values go to its slot,
+    # the others' to a spare last column that is cut off. Padding is 0 in all three; a node is valid
+    # where its depth is >= 1, and a padding node's parent is made NO_PARENT after (DraftTree).
+    out = torch.nn.functional.pad(torch.stack([tree.tokens, tree.parents, tree.depths]), (0, width + 1 - b))
+    added = torch.stack([tokens, parent, constants.arange_rows(r, length + 1, dev, start=1)])
+    out.scatter_(2, torch.where(new, slot, width).expand(3, r, length), added)
+    tokens_out, parents_out, depths_out = out[:, :, :width].unbind(0)
+    valid_out = depths_out > 0
     # Appended nodes score -inf, as padding does: the scores only widen.
     pad = (0, width - b)
     return DraftTree(
         tokens=tokens_out,
-        parents=parents_out - 1,
+        parents=torch.where(valid_out, parents_out, NO_PARENT),
         depths=depths_out,
         scores=(scores := torch.nn.functional.pad(tree.scores, pad, value=-math.inf)),
         draft_logp=(scores if tree.draft_logp is tree.scores
@@ -424,7 +426,7 @@ def build_tree(
     all_col = all_code % (depth * k)
 
     final_pos = constants.filled((r, total), NO_PARENT, torch.int64, device).scatter(
-        1, sel, constants.arange(width, device).expand(r, width))
+        1, sel, constants.arange_rows(r, width, device))
     sel_parent = all_parent.gather(1, sel)
     parents = torch.where(sel_parent >= 0, final_pos.gather(1, sel_parent.clamp(min=0)), NO_PARENT)
     valid = scores > -math.inf  # (log-probability sums: finite or -inf, never +inf; NaN is not valid)
@@ -454,16 +456,22 @@ def _expand_unscored(top_logp: Tensor, b: int) -> tuple[Tensor, None, Tensor, tu
     can reach the top b (~b ln b candidates instead of F * K). The frontier sizes, and so every
     staircase, are known on the host (`_unscored_plan`): the candidates' log-probs of all depths are
     gathered at once, and a depth costs three ops (the parent's score, the sum, a sort); the kept
-    columns and their codes are picked after the loop, for all depths at once.
+    columns and their codes are picked after the loop, for all depths at once. The last depth is
+    not sorted: all its candidates go to `build_tree`'s selection, which sorts them with the rest
+    (those past its best b lose there, as here; equal scores keep the candidates' order both ways).
     """
     r, depth, k = top_logp.shape
     plan = _unscored_plan(k, b, depth, top_logp.device)
     flat_logp = top_logp.reshape(r, depth * k)
     cand_logp = flat_logp.index_select(1, plan.columns).split(plan.counts, dim=1)
     # depth 1: the root's children are the candidates in rank order, already sorted
-    values, ranks = [cand_logp[0]], [plan.first_ranks.expand(r, -1)]
+    values, ranks = [cand_logp[0]], [constants.arange_rows(r, plan.counts[0], top_logp.device)]
     for d in range(1, depth):
         cand = values[-1].index_select(1, plan.parents[d]) + cand_logp[d]
+        if d == depth - 1:  # (plan.kept: all of them)
+            values.append(cand)
+            ranks.append(constants.arange_rows(r, plan.counts[d], top_logp.device))
+            break
         # sorted past the kept count where that is cheaper (the GPU's sort): the next depth's
         # staircase reads only its first columns, and the kept ones are picked below
         score, rank = _top_scores(cand, plan.kept[d], cut=False)
@@ -479,16 +487,16 @@ def _expand_unscored(top_logp: Tensor, b: int) -> tuple[Tensor, None, Tensor, tu
 @dataclass(frozen=True, eq=False)  # hashed by identity: made once per shape (`_unscored_plan`)
 class _UnscoredPlan:
     """Host-known shapes of `_expand_unscored` for (k, b, depth): per depth its staircase (parents
-    [n_d] within the previous depth's kept nodes), candidate count n_d and kept count min(b, n_d);
+    [n_d] within the previous depth's kept nodes), candidate count n_d and kept count min(b, n_d)
+    (the last depth: n_d, left to the selection);
     the candidates' columns of the [R, depth * k] log-probs, all depths concatenated [sum n_d], and
-    their codes [sum n_d]; depth 1's ranks [1, n_0]."""
+    their codes [sum n_d]."""
 
     parents: tuple[Tensor, ...]
     counts: tuple[int, ...]
     kept: tuple[int, ...]
     columns: Tensor
     codes: Tensor
-    first_ranks: Tensor
 
 
 @functools.lru_cache(maxsize=256)
@@ -501,10 +509,9 @@ def _unscored_plan(k: int, b: int, depth: int, device: torch.device) -> _Unscore
         columns.append(col)
         codes.append(code)
         counts.append(pf.numel())
-        kept.append(min(b, pf.numel()))
+        kept.append(min(b, pf.numel()) if d < depth - 1 else pf.numel())
         f = kept[-1]
-    first_ranks = constants.arange(counts[0], device)[None, :]
-    return _UnscoredPlan(tuple(parents), tuple(counts), tuple(kept), torch.cat(columns), torch.cat(codes), first_ranks)
+    return _UnscoredPlan(tuple(parents), tuple(counts), tuple(kept), torch.cat(columns), torch.cat(codes))
 
 
 @functools.lru_cache(maxsize=256)

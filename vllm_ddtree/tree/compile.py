@@ -145,6 +145,8 @@ def scheduled_rows(proposed: Tensor, nodes: int, table: Tensor, step_ids: Tensor
     """
     dev = step_ids.device
     tree_row, drafted, chain_rows, root, ctx, logit_start = table.unbind(0)
+    # the same fields as [R, 1] columns, against the rows' [R, N] (one view for all of them)
+    _, drafted_col, chain_col, root_col, ctx_col, logit_col = table.unsqueeze(2).unbind(0)
     r, fields = table.shape[1], 2 + with_scores  # parents, depths(, scores): the tokens come from step_ids
     if proposed.shape[0] == 0 or proposed.shape[1] < (1 + fields) * nodes:  # no tree, or no scores: chains only
         proposed = F.pad(proposed, (0, max((1 + fields) * nodes - proposed.shape[1], 0), 0, proposed.shape[0] == 0),
@@ -152,22 +154,20 @@ def scheduled_rows(proposed: Tensor, nodes: int, table: Tensor, step_ids: Tensor
     # [R, fields, N]: row k holds node k - 1's fields (row 0, the root, and rows past the nodes are
     # never read: a chain's rows and padding take their values from `chain` and `valid`)
     mine = proposed[:, nodes : (1 + fields) * nodes][tree_row].view(r, fields, nodes)[:, :, : n - 1]
-    mine = F.pad(mine, (1, n - 1 - mine.shape[2]))
-    ints = mine[:, :2].long()
+    node_parents, node_depths, *node_score = F.pad(mine, (1, n - 1 - mine.shape[2])).unbind(1)
     k = constants.arange_rows(r, n, dev)  # [R, N] row index (row 0 the root)
-    valid = k <= drafted[:, None]
-    chain = k <= chain_rows[:, None]  # the root, and every row of a chain
-    root_col = root[:, None]
+    valid = k <= drafted_col
+    chain = k <= chain_col  # the root, and every row of a chain
     row_index = torch.where(valid, root_col + k, 0)
-    tokens = torch.where(valid, step_ids[row_index].long(), 0)
+    tokens = torch.where(valid, step_ids[row_index], 0).long()
     # (a node's parent NO_PARENT is the root, row 0: node parents + 1)
-    parents = torch.where(valid, torch.where(chain, k - 1, ints[:, 0] + 1), NO_PARENT)
-    depths = torch.where(valid, torch.where(chain, k, ints[:, 1]), 0)
-    batch = TreeBatch(tokens=tokens, parents=parents, depths=depths, positions=ctx[:, None] + depths, valid=valid,
+    parents = torch.where(valid, torch.where(chain, k - 1, node_parents.long() + 1), NO_PARENT)
+    depths = torch.where(valid, torch.where(chain, k, node_depths.long()), 0)
+    batch = TreeBatch(tokens=tokens, parents=parents, depths=depths, positions=ctx_col + depths, valid=valid,
                       num_rows=drafted + 1, context_lens=ctx, ancestors=ancestor_mask(parents, max_depth),
                       max_depth=max_depth)
-    node_scores = torch.where(valid > chain, mine[:, 2].float(), -math.inf) if with_scores else None  # tree nodes
-    return ScheduledRows(batch=batch, row_index=row_index, logit_rows=torch.where(valid, logit_start[:, None] + k, 0),
+    node_scores = torch.where(valid > chain, node_score[0].float(), -math.inf) if with_scores else None  # tree nodes
+    return ScheduledRows(batch=batch, row_index=row_index, logit_rows=torch.where(valid, logit_col + k, 0),
                          write_index=torch.where(valid, row_index, root_col), node_scores=node_scores)
 
 
@@ -194,16 +194,19 @@ def ancestors_by_squaring(parents: Tensor, max_depth: int) -> Tensor:
     """`ancestor_mask` in a fixed handful of ops: [R, N, N] reachability squared log2(depth) times
     (`MIN_SQUARINGS` at least)."""
     r, n = parents.shape
-    device = parents.device
-    # [R, N, N + 1]: each row's parent column (a spare last column for "no parent"), plus itself.
-    step = torch.zeros(r, n, n + 1, dtype=torch.float32, device=device)
-    step.scatter_(2, torch.where(parents >= 0, parents, n).unsqueeze(2), 1.0)
-    reach = step[:, :, :n] + torch.eye(n, dtype=torch.float32, device=device)
-    for _ in range(max(math.ceil(math.log2(max(max_depth, 1))), MIN_SQUARINGS)):  # paths of length <= 2, 4, 8, ...
-        reach = torch.bmm(reach, reach).clamp_(max=1.0)  # 0/1 entries: sums are exact in float32
-    mask = reach > 0
-    mask[:, :, 0] = True  # the root is everyone's ancestor (keeps padding rows non-empty)
-    return mask
+    # [R, N, N]: "self or parent", where a row without a parent (the root, padding) takes row 0 as
+    # its parent: the root is then everyone's ancestor, as the mask wants (padding rows non-empty).
+    step = torch.zeros(r, n, n, dtype=torch.float32, device=parents.device)
+    reach = step.scatter_(2, parents.clamp(min=0).unsqueeze(2), 1.0) + constants.eye(n, parents.device)
+    # After k squarings an entry counts the weighted ways to reach (each row of "self or parent"
+    # sums to 2): below 2^(2^k), finite in float32 up to k = 6, and no clamping needed there: zero
+    # stays exactly zero and a reachable pair positive. From k = 7 on each square is clamped to 1,
+    # so that no infinity reaches the next one (where infinity times zero would make a NaN).
+    for k in range(1, max(math.ceil(math.log2(max(max_depth, 1))), MIN_SQUARINGS) + 1):  # paths <= 2, 4, 8, ...
+        reach = torch.bmm(reach, reach)
+        if k >= 7:
+            reach.clamp_(max=1.0)
+    return reach > 0
 
 
 def ancestors_by_chasing(parents: Tensor, max_depth: int) -> Tensor:

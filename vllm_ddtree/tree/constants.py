@@ -49,9 +49,9 @@ def arange(stop: int, device: torch.device, start: int = 0) -> Tensor:
     return _range_view(base, start, stop)
 
 
-def arange_rows(rows: int, stop: int, device: torch.device) -> Tensor:
-    """[rows, stop] int64: each row 0, 1, ..., stop - 1 (a view of `arange`'s)."""
-    return _expanded(arange(stop, device), rows)
+def arange_rows(rows: int, stop: int, device: torch.device, start: int = 0) -> Tensor:
+    """[rows, stop - start] int64: each row start, start + 1, ..., stop - 1 (a view of `arange`'s)."""
+    return _expanded(arange(stop, device, start), rows)
 
 
 @functools.lru_cache(maxsize=_VIEWS)
@@ -78,3 +78,9 @@ def _filled(shape: tuple[int, ...], value: float | int | bool, dtype: torch.dtyp
 @functools.lru_cache(maxsize=256)
 def _scalar(value: float | int | bool, dtype: torch.dtype, device: torch.device) -> Tensor:
     return torch.full((), value, dtype=dtype, device=device)
+
+
+@functools.lru_cache(maxsize=256)
+def eye(n: int, device: torch.device) -> Tensor:
+    """[n, n] float32 identity on `device` (n^2 floats per size asked for: verify widths, at most a few hundred)."""
+    return torch.eye(n, dtype=torch.float32, device=torch.device(device))

@@ -99,10 +99,10 @@ class TokenHistory:
         0, changes nothing whatever request slot 0 is."""
         valid = tokens >= 0  # [R, K]: a prefix of each row
         slots = slots.clamp(min=0)
-        start = self.lengths[slots]  # [R]
-        columns = (start[:, None] + constants.arange(tokens.shape[1], self.device)) % self.window
+        rows = slots[:, None]  # [R, 1]
+        columns = (self.lengths[rows] + constants.arange(tokens.shape[1], self.device)) % self.window
         columns = torch.where(valid, columns, self.window)  # padding into the spare column
-        self.tokens.index_put_((slots[:, None], columns), tokens.to(torch.int32))
+        self.tokens.index_put_((rows, columns), tokens.to(torch.int32))
         self.lengths.index_add_(0, slots, valid.sum(dim=1))
 
     def _write_host(self, slots: Tensor, host: HostTokens) -> None:
@@ -134,19 +134,20 @@ class TokenHistory:
         if not isinstance(slots, Tensor):  # host ints (a device tensor comes from `observe_step`)
             self._grow(max(slots, default=-1) + 1)
             slots = torch.tensor(list(slots), dtype=torch.int64)
-        slots = to_device(slots, self.device)
+        slots = to_device(slots, self.device)[:, None]  # [R, 1]
         h, m = self.window, self.match
-        r = slots.numel()
+        r = slots.shape[0]
         ages = constants.arange(h, self.device)  # column j of `text`: text position length - h + j
-        text = self.tokens[slots[:, None], (self.lengths[slots][:, None] + ages) % h].long()  # [R, h] oldest first
+        text = self.tokens[slots, (self.lengths[slots] + ages) % h].long()  # [R, h] oldest first
         suffix = text[:, h - m :]  # [R, m] the last m tokens
         # [R, h - 1]: the m tokens ending at column j (j < h - 1: one token must follow) are the
         # suffix. PAD fills only the columns before a text's first token, so a text of 1..m-1 tokens
         # (its suffix starts with PAD) matches no earlier window; an empty one (all PAD) matches
         # every window, and is told apart by its last token.
         match = (text[:, : h - 1].unfold(1, m, 1) == suffix[:, None, :]).all(dim=2)
-        latest = torch.where(match, ages[m - 1 : h - 1], -1).max(dim=1).values  # [R], -1: none
-        period = h - 1 - latest  # [R] columns from the occurrence's end to the text's (h where none)
-        at = (latest + 1)[:, None] + constants.arange(length, self.device) % period[:, None]  # [R, length] < h
-        valid = (torch.minimum(latest, text[:, h - 1]) >= 0)[:, None].expand(r, length)
+        ends = constants.arange(h - 1, self.device, start=m - 1)  # the windows' last columns
+        latest = torch.where(match, ends, -1).max(dim=1, keepdim=True).values  # [R, 1], -1: none
+        period = h - 1 - latest  # [R, 1] columns from the occurrence's end to the text's (h where none)
+        at = (latest + 1) + constants.arange(length, self.device) % period  # [R, length] < h
+        valid = (torch.minimum(latest, text[:, h - 1 :]) >= 0).expand(r, length)
         return torch.where(valid, text.gather(1, at), 0), valid

@@ -73,7 +73,7 @@ def plan_trees(
     plan = None
     if auto is not None:
         plan = auto.plan(tree.scores, context_lens, valid, rows=rows)
-        tree = tree.truncate(plan.budgets.clamp(max=build))
+        tree = tree.truncate(plan.budgets)  # (at most the tree's width: what the plan was offered)
         if valid is not None:  # the lookup nodes the budget bought
             valid = valid & (constants.arange(valid.shape[1], valid.device) < plan.extra[:, None])
     if branch is not None:

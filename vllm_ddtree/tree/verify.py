@@ -95,8 +95,9 @@ def _walk(tokens: Tensor, parents: Tensor, depths: Tensor, valid: Tensor, ancest
     # row is no valid row's ancestor.)
     matches = tokens == row_tokens.gather(1, parents.clamp(min=0))
     ok = matches | (parents < 0)  # the root (parent -1) is on every path
-    # [R, N], the root included: every ancestor (the row itself included) matches
-    accepted = valid & (ok[:, None, :] | ~ancestors).all(dim=2)
+    # [R, N], the root included: every ancestor (the row itself included) matches (on bools,
+    # ok >= ancestor is "ok or not an ancestor")
+    accepted = valid & (ok[:, None, :] >= ancestors).all(dim=2)
     # path[r, d] = the accepted row at depth d: one scatter (the others land in a spare column).
     path = constants.filled((r, steps + 1), -1, torch.int64, device).scatter(
         1, torch.where(accepted, depths.clamp(max=steps - 1), steps), constants.arange_rows(r, n, device))
