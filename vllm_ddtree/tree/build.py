@@ -136,11 +136,11 @@ def add_branch(tree: DraftTree, tokens: Tensor, valid: Tensor, max_nodes: int) -
     ok = torch.cat([holds, constants.filled((r, 1), True, torch.bool, dev)], dim=1)
     # parents, the root's children's (-1) made the root column B
     up = torch.cat([tree.parents.remainder(b + 1), constants.filled((r, 1), b, torch.int64, dev)], dim=1)
-    passes = math.ceil(math.log2(length)) if length > 1 else 0
-    for i in range(passes):
+    for _ in range(math.ceil(math.log2(length)) - 1 if length > 1 else 0):
         ok = ok & ok.gather(1, up)
-        if i < passes - 1:  # (the last pass's ancestors are not read)
-            up = up.gather(1, up)
+        up = up.gather(1, up)
+    if length > 1:  # the last pass (its ancestors' ancestors would not be read)
+        ok = ok & ok.gather(1, up)
     shared, node = torch.where(ok[:, :b], tree.depths, 0).max(dim=1, keepdim=True)  # [R, 1] path depths the
     node = torch.where(shared > 0, node, NO_PARENT)                                  # tree has; its deepest node
     # New nodes: path depths shared+1.. (while valid), at slots num_nodes.., each the previous one's
@@ -466,17 +466,16 @@ def _expand_unscored(top_logp: Tensor, b: int) -> tuple[Tensor, None, Tensor, tu
     cand_logp = flat_logp.index_select(1, plan.columns).split(plan.counts, dim=1)
     # depth 1: the root's children are the candidates in rank order, already sorted
     values, ranks = [cand_logp[0]], [constants.arange_rows(r, plan.counts[0], top_logp.device)]
-    for d in range(1, depth):
+    for d in range(1, depth - 1):
         cand = values[-1].index_select(1, plan.parents[d]) + cand_logp[d]
-        if d == depth - 1:  # (plan.kept: all of them)
-            values.append(cand)
-            ranks.append(constants.arange_rows(r, plan.counts[d], top_logp.device))
-            break
         # sorted past the kept count where that is cheaper (the GPU's sort): the next depth's
         # staircase reads only its first columns, and the kept ones are picked below
         score, rank = _top_scores(cand, plan.kept[d], cut=False)
         values.append(score)
         ranks.append(rank)
+    if depth > 1:  # the last depth, unsorted (plan.kept: all of it)
+        values.append(values[-1].index_select(1, plan.parents[-1]) + cand_logp[-1])
+        ranks.append(constants.arange_rows(r, plan.counts[-1], top_logp.device))
     # the kept columns of every depth's sorted candidates, and their codes
     pick, code_offset = _kept_columns(plan, tuple(v.shape[1] for v in values), top_logp.device)
     all_score = torch.cat(values, dim=1).index_select(1, pick)

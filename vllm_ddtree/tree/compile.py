@@ -202,10 +202,11 @@ def ancestors_by_squaring(parents: Tensor, max_depth: int) -> Tensor:
     # sums to 2): below 2^(2^k), finite in float32 up to k = 6, and no clamping needed there: zero
     # stays exactly zero and a reachable pair positive. From k = 7 on each square is clamped to 1,
     # so that no infinity reaches the next one (where infinity times zero would make a NaN).
-    for k in range(1, max(math.ceil(math.log2(max(max_depth, 1))), MIN_SQUARINGS) + 1):  # paths <= 2, 4, 8, ...
+    squarings = max(math.ceil(math.log2(max(max_depth, 1))), MIN_SQUARINGS)  # paths <= 2, 4, 8, ...
+    for _ in range(min(squarings, 6)):
         reach = torch.bmm(reach, reach)
-        if k >= 7:
-            reach.clamp_(max=1.0)
+    for _ in range(squarings - 6):
+        reach = torch.bmm(reach, reach).clamp_(max=1.0)
     return reach > 0
 
 
