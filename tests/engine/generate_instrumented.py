@@ -146,14 +146,16 @@ if __name__ == "__main__":
     from vllm_ddtree.attention.cpu_tree import TreeAttentionMetadataBuilder
 
     from vllm_ddtree.compaction import layer_stacks
+    from vllm_ddtree.demo import SpecCounts
 
     result = {k: [] for k in ("outputs", "prompt_tokens", "cached_tokens", "metrics", "ddtree", "config", "split_steps",
-                              "target_layer_stacks", "dflash_input_writes")}
+                              "target_layer_stacks", "dflash_input_writes", "spec_counts")}
     writes = record_dflash_input_writes()
     for i, arg in enumerate(args.specs):
         spec = None if arg == "none" else json.loads(arg)
         undo = distort_tree_sampler(distort_t) if i == distort_index else None
         llm = LLM(model=target, speculative_config=spec, **engine)
+        spec_counts = SpecCounts(llm)  # the demo's per-engine counts, to compare with vLLM's metrics
         drafter = getattr(llm.llm_engine.model_executor.driver_worker.worker.model_runner, "drafter", None)
         auto = getattr(drafter, "auto", None)
         totals = record_acceptance_fit(drafter) if auto is not None else None
@@ -173,6 +175,7 @@ if __name__ == "__main__":
         result["prompt_tokens"].append([len(o.prompt_token_ids) for o in outs])
         result["cached_tokens"].append([o.num_cached_tokens for o in outs])
         result["metrics"].append(all_metrics(llm))
+        result["spec_counts"].append([spec_counts.drafts, spec_counts.accepted])
         summary = generate_spec.ddtree_summary(llm)
         if summary is not None and auto is not None:
             summary["acceptance_fit"] = acceptance_fit(drafter, totals)
@@ -186,7 +189,7 @@ if __name__ == "__main__":
                                  "enable_chunked_prefill": cfg.scheduler_config.enable_chunked_prefill,
                                  "block_size": cfg.cache_config.block_size,
                                  "enable_prefix_caching": cfg.cache_config.enable_prefix_caching})
-        del llm, drafter, auto, cfg, outs  # nothing may keep this engine (its KV cache) alive into the next
+        del llm, drafter, auto, cfg, outs, spec_counts  # nothing may keep this engine (its KV cache) alive into the next
         gc.collect()
     with open(args.out, "w") as f:
         json.dump(result, f)
