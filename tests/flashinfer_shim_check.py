@@ -322,6 +322,13 @@ def check_cudagraph_modes(cfg) -> None:
     # keeps FULL decode graphs without speculation
     assert resolve(tree, 1) == CUDAGraphMode.FULL_AND_PIECEWISE
     assert resolve(stock, 1) == CUDAGraphMode.FULL_AND_PIECEWISE
+    # Where the stock backend reports single-token support (FlashInfer's native decode: no TRT-LLM or
+    # XQA decode kernel on the device, as here), vLLM's own chain of the same width is downgraded the
+    # same way; where its XQA / trtllm-gen decode runs (UNIFORM_BATCH), the chain keeps FULL decode graphs.
+    if stock == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE:
+        assert resolve(stock, 1 + width) == CUDAGraphMode.PIECEWISE
+    else:
+        assert resolve(stock, 1 + width) == CUDAGraphMode.FULL_AND_PIECEWISE
 
 
 if __name__ == "__main__":
