@@ -108,6 +108,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -885,7 +886,12 @@ def prebuild_tree_attention(runner) -> int:
             constants = builder.tree_kernel_constants()
             key = tuple(sorted((k, str(v)) for k, v in constants.items()))
             if key not in built:
+                # said before: a first build is a minute or more of silence otherwise (cached afterwards)
+                _logger().info("ddtree: loading FlashInfer's tree-attention kernel (%s); the first start "
+                               "compiles it (about a minute on 16 cores)", constants["q_data_type"])
+                start = time.perf_counter()
                 builder.prebuild_tree_kernels()
                 built.add(key)
-                _logger().info("ddtree: FlashInfer tree-attention kernel built (%s)", constants["q_data_type"])
+                _logger().info("ddtree: FlashInfer tree-attention kernel ready (%s) in %.1f s", constants["q_data_type"],
+                               time.perf_counter() - start)
     return len(built)
