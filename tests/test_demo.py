@@ -32,7 +32,6 @@ def test_demo_runs_its_engines_side_by_side_and_reports_each_engine_s_tau(drafte
     assert set(rows) == set(METHODS), out[-3000:]
     # (tau, tok/s, ratio) one at a time, then as a batch
     assert rows["target alone"][0] == rows["target alone"][3] == 1.0
-    assert rows["target alone"][2] == rows["target alone"][5] == 1.0  # each round's ratio to itself
     for name in ("ddtree (defaults)", "dflash chain"):
         assert all(v > 0 for v in rows[name]), (name, rows[name])
         if trained:  # the committed drafter's drafts are accepted: each engine counted its own

@@ -886,9 +886,9 @@ def prebuild_tree_attention(runner) -> int:
             constants = builder.tree_kernel_constants()
             key = tuple(sorted((k, str(v)) for k, v in constants.items()))
             if key not in built:
-                # said before: a first build is a minute or more of silence otherwise (cached afterwards)
-                _logger().info("ddtree: loading FlashInfer's tree-attention kernel (%s); the first start "
-                               "compiles it (about a minute on 16 cores)", constants["q_data_type"])
+                # said before: a first build is silent for up to a minute otherwise (FlashInfer caches it)
+                _logger().info("ddtree: loading FlashInfer's tree-attention kernel (%s); a first start "
+                               "compiles it, which can take a minute", constants["q_data_type"])
                 start = time.perf_counter()
                 builder.prebuild_tree_kernels()
                 built.add(key)
