@@ -8,8 +8,8 @@ speculative-decoding counters from ``/metrics`` (drafts, draft tokens, accepted 
 mean acceptance length. The completion also asks for its token ids (vLLM's ``return_token_ids``), the
 exact output to compare with another engine. One request carries a sampling parameter ddtree does
 not apply (``logprob_token_ids``): the server answers HTTP 400 with the reason, and the completion is
-sent again after it, to show the server keeps serving. ``--json`` also writes the answers, the token
-ids, the refusal, the number of streamed chunks and the counters to a file.
+sent again after it, to show the server keeps serving. A chat in JSON mode (``response_format`` with a
+JSON schema) shows structured outputs. ``--json`` also writes the answers, the token ids, the refusal, the number of streamed chunks and the counters to a file.
 """
 
 from __future__ import annotations
@@ -71,6 +71,19 @@ def main(argv: list[str] | None = None) -> int:
     again = complete().choices[0].model_extra["token_ids"]  # the server goes on serving
     print(f"== completion again ==\n{'same token ids' if again == token_ids else f'token ids {again}'}")
 
+    # JSON mode: the server constrains the answer to a schema (structured outputs; each tree row is
+    # masked by the grammar after its own path, so the answer is the target's own under the schema).
+    schema = {"type": "object", "properties": {"color": {"type": "string", "maxLength": 20},
+                                               "hex": {"type": "string", "pattern": "^#[0-9a-f]{6}$"}},
+              "required": ["color", "hex"]}
+    structured = client.chat.completions.create(
+        model=model, temperature=0, max_tokens=args.max_tokens,
+        messages=[{"role": "user", "content": "Name a color and its hex code, as JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "color", "schema": schema}},
+    )
+    json_answer = structured.choices[0].message.content
+    print(f"== JSON mode ==\n{json_answer}")
+
     print("== streamed chat ==")
     chunks, streamed = 0, ""
     stream = client.chat.completions.create(
@@ -96,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         result = {"model": model, "chat": chat.choices[0].message.content, "completion": completion.choices[0].text,
                   "completion_token_ids": token_ids, "refused": refused, "completion_again_token_ids": again,
+                  "json_answer": json_answer, "json_finish_reason": structured.choices[0].finish_reason,
                   "stream": streamed, "stream_chunks": chunks, "metrics": counters,
                   "mean_acceptance_length": mean_len}
         with open(args.json, "w") as f:

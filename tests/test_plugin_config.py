@@ -364,15 +364,16 @@ def test_not_a_dflash_drafter(dirs, target_configs):
         _spec(target_configs, method="ddtree", model=str(dirs["target"]))
 
 
-def test_structured_outputs_refused_per_request(dirs, target_configs):
+def test_structured_outputs_pass_and_unapplied_sampling_is_refused_per_request(dirs, target_configs):
     from vllm.exceptions import VLLMValidationError  # vLLM's per-request error (HTTP 400)
     from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 
     spec = _spec(target_configs, method="ddtree", model=str(dirs["drafter"]), tree_budget=8)
     guided = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
-    with pytest.raises(VLLMValidationError, match=r"structured outputs .* not supported with speculative method 'ddtree'"):
-        guided._validate_spec_decode(spec)
+    guided._validate_spec_decode(spec)  # masked per tree row (vllm_ddtree.structured)
     SamplingParams(temperature=0.7)._validate_spec_decode(spec)  # plain requests pass
+    with pytest.raises(VLLMValidationError, match=r"logprob_token_ids not supported yet with speculative method 'ddtree'"):
+        SamplingParams(logprobs=1, logprob_token_ids=[0])._validate_spec_decode(spec)
     dflash = _spec(target_configs, method="dflash", model=str(dirs["drafter"]), num_speculative_tokens=4)
     guided._validate_spec_decode(dflash)  # other methods keep vLLM's behaviour
 

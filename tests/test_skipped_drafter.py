@@ -41,6 +41,20 @@ def test_a_skipped_drafter_leaves_no_drafts(room, drafts):
     assert out.req_ids == ["a", "b"] and out.draft_token_ids == drafts
 
 
+def test_drafts_carry_their_trees_parents_to_the_scheduler():
+    """The scheduler takes the trees' parents with the drafts (P16: structured outputs' masks per tree
+    row), from the proposer's last trees, by request id."""
+    import torch
+
+    from vllm_ddtree.structured import DRAFT_PARENTS
+
+    runner, _ = stand_in("ddtree", 16)
+    runner.drafter = SimpleNamespace(proposed=SimpleNamespace(row_of={"b": 0, "a": 1},
+                                                              parents=torch.tensor([[-1, 0, 0], [-1, -1, 1]])))
+    trees = getattr(GPUModelRunner.take_draft_token_ids(runner), DRAFT_PARENTS)
+    assert trees.of("a", 3) == [-1, -1, 1] and trees.of("b", 2) == [-1, 0]
+
+
 def test_other_methods_keep_vllm_s_behaviour():
     runner, _ = stand_in("dflash", 0)
     runner._ddtree_drafter_skipped = True  # even if set, only ddtree configs are changed

@@ -327,6 +327,42 @@ def test_min_tokens_bad_words_and_allowed_token_ids_apply_per_tree_path(tmp_path
         assert set(outs[8]) <= set(allowed) | {tok.eos_token_id}, spec
 
 
+def test_structured_outputs_mask_each_tree_row_by_its_own_path(tmp_path, drafter):
+    # json, regex and choice constraints through vLLM's own grammar manager (xgrammar), beside an
+    # unconstrained request: greedy outputs token-identical to the target alone under the same
+    # grammar, sampled ones inside it, and drafted trees really verified and accepted.
+    import re
+
+    path, trained = drafter
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16}, "year": {"type": "integer"}},
+              "required": ["name", "year"]}
+    numbers, words = r"\d+(, \d+){4,12}", r"(yes|no|maybe)( (yes|no|maybe)){2,5}\."
+    greedy = {"temperature": 0, "max_tokens": 48}
+    requests = [
+        [1, greedy | {"structured_outputs": {"json": schema}}],
+        [0, greedy | {"structured_outputs": {"json": schema}}],
+        [3, greedy | {"structured_outputs": {"regex": numbers}}],
+        [8, greedy | {"structured_outputs": {"regex": numbers}}],
+        [6, greedy | {"structured_outputs": {"choice": ["4", "four", "2 + 2 = 4"]}}],
+        [5, greedy],
+        [2, {"temperature": 1.0, "seed": 7, "max_tokens": 32, "structured_outputs": {"regex": words}}],
+        [7, {"temperature": 1.0, "seed": 8, "max_tokens": 32, "structured_outputs": {"regex": words}}],
+    ]
+    specs = [None, {"method": "ddtree", "model": str(path), "tree_budget": 16, "ngram_weight": 0},
+             {"method": "ddtree", "model": str(path)}]
+    res = run(tmp_path / "out.json", specs, "--requests", json.dumps(requests))
+    base, finish = res["outputs"][0], res["finish"][0]
+    assert re.fullmatch(numbers, finish[2][2]) and finish[4][2] in ("4", "four", "2 + 2 = 4")  # the grammar applies
+    assert json.loads(finish[0][2])["year"] is not None if finish[0][0] == "stop" else True
+    for spec, outs, fin, metrics in zip(specs[1:], res["outputs"][1:], res["finish"][1:], res["metrics"][1:]):
+        assert outs[:6] == base[:6], spec  # greedy: token-identical to the target alone with the grammar
+        for reason, _, text in fin[6:]:  # sampled: every output inside the grammar
+            assert reason == "stop" and re.fullmatch(words, text), (spec, text)
+        assert metrics.get("vllm:spec_decode_num_drafts", 0) > 0, spec
+        if trained:
+            assert metrics.get("vllm:spec_decode_num_accepted_tokens", 0) > 0, spec
+
+
 def test_ddtree_sampling_matches_the_target_distribution(tmp_path, drafter):
     # The first token after prefill is never speculated: compare the joint distribution of the
     # first three tokens (two of them from tree steps) over 300 samples; top_k=3 keeps it to 27 cells.

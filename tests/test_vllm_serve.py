@@ -3,18 +3,19 @@
 Runs ``examples/serve_and_query.sh`` (which starts ``vllm serve <target> --speculative-config
 '{"method": "ddtree", ...}'`` on 127.0.0.1 and a free port, waits for /health, and runs
 ``examples/openai_client.py``: a chat completion, a text completion with its token ids, the same
-completion with a sampling parameter ddtree refuses, the completion again, and a streamed chat, then
-reads the server's /metrics). Meanwhile ``examples/offline_generate.py --baseline`` — the offline
+completion with a sampling parameter ddtree refuses, the completion again, a chat in JSON mode and a
+streamed chat, then reads the server's /metrics). Meanwhile ``examples/offline_generate.py --baseline`` — the offline
 use — generates the same completion with and without ddtree in another process. Checks: non-empty
 answers, a stream of several chunks, speculation really ran on the server (spec-decode drafts in
 /metrics), the refused request got HTTP 400 naming the parameter and the server served the next
-request alike, and the greedy completion's token ids equal offline generation's without speculation.
+request alike, the JSON-mode answer is the schema's object, and the greedy completion's token ids equal offline generation's without speculation.
 
 The drafter is the committed one when present, else a random one in the released format (then
 nothing is accepted and only the plumbing is exercised).
 """
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -80,6 +81,12 @@ def test_serve_chat_completion_stream_and_metrics(tmp_path, drafter):
     assert refused["param"] == "logprob_token_ids", refused
     assert res["completion_again_token_ids"] == res["completion_token_ids"], res
     assert res["stream_chunks"] >= 3, res
+    # JSON mode through the server: the answer is the schema's object (unless the token limit cut it).
+    if res["json_finish_reason"] == "stop":
+        answer = json.loads(res["json_answer"])
+        assert set(answer) == {"color", "hex"} and re.fullmatch(r"#[0-9a-f]{6}", answer["hex"]), answer
+    else:
+        assert res["json_answer"].lstrip().startswith("{"), res
     metrics = res["metrics"]
     assert metrics.get("vllm:spec_decode_num_drafts", 0) > 0, metrics  # speculation really ran
     if trained:

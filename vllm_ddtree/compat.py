@@ -1,6 +1,6 @@
 """Static compatibility check of a vLLM release against every runtime patch vllm-ddtree applies.
 
-vllm-ddtree wraps and subclasses private vLLM code (:mod:`vllm_ddtree.vllm_patches`, P0–P15, and the
+vllm-ddtree wraps and subclasses private vLLM code (:mod:`vllm_ddtree.vllm_patches`, P0–P16, and the
 classes and helpers the tree proposer, sampler and attention backends build on). A vLLM release is
 safe to patch only where that code is what the patches were written against: vLLM 0.32.0.
 
@@ -51,7 +51,7 @@ def _t(patch: str, file: str, names: str, why: str) -> list[Target]:
     return [Target(patch, file, n.strip(), why) for n in names.split(",")]
 
 
-#: Every target, grouped by the patch that needs it (see vllm_patches' docstring for P0–P15).
+#: Every target, grouped by the patch that needs it (see vllm_patches' docstring for P0–P16).
 TARGETS: tuple[Target, ...] = tuple(
     _t("P1", "config/speculative.py", "SpeculativeMethod, SpeculativeConfig:fields",
        "the method Literal widened with 'ddtree'; the dataclass a 'ddtree' field is added to")
@@ -98,8 +98,16 @@ TARGETS: tuple[Target, ...] = tuple(
     + _t("engine", "v1/spec_decode/llm_base_proposer.py",
          "SpecDecodeBaseProposer.propose, SpecDecodeBaseProposer.load_model, SpecDecodeBaseProposer._sample_draft_tokens",
          "DDTreeProposer overrides or calls these")
-    + _t("engine", "v1/core/sched/scheduler.py", "Scheduler.update_draft_token_ids",
-         "takes the flattened trees as ragged per-request drafts")
+    + _t("P16", "v1/core/sched/scheduler.py", "Scheduler.update_draft_token_ids",
+         "takes the flattened trees as ragged per-request drafts; wrapped to keep a structured request's tree parents")
+    + _t("P16", "v1/structured_output/__init__.py",
+         "StructuredOutputManager.grammar_bitmask, StructuredOutputManager.validate_tokens, "
+         "StructuredOutputManager._fill_bitmasks, StructuredOutputManager._get_constraint_bounds",
+         "grammar masks per tree row, filled with vLLM's own row filling and constraint bounds per path")
+    + _t("P16", "v1/structured_output/utils.py", "apply_grammar_bitmask, strip_speculative_padding",
+         "the runner's row layout of the masks (1 + drafts per request) that tree rows follow")
+    + _t("P16", "v1/structured_output/backend_types.py", "StructuredOutputGrammar",
+         "the grammar calls a tree row's mask takes: validate, accept, roll back, fill")
     + _t("engine", "v1/sample/ops/topk_topp_sampler.py", "apply_top_k_top_p", "tree sampler: top-k / top-p")
     + _t("engine", "model_executor/layers/utils.py", "apply_penalties", "tree sampler: penalties")
     + _t("engine", "v1/sample/ops/bad_words.py", "apply_bad_words", "tree sampler: bad words")

@@ -54,12 +54,9 @@ P6b ``VllmConfig.use_v2_model_runner`` (config/vllm.py:703, property) — for dd
 P7  ``SpeculativeConfig.compute_hash`` (:612) — adds ddtree's options and the aux-hidden-states
     flag that vLLM derives from the method name (``"ddtree"`` is not in its tuple).
 P8  ``SamplingParams._validate_spec_decode`` (sampling_params.py:1182, called from
-    ``SamplingParams.verify`` for every request) — rejects structured outputs for ddtree
-    requests with a clear error: vLLM's grammar validates drafts as one chain
-    (v1/structured_output/__init__.py:315 ``strip_speculative_padding``), a tree is not one.
-    Structured outputs are per request, so this is the earliest point they can be refused.
-    Also refuses the sampling parameters the tree sampler does not apply yet (whole-vocabulary
-    logprobs, logprob_token_ids, per-request logits processors) instead of silently ignoring them.
+    ``SamplingParams.verify`` for every request) — refuses, per request and with a clear error, the
+    sampling parameters the tree sampler does not apply yet (whole-vocabulary logprobs,
+    logprob_token_ids, per-request logits processors) instead of silently ignoring them.
     (vLLM itself refuses min_p and logit_bias for every speculative method; P3 refuses the
     processed logprobs modes.)
 P9  ``vllm.v1.attention.selector._cached_get_attn_backend`` (v1/attention/selector.py:201, memoised
@@ -102,6 +99,15 @@ P15 ``GPUModelRunner.calculate_reorder_batch_threshold`` (:6882) — wrapped: fo
     causal kernel and only the requests up to the last tree with the custom mask
     (:func:`vllm_ddtree.attention.tree_mask.flashinfer_split_plan`). vLLM's own builders accept any
     threshold at or above theirs (requests past their split run as prefills).
+P16 Structured outputs over trees (:mod:`vllm_ddtree.structured`). vLLM's grammar manager masks a
+    request's rows as one chain: row i after the grammar took the first i drafts
+    (``StructuredOutputManager.grammar_bitmask``, v1/structured_output/__init__.py:330), and keeps
+    only the drafts' longest grammar-valid chain prefix (``validate_tokens``, :310). For ddtree both
+    are replaced: each tree row is masked by the grammar after that row's own path, and trees are
+    kept whole (a node the grammar rejects is masked out at its parent's row). The trees' parents
+    reach the scheduler with the drafts (P13's ``take_draft_token_ids`` sets them on vLLM's
+    ``DraftTokenIds``), and ``Scheduler.update_draft_token_ids`` (v1/core/sched/scheduler.py:2550)
+    is wrapped to keep each structured request's parents beside its ``spec_token_ids``.
 """
 
 from __future__ import annotations
@@ -286,6 +292,7 @@ def apply() -> None:
             _patch_cpu_attention_selection()
             _patch_model_runner()
             _patch_worker_warm_up()
+            _patch_structured_outputs()
             _set(SpeculativeConfig, _MARK, True)
         except BaseException:
             _rollback()
@@ -637,15 +644,6 @@ def _patch_sampling_params() -> None:
     @functools.wraps(validate)
     def _validate_spec_decode(self, speculative_config):
         validate(self, speculative_config)
-        if speculative_config is not None and speculative_config.method == METHOD and self.structured_outputs:
-            from vllm.exceptions import VLLMValidationError
-
-            raise VLLMValidationError(
-                "structured outputs (guided decoding: json, regex, choice, grammar) are not supported with "
-                "speculative method 'ddtree': vLLM's grammar checks drafts as one chain, a draft tree is "
-                "not one. Send the request to an engine without ddtree, or drop structured_outputs.",
-                parameter="structured_outputs",  # the HTTP error's "param"
-            )
         if speculative_config is not None and speculative_config.method == METHOD:
             unsupported = _unsupported_sampling(self)
             if unsupported:
@@ -825,10 +823,17 @@ def _patch_model_runner() -> None:
     @functools.wraps(take)
     def take_draft_token_ids(self):
         out = take(self)
-        if out is not None and getattr(self, "_ddtree_drafter_skipped", False) and _is_ddtree(self.vllm_config):
+        if out is None or not _is_ddtree(self.vllm_config):
+            return out
+        if getattr(self, "_ddtree_drafter_skipped", False):
             # vLLM zero-fills [R, num_speculative_tokens] drafts when it skips the drafter: a chain of
             # verify-width zeros for every request, verified for nothing. No drafts instead.
-            out = type(out)(out.req_ids, [[] for _ in out.req_ids])
+            return type(out)(out.req_ids, [[] for _ in out.req_ids])
+        proposed = getattr(getattr(self, "drafter", None), "proposed", None)
+        if proposed is not None:  # P16: the trees' shape, for the grammar masks of structured outputs
+            from vllm_ddtree.structured import DRAFT_PARENTS, TreeParents
+
+            setattr(out, DRAFT_PARENTS, TreeParents(proposed.row_of, proposed.parents))
         return out
 
     _set(GPUModelRunner, "take_draft_token_ids", take_draft_token_ids)
@@ -845,6 +850,55 @@ def _patch_model_runner() -> None:
             self.reorder_batch_threshold = max(self.reorder_batch_threshold, width)
 
     _set(GPUModelRunner, "calculate_reorder_batch_threshold", calculate_reorder_batch_threshold)
+
+
+# ---- P16: structured outputs over draft trees --------------------------------------------------------
+
+
+def _patch_structured_outputs() -> None:
+    """Grammar masks per tree row (:mod:`vllm_ddtree.structured`) in a ddtree engine; other engines
+    keep vLLM's chain masks. The trees' parents come with the drafts (P13's `take_draft_token_ids`)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from vllm_ddtree.structured import DRAFT_PARENTS, REQUEST_PARENTS, tree_grammar_bitmask
+
+    update = Scheduler.update_draft_token_ids
+
+    @functools.wraps(update)
+    def update_draft_token_ids(self, draft_token_ids):
+        update(self, draft_token_ids)
+        trees = getattr(draft_token_ids, DRAFT_PARENTS, None)
+        if trees is None:
+            return
+        for req_id in draft_token_ids.req_ids:  # each structured request's tree, beside its spec_token_ids
+            request = self.requests.get(req_id)
+            if request is not None and request.use_structured_output and request.spec_token_ids:
+                setattr(request, REQUEST_PARENTS, trees.of(req_id, len(request.spec_token_ids)))
+
+    _set(Scheduler, "update_draft_token_ids", update_draft_token_ids)
+
+    validate = StructuredOutputManager.validate_tokens
+
+    @functools.wraps(validate)
+    def validate_tokens(self, request, spec_tokens):
+        if _is_ddtree(self.vllm_config):
+            # vLLM keeps the longest prefix the grammar takes as one chain; a tree is not one. Its nodes
+            # the grammar rejects stay and are masked out at their parent's row (tree_grammar_bitmask).
+            return spec_tokens
+        return validate(self, request, spec_tokens)
+
+    _set(StructuredOutputManager, "validate_tokens", validate_tokens)
+
+    bitmask = StructuredOutputManager.grammar_bitmask
+
+    @functools.wraps(bitmask)
+    def grammar_bitmask(self, requests, structured_output_request_ids, scheduled_spec_decode_tokens):
+        if _is_ddtree(self.vllm_config):
+            return tree_grammar_bitmask(self, requests, structured_output_request_ids, scheduled_spec_decode_tokens)
+        return bitmask(self, requests, structured_output_request_ids, scheduled_spec_decode_tokens)
+
+    _set(StructuredOutputManager, "grammar_bitmask", grammar_bitmask)
 
 
 # ---- P14: the worker's warm-up -------------------------------------------------------------------

@@ -5,7 +5,7 @@
 SPEC_JSON "none" runs without speculation. --engine adds LLM(...) keyword arguments, --sampling
 SamplingParams keyword arguments (default greedy, 40 tokens), --repeat N sends only the first
 prompt, N times, --requests JSON sends [[prompt index, SamplingParams keyword arguments], ...] instead
-(one batch, per-request parameters), --gate-closed I makes the automatic budget's speculation gate of
+(one batch, per-request parameters; "structured_outputs" as StructuredOutputsParams keyword arguments), --gate-closed I makes the automatic budget's speculation gate of
 spec I (min_tree_budget 0) find the target alone far faster than any tree, at every batch size, and
 probe every 3 steps, --vllm-k0 I makes spec I's undrafted steps run vLLM's own K = 0 drafter pass
 (DDTreeProposer.vllm_k0_pass). Writes {"outputs": [[token ids per prompt] per spec], "metrics": [spec-decode
@@ -83,11 +83,19 @@ if __name__ == "__main__":
     args = ap.parse_args()
     target = str(prepare_target())
     prompts = [PROMPTS[0]] * args.repeat if args.repeat else PROMPTS
-    sampling = SamplingParams(**json.loads(args.sampling))
+    def sampling_params(kw: dict) -> SamplingParams:
+        # {"structured_outputs": {"json": ..., "regex": ..., "choice": ...}} as vLLM's params object
+        if "structured_outputs" in kw:
+            from vllm.sampling_params import StructuredOutputsParams
+
+            kw = kw | {"structured_outputs": StructuredOutputsParams(**kw["structured_outputs"])}
+        return SamplingParams(**kw)
+
+    sampling = sampling_params(json.loads(args.sampling))
     if args.requests:
         reqs = json.loads(args.requests)
         prompts = [PROMPTS[i] for i, _ in reqs]
-        sampling = [SamplingParams(**kw) for _, kw in reqs]
+        sampling = [sampling_params(kw) for _, kw in reqs]
     engine = engine_kwargs(args)
     result = {"outputs": [], "metrics": [], "logprobs": [], "ddtree": [], "finish": []}
     for i, arg in enumerate(args.specs):
