@@ -1,5 +1,6 @@
 """Grammar masks for draft trees (vllm_ddtree.structured): each row's mask is the grammar's state
-after that row's own path, with vLLM's real xgrammar grammar and its own mask filling.
+after that row's own path, with vLLM's real xgrammar grammar and its own mask filling; under Qwen3's
+reasoning parser, each row equals vLLM's own mask for that path drafted as one chain.
 
 The engine-level check (greedy outputs token-identical to the target alone under json, regex and
 choice constraints; sampled outputs inside the grammar) is in test_vllm_ddtree.py."""
@@ -142,3 +143,59 @@ def test_tree_parents_hand_each_request_its_prefix():
     trees = TreeParents({"a": 1, "b": 0}, torch.tensor([[-1, 0, 1, -1], [-1, -1, 0, 2]]))
     assert trees.of("a", 3) == [-1, -1, 0] and trees.of("b", 2) == [-1, 0]
     assert trees.of("c", 1) is None and trees.of("a", 5) is None
+
+
+def test_rows_equal_vllm_s_own_chain_rows_for_each_path_under_qwen3_s_reasoning_parser():
+    # The oracle is vLLM's own `grammar_bitmask` (unwrapped), run on each node's path as a one-chain
+    # draft: its last row is what vLLM masks after that chain, the tree's row must be the same. The
+    # request is still reasoning (Qwen3's engine parser): paths that close </think> are constrained
+    # from the token after it, the others not at all, the root's row not.
+    import inspect
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "engine"))
+    from qwen3_shape import tokenizer_dir
+    from transformers import AutoTokenizer
+    from vllm.reasoning.qwen3_engine_reasoning_parser import Qwen3ParserReasoningAdapter
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir()))
+    vocab = len(tok)
+    ctx = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab)).compile_regex(PATTERN)
+    words = {w: tok.encode(w) for w in ("ok", "yes", " please", "no", " thanks", ".", " so")}
+    assert all(len(ids) == 1 for ids in words.values()), words
+    ok, yes, please, no, thanks, dot, so = (ids[0] for ids in words.values())
+    end = tok.convert_tokens_to_ids("</think>")
+    tokens = [ok, end, yes, please, no, end, no, thanks, dot, so]
+    parents = [-1, 0, 1, 2, 1, -1, 5, 6, 7, 0]
+    prompt = tok.encode("Say yes or no.") + [tok.convert_tokens_to_ids("<think>")]
+
+    def manager(rows: int) -> SimpleNamespace:
+        m = SimpleNamespace(
+            enable_in_reasoning=False, reasoner_cls=Qwen3ParserReasoningAdapter, tokenizer=tok,
+            fill_bitmask_parallel_threshold=128, _full_mask=torch.tensor(-1, dtype=torch.int32),
+            _grammar_bitmask=xgr.allocate_token_bitmask(rows, vocab),
+            backend=SimpleNamespace(allocate_token_bitmask=lambda n: xgr.allocate_token_bitmask(n, vocab)),
+            vllm_config=SimpleNamespace(num_speculative_tokens=len(tokens), speculative_config=None,
+                                        scheduler_config=SimpleNamespace(max_num_seqs=1),
+                                        model_config=SimpleNamespace(is_diffusion=False)))
+        for name in ("_fill_bitmasks", "_get_constraint_bounds", "_get_reasoner"):
+            setattr(m, name, getattr(StructuredOutputManager, name).__get__(m))
+        return m
+
+    def request() -> SimpleNamespace:
+        grammar = XgrammarGrammar(matcher=xgr.GrammarMatcher(ctx), vocab_size=vocab, ctx=ctx)
+        return SimpleNamespace(request_id="r", use_structured_output=True, prompt_token_ids=prompt,
+                               all_token_ids=list(prompt), structured_output_request=SimpleNamespace(
+                                   grammar=grammar, reasoning_ended=None, reasoner=None, reasoning_parser_kwargs=None))
+
+    tree_manager, tree_request = manager(1 + len(tokens)), request()
+    fill_tree_rows(tree_manager, tree_request, tokens, parents, 0)
+    rows = tree_manager._grammar_bitmask
+    chain_bitmask = inspect.unwrap(StructuredOutputManager.grammar_bitmask)
+    full = torch.full_like(rows[0], -1)
+    for row, path in enumerate([[]] + tree_paths(tokens, parents)):
+        chain = chain_bitmask(manager(1 + len(path)), {"r": request()}, ["r"], {"r": path})
+        assert torch.equal(rows[row], torch.from_numpy(chain[-1])), f"row {row}, path {path}"
+    assert torch.equal(rows[0], full) and torch.equal(rows[1], full) and torch.equal(rows[10], full)  # reasoning
+    assert not torch.equal(rows[2], full) and not torch.equal(rows[3], rows[2])  # after </think>: the grammar
