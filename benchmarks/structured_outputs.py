@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 SCHEMA = {
@@ -47,7 +46,7 @@ def main() -> None:
     from vllm.sampling_params import StructuredOutputsParams
 
     from vllm_ddtree.data.humaneval import chat_prompt, load_humaneval
-    from vllm_ddtree.demo import SpecCounts, _timed
+    from vllm_ddtree.demo import SpecCounts, paired_ratio, side_by_side
     from vllm_ddtree.models.target import prepare_target
     from vllm_ddtree.reference.pair import drafter_dir
 
@@ -66,26 +65,14 @@ def main() -> None:
         counts[name] = SpecCounts(engines[name])
         engines[name].generate(prompts[:1], params, use_tqdm=False)  # warm-up (and the grammar's compilation)
     modes = {"one at a time": False, f"batch of {len(prompts)}": True}
-    reps = {(name, mode): [] for name in methods for mode in modes}
-    names = list(methods)
-    for i in range(args.repeats):
-        order = names[i % len(names):] + names[: i % len(names)]
-        for mode, batched in modes.items():
-            for name in order:
-                run = _timed(engines[name], counts[name], prompts, params, batched)
-                reps[name, mode].append(run)
-                print(f"round {i + 1}/{args.repeats}, {mode}, {name}: {run.tokens_per_s:.1f} tok/s, tau {run.tau:.2f}",
-                      flush=True)
+    reps = side_by_side(engines, counts, prompts, params, modes, args.repeats)
     base = reps["no speculation", "one at a time"][0].tokens
     rows = []
     for (name, mode), runs in reps.items():
         median_run = sorted(runs, key=lambda r: r.tokens_per_s)[(len(runs) - 1) // 2]
-
-        def ratio(other: str) -> float:
-            return statistics.median(a.tokens_per_s / b.tokens_per_s for a, b in zip(runs, reps[other, mode]))
-
         rows.append({"method": name, "mode": mode, "tau": median_run.tau, "tokens_per_s": median_run.tokens_per_s,
-                     "vs_no_speculation": ratio("no speculation"), "vs_dflash_chain": ratio("dflash chain"),
+                     "vs_no_speculation": paired_ratio(reps, name, "no speculation", mode),
+                     "vs_dflash_chain": paired_ratio(reps, name, "dflash chain", mode),
                      "identical_to_no_speculation": all(r.tokens == base for r in runs),
                      "outputs_are_schema_json": all(_fits(text) for r in runs for text in r.text),
                      "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats})

