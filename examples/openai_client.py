@@ -9,7 +9,8 @@ mean acceptance length. The completion also asks for its token ids (vLLM's ``ret
 exact output to compare with another engine. One request carries a sampling parameter ddtree does
 not apply (``logprob_token_ids``): the server answers HTTP 400 with the reason, and the completion is
 sent again after it, to show the server keeps serving. A chat in JSON mode (``response_format`` with a
-JSON schema) shows structured outputs. ``--json`` also writes the answers, the token ids, the refusal, the number of streamed chunks and the counters to a file.
+JSON schema) shows structured outputs. ``--json`` also writes the answers, the token ids, the refusal,
+the number of streamed chunks and the counters to a file.
 """
 
 from __future__ import annotations

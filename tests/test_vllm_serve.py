@@ -4,11 +4,12 @@ Runs ``examples/serve_and_query.sh`` (which starts ``vllm serve <target> --specu
 '{"method": "ddtree", ...}'`` on 127.0.0.1 and a free port, waits for /health, and runs
 ``examples/openai_client.py``: a chat completion, a text completion with its token ids, the same
 completion with a sampling parameter ddtree refuses, the completion again, a chat in JSON mode and a
-streamed chat, then reads the server's /metrics). Meanwhile ``examples/offline_generate.py --baseline`` — the offline
-use — generates the same completion with and without ddtree in another process. Checks: non-empty
-answers, a stream of several chunks, speculation really ran on the server (spec-decode drafts in
-/metrics), the refused request got HTTP 400 naming the parameter and the server served the next
-request alike, the JSON-mode answer is the schema's object, and the greedy completion's token ids equal offline generation's without speculation.
+streamed chat, then reads the server's /metrics). Meanwhile ``examples/offline_generate.py
+--baseline`` — the offline use — generates the same completion with and without ddtree in another
+process. Checks: non-empty answers, a stream of several chunks, speculation really ran on the server
+(spec-decode drafts in /metrics), the refused request got HTTP 400 naming the parameter and the
+server served the next request alike, the JSON-mode answer is the schema's object, and the greedy
+completion's token ids equal offline generation's without speculation.
 
 The drafter is the committed one when present, else a random one in the released format (then
 nothing is accepted and only the plumbing is exercised).

@@ -3,14 +3,15 @@
     python generate_spec.py OUT.json [--engine JSON] [--sampling JSON] [--repeat N] SPEC_JSON [SPEC_JSON ...]
 
 SPEC_JSON "none" runs without speculation. --engine adds LLM(...) keyword arguments, --sampling
-SamplingParams keyword arguments (default greedy, 40 tokens), --repeat N sends only the first
-prompt, N times, --requests JSON sends [[prompt index, SamplingParams keyword arguments], ...] instead
-(one batch, per-request parameters; "structured_outputs" as StructuredOutputsParams keyword arguments), --gate-closed I makes the automatic budget's speculation gate of
-spec I (min_tree_budget 0) find the target alone far faster than any tree, at every batch size, and
-probe every 3 steps, --vllm-k0 I makes spec I's undrafted steps run vLLM's own K = 0 drafter pass
-(DDTreeProposer.vllm_k0_pass). Writes {"outputs": [[token ids per prompt] per spec], "metrics": [spec-decode
-counters per spec], "ddtree": [the tree proposer's summary per spec, or null], "finish": [per spec: per prompt
-[finish_reason, stop_reason, text]], "logprobs": [per spec: per prompt, per token {token id: logprob}] (null without
+SamplingParams keyword arguments (default greedy, 40 tokens), --repeat N sends only the first prompt, N
+times, --requests JSON sends [[prompt index, SamplingParams keyword arguments], ...] instead (one batch,
+per-request parameters; "structured_outputs" as StructuredOutputsParams keyword arguments),
+--gate-closed I makes the automatic budget's speculation gate of spec I (min_tree_budget 0) find the
+target alone far faster than any tree, at every batch size, and probe every 3 steps, --vllm-k0 I makes
+spec I's undrafted steps run vLLM's own K = 0 drafter pass (DDTreeProposer.vllm_k0_pass). Writes
+{"outputs": [[token ids per prompt] per spec], "metrics": [spec-decode counters per spec], "ddtree":
+[the tree proposer's summary per spec, or null], "finish": [per spec: per prompt [finish_reason,
+stop_reason, text]], "logprobs": [per spec: per prompt, per token {token id: logprob}] (null without
 logprobs in --sampling)}.
 """
 
