@@ -353,7 +353,8 @@ def test_structured_outputs_mask_each_tree_row_by_its_own_path(tmp_path, drafter
     res = run(tmp_path / "out.json", specs, "--requests", json.dumps(requests))
     base, finish = res["outputs"][0], res["finish"][0]
     assert re.fullmatch(numbers, finish[2][2]) and finish[4][2] in ("4", "four", "2 + 2 = 4")  # the grammar applies
-    assert json.loads(finish[0][2])["year"] is not None if finish[0][0] == "stop" else True
+    for reason, _, text in finish[:2]:  # the schema's object, or its start where the token limit cut it
+        assert set(json.loads(text)) == {"name", "year"} if reason == "stop" else text.lstrip().startswith("{"), text
     for spec, outs, fin, metrics in zip(specs[1:], res["outputs"][1:], res["finish"][1:], res["metrics"][1:]):
         assert outs[:6] == base[:6], spec  # greedy: token-identical to the target alone with the grammar
         for reason, _, text in fin[6:]:  # sampled: every output inside the grammar

@@ -7,7 +7,8 @@ text; the row of node j predicts the token after the path root -> node j, so its
 grammar's state after exactly that path. With each row masked so, the target's masked prediction at
 every row is the one it would make alone after that path, and the walk accepts a node only where the
 masked prediction at its parent's row equals it: greedy output stays token-identical to the target
-alone with the same grammar, and sampling keeps its distribution.
+alone with the same grammar, and each sampled row draws from the target's distribution under the
+mask the target alone would have there.
 
 A node whose token the grammar rejects after its parent's path can never be accepted (its parent's
 row masks it out); its row, and its descendants', get the mask of the row where the grammar stopped,

@@ -869,8 +869,8 @@ def _patch_structured_outputs() -> None:
     def update_draft_token_ids(self, draft_token_ids):
         update(self, draft_token_ids)
         trees = getattr(draft_token_ids, DRAFT_PARENTS, None)
-        if trees is None:
-            return
+        if trees is None or self.structured_output_manager.backend is None:
+            return  # (the backend is made with the first structured request: until then, no loop)
         for req_id in draft_token_ids.req_ids:  # each structured request's tree, beside its spec_token_ids
             request = self.requests.get(req_id)
             if request is not None and request.use_structured_output and request.spec_token_ids:
