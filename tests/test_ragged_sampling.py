@@ -21,7 +21,7 @@ from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor  # 
 from vllm.v1.sample.metadata import SamplingMetadata  # noqa: E402
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p  # noqa: E402
 
-from vllm_ddtree.sampling import request_chunks, sample_rows  # noqa: E402
+from vllm_ddtree.sampling import penalise_columns, request_chunks, sample_rows  # noqa: E402
 from vllm_ddtree.tree import NO_PARENT, DraftTree, TreeBatch, compile_tree, sample_tokens  # noqa: E402
 
 
@@ -257,6 +257,32 @@ def test_greedy_rows_with_penalties_and_constraints_match_the_padded_sampler(chu
             assert got == want, (name, seed)
             assert want != unprocessed, f"{name}: the step must exercise what it checks"
         assert valid_tokens(sample_rows(logits, rows, plain, batch, [d + 1 for d in DRAFTS]), batch) == unprocessed
+
+
+@pytest.mark.parametrize("vocab", [97, 12])  # columns fewer than the vocabulary; more (vLLM's op on whole rows)
+def test_penalised_columns_give_vllm_s_penalties_bit_for_bit(vocab):
+    from vllm.model_executor.layers.utils import apply_penalties
+
+    gen = torch.Generator().manual_seed(vocab)
+    c, p, o = 40, 9, 7
+    # few distinct tokens, so rows repeat tokens within and across prompt and output; padding of
+    # vLLM's value (the vocabulary size) in both, a row whose output is all padding
+    few = min(15, vocab)
+    prompts = torch.randint(0, few, (c, p), generator=gen)
+    outputs = torch.randint(0, few, (c, o), generator=gen)
+    prompts[torch.rand(c, p, generator=gen) < 0.3] = vocab
+    outputs[torch.rand(c, o, generator=gen) < 0.3] = vocab
+    outputs[0] = vocab
+    logits = torch.randn(c, vocab, generator=gen) * 3
+    logits[:, :few] = logits[:, :few].round()  # zeros among the penalised logits (repetition's sign test)
+    logits[1, 2] = -torch.inf
+    presence = torch.rand(c, generator=gen) * 4 - 2
+    frequency = torch.rand(c, generator=gen) * 4 - 2
+    repetition = torch.rand(c, generator=gen) * 1.5 + 0.5
+    want = apply_penalties(logits.clone(), prompts, outputs, presence, frequency, repetition)
+    got = penalise_columns(logits.clone(), prompts, outputs, presence, frequency, repetition)
+    assert torch.equal(got, want)
+    assert (want != logits).sum() > c  # the penalties really moved logits
 
 
 def test_greedy_requests_mixed_with_sampled_ones_keep_the_padded_argmax():

@@ -159,20 +159,63 @@ def tree_penalties(x: Tensor, md, batch: TreeBatch, ragged: RaggedRows, chunk: t
     The tokens a row's distribution is penalised for are the request's output so far (its last
     token is the tree's root) plus the draft tokens on the row's path: the row's own token and its
     ancestors'. This is vLLM's rule for a chain (rejection_sampler._combine_outputs_with_spec_tokens)
-    applied to each root-to-node path, with vLLM's own penalty op (rows are independent in it).
+    applied to each root-to-node path, with vLLM's own penalty op (rows are independent in it), on
+    the columns of the tokens each row is penalised for (:func:`penalise_columns`).
     x [C, V] float32, the chunk's flat rows -> penalised [C, V] (in place).
     """
-    from vllm.model_executor.layers.utils import apply_penalties
-
     _, _, lo, hi = chunk
     req, node = ragged.request[lo:hi], ragged.node[lo:hi]
     on_path = batch.ancestors[req, node] & batch.valid.index_select(0, req)  # [C, N]: the row's path
     on_path[:, 0] = False  # the root is already the last output token
     path_tokens = torch.where(on_path, batch.tokens.index_select(0, req), x.shape[1])  # pad: vocab size
     row_outputs = torch.cat([ragged.outputs.index_select(0, req), path_tokens], 1)
-    return apply_penalties(x, md.prompt_token_ids.index_select(0, req), row_outputs,
-                           md.presence_penalties.index_select(0, req), md.frequency_penalties.index_select(0, req),
-                           md.repetition_penalties.index_select(0, req))
+    return penalise_columns(x, md.prompt_token_ids.index_select(0, req), row_outputs,
+                            md.presence_penalties.index_select(0, req), md.frequency_penalties.index_select(0, req),
+                            md.repetition_penalties.index_select(0, req))
+
+
+def penalise_columns(x: Tensor, prompt_tokens: Tensor, output_tokens: Tensor, presence: Tensor, frequency: Tensor,
+                     repetition: Tensor) -> Tensor:
+    """vLLM's ``apply_penalties`` (model_executor/layers/utils.py) on x [C, V], run on the penalised columns only.
+
+    prompt_tokens [C, P] and output_tokens [C, O] are padded with any id >= V; presence, frequency
+    and repetition are [C]. A logit whose token is in neither the row's prompt nor its output is
+    left as it is by every penalty, so vLLM's op runs on a [C, M] gather of the columns each row
+    names (M = P + O, one column per distinct token, in sorted order) and the results are scattered
+    back: per element the same operations on the same values as on the whole row, so the same bits,
+    for M x C elements instead of V x C (a prompt of a few thousand tokens against a vocabulary of
+    150k; with a tree, C is every verify row). Where M >= V the whole rows are cheaper and vLLM's op
+    runs on them. Returns x (written in place).
+    """
+    from vllm.model_executor.layers.utils import apply_penalties
+
+    c, v = x.shape
+    tokens = torch.cat([prompt_tokens, output_tokens], 1).clamp(max=v)  # [C, M]; padding: v
+    m = tokens.shape[1]
+    if m >= v:
+        return apply_penalties(x, prompt_tokens, output_tokens, presence, frequency, repetition)
+    is_output = torch.cat([torch.zeros_like(prompt_tokens, dtype=torch.bool),
+                           torch.ones_like(output_tokens, dtype=torch.bool)], 1)
+    tokens, order = tokens.sort(dim=1)
+    is_output = is_output.gather(1, order)
+    real = tokens < v
+    # each sorted position's column: its token's rank among the row's distinct tokens (the padding last)
+    new_token = torch.ones_like(real)
+    new_token[:, 1:] = tokens[:, 1:] != tokens[:, :-1]
+    column = new_token.cumsum(1) - 1  # [C, M]
+    # the columns' logits (a column no token names reads token 0 and is left as it is)
+    column_token = torch.zeros_like(tokens).scatter_(1, column, tokens).clamp(max=v - 1)
+    values = x.gather(1, column_token)
+    # the prompt's and the output's tokens as column ids, padded with m: vLLM's op on [C, M]
+    local_prompt = torch.where(real & ~is_output, column, m)
+    local_output = torch.where(real & is_output, column, m)
+    values = apply_penalties(values, local_prompt, local_output, presence, frequency, repetition)
+    # back to the vocabulary: every position of a token writes its column's value (the same one);
+    # the padding repeats the row's first position, its smallest token (a row of padding only
+    # writes token v-1 unchanged)
+    position = torch.where(real, torch.arange(m, device=x.device), 0)
+    target = tokens.gather(1, position).clamp(max=v - 1)
+    return x.scatter_(1, target, values.gather(1, column.gather(1, position)))
 
 
 def _min_tokens_state(md) -> dict:
