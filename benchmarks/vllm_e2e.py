@@ -2,7 +2,8 @@
 
     python benchmarks/vllm_e2e.py [--quick] --json PATH [--plot PNG]
 
-float32, HumanEval prompts (chat-templated), greedy (`--temperature T`: sampled, a seed per request), max_tokens 256, batch 1 (requests one at a
+float32, HumanEval prompts (chat-templated), greedy (`--temperature T`: sampled, a seed per request;
+`--sampling JSON`: further SamplingParams, e.g. penalties), max_tokens 256, batch 1 (requests one at a
 time) and batch 8 (eight at once). Methods: no speculation, "dflash" (the chain, 15 tokens),
 "ddtree" with tree_budget 8/16/32/64 and "auto", each at every --ngram-weights value, and (`--methods
 defaults`) `{"method": "ddtree"}` with every option at its default. The other engines name every option
@@ -90,9 +91,15 @@ def main() -> None:
                          "tree: the speculation gate), named ...-gated")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sampling temperature (default 0: greedy, outputs compared with no speculation)")
+    ap.add_argument("--sampling", default=None, metavar="JSON",
+                    help="further SamplingParams keyword arguments for every measured request, e.g. "
+                         "'{\"repetition_penalty\": 1.05}' (a model's generation config may set one)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
+    extra = json.loads(args.sampling) if args.sampling else {}
+    if not isinstance(extra, dict):
+        raise SystemExit(f"--sampling must be a JSON object of SamplingParams keyword arguments, got {args.sampling}")
     schedule = json.loads(args.dynamic_sd) if args.dynamic_sd else None
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # to read the proposer's stats
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # skips the startup check against 0.92 of NUMA node 0
@@ -119,8 +126,8 @@ def main() -> None:
                          "(HumanEval has 164 problems)")
     prompts = [chat_prompt(tok, p["prompt"]) for p in problems]
     # T > 0: one seed per request (the same in every engine); outputs then differ between methods.
-    params = [SamplingParams(temperature=args.temperature, max_tokens=max_tokens, seed=i if args.temperature else None)
-              for i in range(n_prompts)]
+    params = [SamplingParams(temperature=args.temperature, max_tokens=max_tokens, seed=i if args.temperature else None,
+                             **extra) for i in range(n_prompts)]
 
     wanted = set(args.methods.split(","))
     methods = [("none", None, None)]
@@ -211,7 +218,8 @@ def main() -> None:
         del row["outputs"]
 
     print(f"\n{n_prompts} HumanEval prompts from problem {args.first_prompt}, max_tokens {max_tokens}, float32, "
-          f"{'greedy' if args.temperature == 0 else f'T = {args.temperature:g}'}, median of {repeats}")
+          f"{'greedy' if args.temperature == 0 else f'T = {args.temperature:g}'}"
+          f"{''.join(f', {k} {v}' for k, v in extra.items())}, median of {repeats}")
     print(f"{'method':<24}{'B':>6}{'batch':>6}{'tau':>7}{'tok/s':>9}{'vs AR':>7}{'same':>6}{'nodes':>7}{'depth':>7}"
           f"{'undrafted':>10}")
     for r in rows:
