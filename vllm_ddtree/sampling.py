@@ -178,8 +178,8 @@ def penalise_columns(x: Tensor, prompt_tokens: Tensor, output_tokens: Tensor, pr
                      repetition: Tensor) -> Tensor:
     """vLLM's ``apply_penalties`` (model_executor/layers/utils.py) on x [C, V], run on the penalised columns only.
 
-    prompt_tokens [C, P] and output_tokens [C, O] are padded with any id >= V; presence, frequency
-    and repetition are [C]. A logit whose token is in neither the row's prompt nor its output is
+    prompt_tokens [C, P] and output_tokens [C, O] are padded with V (vLLM's padding); presence,
+    frequency and repetition are [C]. A logit whose token is in neither the row's prompt nor its output is
     left as it is by every penalty, so vLLM's op runs on a [C, M] gather of the columns each row
     names (M = P + O, one column per distinct token, in sorted order) and the results are scattered
     back: per element the same operations on the same values as on the whole row, so the same bits,
@@ -191,7 +191,7 @@ def penalise_columns(x: Tensor, prompt_tokens: Tensor, output_tokens: Tensor, pr
     """
     from vllm.model_executor.layers.utils import apply_penalties
 
-    c, v = x.shape
+    v = x.shape[1]
     m = prompt_tokens.shape[1] + output_tokens.shape[1]
     if 4 * m > v:
         return apply_penalties(x, prompt_tokens, output_tokens, presence, frequency, repetition)
