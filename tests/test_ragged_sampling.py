@@ -285,6 +285,29 @@ def test_penalised_columns_give_vllm_s_penalties_bit_for_bit(vocab):
     assert (want != logits).sum() > c  # the penalties really moved logits
 
 
+def test_greedy_rows_penalised_on_gathered_columns_match_the_padded_sampler():
+    # A vocabulary wide enough that the tree sampler gathers the penalised columns (prompt + output +
+    # path <= V / 4, `penalise_columns`), tokens from a small set so that prompts, outputs and paths
+    # repeat each other, and those tokens boosted so that the penalties decide the argmax.
+    vocab, few = 512, 24
+    r = len(DRAFTS)
+    for seed in range(4):
+        gen = torch.Generator().manual_seed(seed)
+        batch = random_trees(gen, DRAFTS, few)
+        outputs = [torch.randint(0, few, (int(torch.randint(0, 6, (1,), generator=gen)),), generator=gen).tolist()
+                   for _ in range(r)]
+        prompts = [torch.randint(0, few, (int(torch.randint(1, 8, (1,), generator=gen)),), generator=gen).tolist()
+                   for _ in range(r)]
+        logits = torch.randn(sum(d + 1 for d in DRAFTS), vocab, generator=gen)
+        logits[:, :few] += 3.0
+        rows = verify_rows(DRAFTS, max(DRAFTS) + 1)
+        md = metadata(r, vocab, penalties=True, outputs=outputs, prompts=prompts)
+        want = valid_tokens(padded_sample_rows(logits, rows, md, batch), batch)
+        got = valid_tokens(sample_rows(logits, rows, md, batch, [d + 1 for d in DRAFTS]), batch)
+        assert got == want, seed
+        assert want != valid_tokens(padded_sample_rows(logits, rows, metadata(r, vocab), batch), batch)
+
+
 def test_greedy_requests_mixed_with_sampled_ones_keep_the_padded_argmax():
     batch, rows, logits, outputs, prompts, bad_words, min_tokens, allowed = constrained_step(7)
     r = len(DRAFTS)
