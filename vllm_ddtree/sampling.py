@@ -179,15 +179,17 @@ def penalise_columns(x: Tensor, prompt_tokens: Tensor, output_tokens: Tensor, pr
     """vLLM's ``apply_penalties`` (model_executor/layers/utils.py) on x [C, V], run on the penalised columns only.
 
     prompt_tokens [C, P] and output_tokens [C, O] are padded with V (vLLM's padding); presence,
-    frequency and repetition are [C]. A logit whose token is in neither the row's prompt nor its output is
-    left as it is by every penalty, so vLLM's op runs on a [C, M] gather of the columns each row
-    names (M = P + O, one column per distinct token, in sorted order) and the results are scattered
-    back: per element the same operations on the same values as on the whole row, so the same bits,
-    for M x C elements instead of V x C (a prompt of a few thousand tokens against a vocabulary of
-    150k; with a tree, C is every verify row). Its temporaries peak at 98 bytes per [C, M] element
-    (sort, column ids, vLLM's bin counts over M), whole rows' at 35-37 per [C, V] one (torch.profiler's
-    memory timeline on the CPU, C = 64, V = 151936): past M = V / 4 vLLM's op runs on whole rows,
-    so the penalties never need more memory than they did on whole rows. Returns x (written in place).
+    frequency and repetition are [C]. vLLM's op leaves the value of a logit whose token is in neither
+    the row's prompt nor its output as it is (x * 1 - 0 - 0), so it runs here on a [C, M] gather of
+    the columns each row names (M = P + O, one column per distinct token, in sorted order) and the
+    results are scattered back: each penalised logit gets the same operations on the same values as
+    on the whole row, so the same result (only a zero logit left alone may keep a sign that vLLM's
+    subtraction of a zero would flip), for M x C elements instead of V x C (a prompt of a few
+    thousand tokens against a vocabulary of 150k; with a tree, C is every verify row). Its
+    temporaries peak at 98 bytes per [C, M] element (sort, column ids, vLLM's bin counts over M),
+    whole rows' at 35-37 per [C, V] one (torch.profiler's memory timeline on the CPU, C = 64,
+    V = 151936): past M = V / 4 vLLM's op runs on whole rows, so the penalties never need more
+    memory than they did on whole rows. Returns x (written in place).
     """
     from vllm.model_executor.layers.utils import apply_penalties
 
@@ -215,9 +217,8 @@ def penalise_columns(x: Tensor, prompt_tokens: Tensor, output_tokens: Tensor, pr
     # back to the vocabulary: every position of a token writes its column's value (the same one);
     # the padding repeats the row's first position, its smallest token (a row of padding only
     # writes token v-1 unchanged)
-    position = torch.where(real, torch.arange(m, device=x.device), 0)
-    target = tokens.gather(1, position).clamp(max=v - 1)
-    return x.scatter_(1, target, values.gather(1, column.gather(1, position)))
+    target = torch.where(real, tokens, tokens[:, :1]).clamp(max=v - 1)
+    return x.scatter_(1, target, values.gather(1, torch.where(real, column, column[:, :1])))
 
 
 def _min_tokens_state(md) -> dict:
