@@ -260,7 +260,7 @@ def test_greedy_rows_with_penalties_and_constraints_match_the_padded_sampler(chu
 
 
 @pytest.mark.parametrize("vocab", [97, 40])  # 16 columns: gathered; too many for a vocabulary of 40 (whole rows)
-def test_penalised_columns_give_vllm_s_penalties_bit_for_bit(vocab):
+def test_penalised_columns_give_vllm_s_penalised_values(vocab):
     from vllm.model_executor.layers.utils import apply_penalties
 
     gen = torch.Generator().manual_seed(vocab)
