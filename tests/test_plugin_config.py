@@ -433,7 +433,7 @@ def test_sampling_parameters_the_tree_sampler_ignores_are_refused(dirs):
                                                               frequency_penalty=0.3), dict(logprobs=2),
                dict(min_tokens=3, bad_words=["x"], allowed_token_ids=[1, 2])):
         SamplingParams(**ok)._validate_spec_decode(spec)  # applied by the tree sampler
-    for bad in (dict(logprobs=-1), dict(logprob_token_ids=[5])):
+    for bad in (dict(logprobs=-1), dict(logprob_token_ids=[5]), dict(thinking_token_budget=16)):
         with pytest.raises(VLLMValidationError, match="not supported yet with speculative method 'ddtree'"):
             SamplingParams(**bad)._validate_spec_decode(spec)
 

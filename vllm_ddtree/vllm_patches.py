@@ -56,7 +56,8 @@ P7  ``SpeculativeConfig.compute_hash`` (:612) — adds ddtree's options and the 
 P8  ``SamplingParams._validate_spec_decode`` (sampling_params.py:1182, called from
     ``SamplingParams.verify`` for every request) — refuses, per request and with a clear error, the
     sampling parameters the tree sampler does not apply yet (whole-vocabulary logprobs,
-    logprob_token_ids, per-request logits processors) instead of silently ignoring them.
+    logprob_token_ids, per-request logits processors, thinking_token_budget) instead of silently
+    ignoring them.
     (vLLM itself refuses min_p and logit_bias for every speculative method; P3 refuses the
     processed logprobs modes.)
 P9  ``vllm.v1.attention.selector._cached_get_attn_backend`` (v1/attention/selector.py:201, memoised
@@ -668,6 +669,8 @@ def _unsupported_sampling(params) -> list[str]:
         "logprob_token_ids": bool(getattr(params, "logprob_token_ids", None)),
         "min_p": bool(getattr(params, "min_p", 0.0)),
         "logits_processors": bool(getattr(params, "logits_processors", None)),
+        # vLLM forces the end of thinking through ThinkingBudgetStateHolder in its own samplers only
+        "thinking_token_budget": getattr(params, "thinking_token_budget", None) is not None,
     }
     return [name for name, bad in checks.items() if bad]
 
