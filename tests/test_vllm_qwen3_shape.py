@@ -30,7 +30,8 @@ from pathlib import Path
 import pytest
 from conftest import free_port, vllm_env
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+# one test worker builds the models and generates once for both tests
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.xdist_group("qwen3_shape")]
 ENGINE = Path(__file__).parent / "engine"
 SERVE_START_TIMEOUT = 240  # s; about a minute on a busy 2-core CPU
 REQUEST_TIMEOUT = 120
