@@ -267,10 +267,11 @@ def test_stop_strings_eos_and_max_tokens_end_requests_at_the_same_token(tmp_path
 def test_ddtree_applies_penalties_and_returns_logprobs_like_the_target(tmp_path, drafter):
     # Penalties depend on the tokens generated so far, so inside a tree each node's distribution is
     # penalised for its own path: greedy output must still be token-identical to no speculation, and
-    # the returned logprobs (top 3 + the chosen token) must be the target's.
+    # the returned logprobs (top 3 + the chosen token) and prompt logprobs (top 2 + the prompt's token)
+    # must be the target's.
     path, trained = drafter
     penalised = {"temperature": 0, "max_tokens": 48, "repetition_penalty": 1.3, "presence_penalty": 0.4,
-                 "frequency_penalty": 0.3, "logprobs": 3}
+                 "frequency_penalty": 0.3, "logprobs": 3, "prompt_logprobs": 2}
     specs = [None, {"method": "ddtree", "model": str(path), "tree_budget": 8},
              {"method": "ddtree", "model": str(path), "tree_budget": 64, "ngram_weight": 0}]
     res = run(tmp_path / "out.json", specs, "--sampling", json.dumps(penalised))
@@ -290,6 +291,14 @@ def test_ddtree_applies_penalties_and_returns_logprobs_like_the_target(tmp_path,
                 assert abs(got[str(t)] - want[str(t)]) < 1e-3, spec
                 common = set(got) & set(want)
                 assert len(common) >= 3 and all(abs(got[k] - want[k]) < 1e-3 for k in common), spec
+    base_prompt = res["prompt_logprobs"][0]
+    assert all(p[0] is None and all(2 <= len(pos) <= 3 for pos in p[1:]) for p in base_prompt)
+    for spec, prompt_lps in zip(specs[1:], res["prompt_logprobs"][1:]):
+        for got_p, want_p in zip(prompt_lps, base_prompt, strict=True):
+            assert len(got_p) == len(want_p) and got_p[0] is None, spec
+            for got, want in zip(got_p[1:], want_p[1:]):
+                common = got.keys() & want.keys()  # the prompt's token and the top 2 (a near-tie may swap one)
+                assert len(common) >= 2 and all(abs(got[k] - want[k]) < 1e-3 for k in common), spec
 
 
 def test_min_tokens_bad_words_and_allowed_token_ids_apply_per_tree_path(tmp_path, drafter):
@@ -510,3 +519,49 @@ def test_prefix_cache_hits_hand_the_drafter_the_kv_it_wrote(tmp_path, drafter, v
         assert max(diffs) > 1e-2, diffs
     else:
         assert max(diffs) < 1e-3, diffs
+
+
+def _lora_adapter(out: Path, seed: int) -> Path:
+    """A random rank-8 LoRA adapter (PEFT's format) on the toy target's q_proj and v_proj."""
+    import torch
+    from safetensors.torch import save_file
+
+    from vllm_ddtree.models.target import prepare_target
+
+    cfg = json.loads((prepare_target() / "config.json").read_text())
+    hidden, head_dim = cfg["hidden_size"], cfg["hidden_size"] // cfg["num_attention_heads"]
+    outputs = {"q_proj": hidden, "v_proj": cfg["num_key_value_heads"] * head_dim}
+    gen, rank, tensors = torch.Generator().manual_seed(seed), 8, {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for name, rows in outputs.items():
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{name}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, hidden, generator=gen) * 0.05
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(rows, rank, generator=gen) * 0.05
+    out.mkdir(parents=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 16, "lora_dropout": 0.0,
+         "bias": "none", "target_modules": sorted(outputs)}))
+    return out
+
+
+def test_lora_adapters_keep_outputs_and_the_drafter_embeds_without_them(tmp_path, drafter):
+    # With --enable-lora vLLM wraps the target's embedding, which the drafter shares, in a LoRA layer
+    # whose mapping is the target step's: the drafter must embed through the base layer (before, the
+    # first drafting step raised an IndexError). Requests with two adapters and none in one batch:
+    # greedy output identical to the target alone with the same adapters, which change the output.
+    path, trained = drafter
+    adapters = [str(_lora_adapter(tmp_path / f"adapter{k}", k)) for k in (1, 2)]
+    # vLLM's rule for speculation with LoRA: max_num_batched_tokens >= max_num_seqs x (verify width + 1)
+    engine = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2, "max_num_seqs": 8,
+              "max_num_batched_tokens": 1024}
+    specs = [None, {"method": "ddtree", "model": str(path), "tree_budget": 8}, {"method": "ddtree"}]
+    res = run(tmp_path / "out.json", specs, "--engine", json.dumps(engine), "--lora", json.dumps(adapters))
+    base = res["outputs"][0]
+    changed = [a != b for a, b in zip(base, res["outputs_without_lora"])]
+    assert sum(changed[j] for j in range(len(base)) if j % 3) >= 3, changed  # the adapters change the output
+    for spec, outs, metrics in zip(specs[1:], res["outputs"][1:], res["metrics"][1:]):
+        assert outs == base, spec
+        assert metrics.get("vllm:spec_decode_num_drafts", 0) > 0, spec
+        if trained:
+            assert (metrics.get("vllm:spec_decode_num_accepted_tokens") or 0) > 0, spec

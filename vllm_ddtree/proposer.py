@@ -534,8 +534,25 @@ class DDTreeProposer(DFlashProposer):
         """vLLM's DFlash load (the drafter then shares the target's head), then the draft-vocabulary
         rows of that head, gathered once so a bad setup fails at start-up (see ``_subset_logits``)."""
         super().load_model(target_model)
+        self._embed_without_lora()
         if self._vocab_ids is not None and getattr(self.model, "draft_id_to_target_id", None) is None:
             self._gather_vocab_head(self.model.lm_head)
+
+    def _embed_without_lora(self) -> None:
+        """The drafter embeds its tokens with the target's base embedding layer, never its LoRA wrapper.
+
+        vLLM's load shares the target's ``embed_tokens`` with the drafter (``_maybe_share_embeddings``).
+        With ``--enable-lora`` that layer is vLLM's LoRA wrapper, whose forward adds each token's adapter
+        through the mapping of the target's step: sized and ordered for the target's tokens, not the
+        drafter's block (an index error in the first drafting step). Drafts need no adapter (the target
+        verifies them with its own), so the drafter takes the wrapper's base layer.
+        """
+        from vllm.lora.layers import BaseLayerWithLoRA
+
+        inner = getattr(self.model, "model", None)
+        embed = getattr(inner, "embed_tokens", None)
+        if isinstance(embed, BaseLayerWithLoRA):
+            inner.embed_tokens = embed.base_layer
 
     def _gather_vocab_head(self, head) -> None:
         """The draft vocabulary's rows of the shared LM head, gathered once into a layer of their own.

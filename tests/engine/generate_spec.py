@@ -6,13 +6,16 @@ SPEC_JSON "none" runs without speculation. --engine adds LLM(...) keyword argume
 SamplingParams keyword arguments (default greedy, 40 tokens), --repeat N sends only the first prompt, N
 times, --requests JSON sends [[prompt index, SamplingParams keyword arguments], ...] instead (one batch,
 per-request parameters; "structured_outputs" as StructuredOutputsParams keyword arguments),
+--lora JSON (a list of LoRA adapter directories; --engine enables LoRA) runs prompt j with adapter
+j % (n + 1), 0 meaning none, and the first spec also without any ("outputs_without_lora"),
 --gate-closed I makes the automatic budget's speculation gate of spec I (min_tree_budget 0) find the
 target alone far faster than any tree, at every batch size, and probe every 3 steps, --vllm-k0 I makes
 spec I's undrafted steps run vLLM's own K = 0 drafter pass (DDTreeProposer.vllm_k0_pass). Writes
 {"outputs": [[token ids per prompt] per spec], "metrics": [spec-decode counters per spec], "ddtree":
 [the tree proposer's summary per spec, or null], "finish": [per spec: per prompt [finish_reason,
 stop_reason, text]], "logprobs": [per spec: per prompt, per token {token id: logprob}] (null without
-logprobs in --sampling)}.
+logprobs in --sampling), "prompt_logprobs": the same per prompt token (null for the first; null without
+prompt_logprobs)}.
 """
 
 import argparse
@@ -81,6 +84,7 @@ if __name__ == "__main__":
     ap.add_argument("--requests", default=None)
     ap.add_argument("--gate-closed", type=int, default=None)
     ap.add_argument("--vllm-k0", type=int, default=None)
+    ap.add_argument("--lora", default=None)
     args = ap.parse_args()
     target = str(prepare_target())
     prompts = [PROMPTS[0]] * args.repeat if args.repeat else PROMPTS
@@ -98,7 +102,7 @@ if __name__ == "__main__":
         prompts = [PROMPTS[i] for i, _ in reqs]
         sampling = [sampling_params(kw) for _, kw in reqs]
     engine = engine_kwargs(args)
-    result = {"outputs": [], "metrics": [], "logprobs": [], "ddtree": [], "finish": []}
+    result = {"outputs": [], "metrics": [], "logprobs": [], "prompt_logprobs": [], "ddtree": [], "finish": []}
     for i, arg in enumerate(args.specs):
         spec = None if arg == "none" else json.loads(arg)
         llm = LLM(model=target, speculative_config=spec, **engine)
@@ -109,7 +113,15 @@ if __name__ == "__main__":
             gate.ar_seconds = {r: [1e-6] for r in range(1, engine.get("max_num_seqs", 256) + 1)}
         if i == args.vllm_k0:
             llm.llm_engine.model_executor.driver_worker.worker.model_runner.drafter.vllm_k0_pass = True
-        outs = llm.generate(prompts, sampling)
+        lora = None
+        if args.lora:  # prompt j runs with adapter j % (n + 1), 0 meaning none
+            from vllm.lora.request import LoRARequest
+
+            adapters = [None] + [LoRARequest(f"adapter{a}", a, d) for a, d in enumerate(json.loads(args.lora), 1)]
+            lora = [adapters[j % len(adapters)] for j in range(len(prompts))]
+            if i == 0:
+                result["outputs_without_lora"] = [o.outputs[0].token_ids for o in llm.generate(prompts, sampling)]
+        outs = llm.generate(prompts, sampling, lora_request=lora)
         result["outputs"].append([o.outputs[0].token_ids for o in outs])
         result["metrics"].append(counters(llm))
         result["ddtree"].append(ddtree_summary(llm))
@@ -117,6 +129,9 @@ if __name__ == "__main__":
                                  for o in outs])
         result["logprobs"].append([[{str(t): lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs]
                                    for o in outs] if outs[0].outputs[0].logprobs is not None else None)
+        result["prompt_logprobs"].append([[None if pos is None else {str(t): lp.logprob for t, lp in pos.items()}
+                                           for pos in o.prompt_logprobs] for o in outs]
+                                         if outs[0].prompt_logprobs is not None else None)
         del llm
         gc.collect()
     with open(args.out, "w") as f:
