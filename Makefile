@@ -30,13 +30,14 @@ $(FLASHINFER): $(STAMP)
 	$(PIP) install --quiet --no-deps --upgrade --target $(VENV)/flashinfer "flashinfer-python==$(FLASHINFER_VERSION)" nvidia-ml-py
 	touch $@
 
-# The engine tests keep about 1.4 of 2 cores busy: two test workers (pytest-xdist) finish the suite in
-# about 4/5 of the time of one. Tests marked xdist_group run on one worker: several engines at once never
-# meet each other's, a module's shared fixture is built once.
+# The engine tests keep about 1.4 of 2 cores busy, so two test workers (pytest-xdist) share the cores.
+# Intel's OpenMP spins 200 ms after each parallel region by default, which two processes on two cores
+# spend spinning against each other: 1 ms lets the other process run (docs/design.md §17).
 TEST_WORKERS ?= 2
 
+test: export KMP_BLOCKTIME = 1
 test: $(STAMP) $(FLASHINFER)
-	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS)
 
 test-fast: $(STAMP) $(FLASHINFER)
 	$(PY) -m pytest -q -m "not slow and not vllm"

@@ -13,8 +13,7 @@ import sys
 import pytest
 from conftest import vllm_env
 
-# several engines or servers at once: one such test at a time beside the other test worker's (memory)
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.xdist_group("multi_engine")]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 METHODS = ("ddtree (defaults)", "target alone", "dflash chain")
 # a table row: the method, then tau, tok/s and the ratio to the target alone, one at a time and as a batch

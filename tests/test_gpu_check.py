@@ -24,8 +24,6 @@ import gpu_check  # noqa: E402
 
 from vllm_ddtree.tree import CostModel  # noqa: E402
 
-pytestmark = pytest.mark.xdist_group("gpu_check")  # one worker runs the check once for the module
-
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:

@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import vllm_env
 
-# several engines or servers at once: one such test at a time beside the other test worker's (memory)
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.xdist_group("multi_engine")]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 1200  # s; about 3 min on an idle 2-core CPU, longer while other engines run
 

@@ -35,8 +35,7 @@ import generate_spec  # noqa: E402  (the prompts)
 
 from vllm_ddtree.drafter.io import load_draft_vocab  # noqa: E402
 
-# several engines or servers at once: one such test at a time beside the other test worker's (memory)
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.xdist_group("multi_engine")]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 HELPER = Path(__file__).parent / "engine" / "generate_parallel.py"
 TP = 3
 # 3 workers on 2 cores: ranks 0 and 2 share core 0.

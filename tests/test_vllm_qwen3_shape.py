@@ -30,8 +30,7 @@ from pathlib import Path
 import pytest
 from conftest import free_port, vllm_env
 
-# one test worker builds the models and generates once for both tests
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.xdist_group("qwen3_shape")]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ENGINE = Path(__file__).parent / "engine"
 SERVE_START_TIMEOUT = 240  # s; about a minute on a busy 2-core CPU
 REQUEST_TIMEOUT = 120
