@@ -446,3 +446,17 @@ def test_processed_logprobs_mode_is_refused_at_startup(dirs):
                       logprobs_mode="processed_logprobs")
     with pytest.raises(ValueError, match="logprobs_mode='processed_logprobs' is not supported"):
         args.create_engine_config()
+
+
+def test_prompt_embeds_are_refused_at_startup(dirs):
+    # vLLM's draft step reads each request's last token id, which an embedded prompt lacks: its DFlash
+    # stops the engine on the first such request; ddtree refuses the engine option instead.
+    from vllm.engine.arg_utils import EngineArgs
+
+    spec = {"method": "ddtree", "model": str(dirs["drafter"]), "tree_budget": 8}
+    args = EngineArgs(model=str(dirs["target"]), dtype="float32", max_model_len=1024, speculative_config=spec,
+                      enable_prompt_embeds=True)
+    with pytest.raises(ValueError, match="enable_prompt_embeds is not supported with speculative method 'ddtree'"):
+        args.create_engine_config()
+    plain = EngineArgs(model=str(dirs["target"]), dtype="float32", max_model_len=1024, enable_prompt_embeds=True)
+    assert plain.create_engine_config().model_config.enable_prompt_embeds  # without ddtree vLLM's as it was

@@ -444,6 +444,7 @@ def _wrap_post_init(post_init: Callable) -> Callable:
             self.ddtree.check_target(max_model_len=self.target_model_config.max_model_len,
                                      vocab_size=self.target_model_config.get_vocab_size(), drafter=self.model)
         _check_logprobs_mode(self)
+        _check_prompt_embeds(self)
         return out
 
     return __post_init__
@@ -457,6 +458,19 @@ def _check_logprobs_mode(spec: Any) -> None:
         raise ValueError(
             f"logprobs_mode={mode!r} is not supported with speculative method 'ddtree': its tree sampler returns "
             "logprobs of the target's raw distribution; use logprobs_mode='raw_logprobs' (the default) or 'raw_logits'"
+        )
+
+
+def _check_prompt_embeds(spec: Any) -> None:
+    """vLLM's draft step (``prepare_next_token_ids_padded``, shared with its DFlash) reads each request's
+    last token id on the host; a prompt given as embeddings has none, and the first such request would
+    stop the engine (vLLM 0.32.0's DFlash does: "Tried to access token index ..."). Refused at start-up."""
+    target = getattr(spec, "target_model_config", None)
+    if getattr(target, "enable_prompt_embeds", False):
+        raise ValueError(
+            "enable_prompt_embeds is not supported with speculative method 'ddtree': vLLM's draft step reads each "
+            "request's last token id, which a prompt given as embeddings does not have (the first such request "
+            "would stop the engine); start without --enable-prompt-embeds, or without speculative decoding"
         )
 
 
