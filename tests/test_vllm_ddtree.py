@@ -467,9 +467,11 @@ def test_dynamic_sd_schedule_sets_the_tree_budget_per_batch_size(tmp_path, draft
 
 
 def test_the_budget_may_choose_no_tree_and_the_undrafted_steps_stay_exact(tmp_path, drafter):
-    # min_tree_budget 0: once the cost is calibrated the gate measures an undrafted decode step at
-    # each batch size (vLLM's K = 0 path); forced closed, most steps decode alone and every third
-    # drafts a probe tree, through prefills, finishing requests and changing batch sizes.
+    # min_tree_budget 0. Left free, the gate starts from the undrafted steps timed at start-up and
+    # decodes without a tree only where trees measured slower, which depends on the machine's timing:
+    # only exactness and the calibration are asserted. Forced closed, most steps decode alone (vLLM's
+    # K = 0 path) and every third drafts a probe tree, through prefills, finishing requests and
+    # changing batch sizes.
     path, _ = drafter
     gated = {"method": "ddtree", "model": str(path), "tree_budget": "auto", "min_tree_budget": 0, "prompt_lookup_tokens": 0}
     specs = [None, gated, gated]
@@ -477,8 +479,8 @@ def test_the_budget_may_choose_no_tree_and_the_undrafted_steps_stay_exact(tmp_pa
               "--sampling", json.dumps({"temperature": 0, "max_tokens": 64}))
     assert res["outputs"][1] == res["outputs"][0] and res["outputs"][2] == res["outputs"][0]
     free, closed = res["ddtree"][1], res["ddtree"][2]
-    assert free["cost_calibrated"] and free["gate_undrafted_steps"] >= 1
-    assert free["gate_undrafted_step_ms"] and all(ms > 0 for ms in free["gate_undrafted_step_ms"].values())
+    assert free["cost_calibrated"] and free["gate_drafted_steps"] > 0  # a size class is open until measured
+    assert all(ms > 0 for ms in free["gate_undrafted_step_ms"].values())
     assert closed["gate_undrafted_steps"] > closed["gate_drafted_steps"] > 0 and closed["gate_advantage"]
     assert all(a < 1 for a in closed["gate_advantage"].values())  # every size class it measured: closed
     assert res["metrics"][2].get("vllm:spec_decode_num_drafts", 0) > 0  # the probes verified trees
