@@ -431,9 +431,9 @@ def test_sampling_parameters_the_tree_sampler_ignores_are_refused(dirs):
     spec = vc.speculative_config
     for ok in (dict(temperature=0.7, top_k=5, top_p=0.9), dict(repetition_penalty=1.2, presence_penalty=0.5,
                                                               frequency_penalty=0.3), dict(logprobs=2),
-               dict(min_tokens=3, bad_words=["x"], allowed_token_ids=[1, 2])):
+               dict(min_tokens=3, bad_words=["x"], allowed_token_ids=[1, 2]), dict(thinking_token_budget=16)):
         SamplingParams(**ok)._validate_spec_decode(spec)  # applied by the tree sampler
-    for bad in (dict(logprobs=-1), dict(logprob_token_ids=[5]), dict(thinking_token_budget=16)):
+    for bad in (dict(logprobs=-1), dict(logprob_token_ids=[5])):
         with pytest.raises(VLLMValidationError, match="not supported yet with speculative method 'ddtree'"):
             SamplingParams(**bad)._validate_spec_decode(spec)
 

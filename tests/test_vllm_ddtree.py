@@ -264,6 +264,39 @@ def test_stop_strings_eos_and_max_tokens_end_requests_at_the_same_token(tmp_path
         assert outs == res["outputs"][0], spec
 
 
+def test_thinking_token_budgets_end_thinking_where_the_target_alone_ends_it(tmp_path, drafter):
+    # A reasoning config whose start and end of thinking the toy pair meets: "," starts thinking (the
+    # number-list prompts end in one: they think from the prompt on, and go on writing commas), " the
+    # end." (3 tokens) is forced once a request has thought its thinking_token_budget. Requests with
+    # budgets and without in one batch, greedy, and one sampled. Without cutting the trees of budgeted
+    # requests at the forced positions, ddtree's greedy outputs differed from the target alone's in
+    # 2 of 9 requests (ad hoc). Every request runs to the same length: when one leaves the batch
+    # early, vLLM 0.32's holder (the target alone's) can hand its state to the request moved into its
+    # row (`ThinkingBudgetStateHolder.sync_batch` keeps the row's state on a move from a row without
+    # one), and then forces a request without a budget; ddtree keeps its states by request id.
+    path, _ = drafter
+    greedy = {"temperature": 0, "max_tokens": 48, "ignore_eos": True}
+    budgets = [(3, 3), (8, 0), (0, 10), (4, None), (1, 1), (7, 40), (6, 5), (2, 2), (5, 20), (3, None)]
+    requests = [[i, greedy | ({} if b is None else {"thinking_token_budget": b})] for i, b in budgets]
+    requests.append([8, {"temperature": 1.0, "seed": 3, "max_tokens": 48, "ignore_eos": True, "thinking_token_budget": 0}])
+    engine = {"reasoning_config": {"reasoning_start_str": ",", "reasoning_end_str": " the end."}}
+    specs = [None, {"method": "ddtree", "model": str(path), "tree_budget": 8},
+             {"method": "ddtree", "model": str(path), "tree_budget": 64, "ngram_weight": 0}, {"method": "ddtree"}]
+    res = run(tmp_path / "out.json", specs, "--engine", json.dumps(engine), "--requests", json.dumps(requests))
+    from transformers import AutoTokenizer
+
+    from vllm_ddtree.models.target import prepare_target
+
+    end = AutoTokenizer.from_pretrained(str(prepare_target())).encode(" the end.", add_special_tokens=False)
+    base = res["outputs"][0]
+    assert base[0] != base[9]  # the same prompt with a budget and without: the budget ended its thinking
+    assert base[0][3:6] == end and base[1][:3] == end  # 3 tokens thought, then the end; none thought
+    for spec, outs, metrics in zip(specs[1:], res["outputs"][1:], res["metrics"][1:]):
+        assert outs[:10] == base[:10], spec
+        assert outs[10][:3] == end, spec  # sampled, thinking from the prompt with a budget of 0
+        assert metrics.get("vllm:spec_decode_num_drafts", 0) > 0, spec
+
+
 def test_ddtree_applies_penalties_and_returns_logprobs_like_the_target(tmp_path, drafter):
     # Penalties depend on the tokens generated so far, so inside a tree each node's distribution is
     # penalised for its own path: greedy output must still be token-identical to no speculation, and

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
+from vllm_ddtree.thinking import force_rows
 from vllm_ddtree.tree import TreeBatch, sample_tokens, to_device
 
 # Rows × vocab of one chunk of verify rows. Every [rows, V] temporary is a chunk's: the float32
@@ -90,7 +91,7 @@ class RaggedRows:
 
 
 def sample_rows(logits: Tensor, rows: Tensor, md, batch: TreeBatch, num_rows: Sequence[int],
-                chunk_elements: int = CHUNK_ELEMENTS) -> Tensor:
+                chunk_elements: int = CHUNK_ELEMENTS, forced: Sequence[tuple[int, int]] = ()) -> Tensor:
     """One target token per verify row: argmax, or one draw from the request's processed distribution.
 
     logits [T, V]: the step's logits rows, ragged and request-major, ``num_rows[i]`` (host ints,
@@ -101,13 +102,17 @@ def sample_rows(logits: Tensor, rows: Tensor, md, batch: TreeBatch, num_rows: Se
     (:func:`request_chunks`): penalties, constraints, temperature, vLLM's top-k/top-p, softmax and
     the exponential race all run on a chunk's [rows, V] float32 copy, so the transient memory is
     bounded by the chunk, not by the batch; the caller's logits are never written.
+
+    forced: (request, token) pairs whose root row must sample that token (thinking_token_budget's
+    end of thinking, :mod:`vllm_ddtree.thinking`): after penalties and constraints the token gets
+    vLLM's forcing logit, as vLLM's samplers give it.
     """
     r, n = rows.shape
     if len(num_rows) != r:
         raise ValueError(f"num_rows has {len(num_rows)} entries; rows has {r} requests")
     penalized = not md.no_penalties
     constrained = _has_constraints(md)
-    if md.all_greedy and not penalized and not constrained:
+    if md.all_greedy and not penalized and not constrained and not forced:
         return logits.argmax(-1)[rows]  # argmax first: no [T, V] copy on the plain greedy path
     dev, v = logits.device, logits.shape[1]
     ragged = RaggedRows.build(num_rows, dev)
@@ -126,6 +131,9 @@ def sample_rows(logits: Tensor, rows: Tensor, md, batch: TreeBatch, num_rows: Se
             x = tree_penalties(x, md, batch, ragged, chunk)
         if constrained:
             x = tree_constraints(x, md, batch, ragged, chunk)
+        in_chunk = [(ragged.starts[i] - lo, t) for i, t in forced if chunk[0] <= i < chunk[1]]
+        if in_chunk:
+            force_rows(x, in_chunk)
         flat[lo:hi] = x.argmax(-1) if md.all_greedy else _sample_chunk(x, md, ragged, chunk)
     return flat[rows]
 

@@ -56,8 +56,7 @@ P7  ``SpeculativeConfig.compute_hash`` (:612) — adds ddtree's options and the 
 P8  ``SamplingParams._validate_spec_decode`` (sampling_params.py:1182, called from
     ``SamplingParams.verify`` for every request) — refuses, per request and with a clear error, the
     sampling parameters the tree sampler does not apply yet (whole-vocabulary logprobs,
-    logprob_token_ids, per-request logits processors, thinking_token_budget) instead of silently
-    ignoring them.
+    logprob_token_ids, per-request logits processors) instead of silently ignoring them.
     (vLLM itself refuses min_p and logit_bias for every speculative method; P3 refuses the
     processed logprobs modes.)
 P9  ``vllm.v1.attention.selector._cached_get_attn_backend`` (v1/attention/selector.py:201, memoised
@@ -76,7 +75,11 @@ P10 ``DFlashProposer.__init__`` (v1/spec_decode/dflash.py:24) — for ddtree, ca
     drafter becomes :class:`vllm_ddtree.proposer.DDTreeProposer` (a DFlashProposer subclass).
 P11 ``GPUModelRunner._prepare_inputs`` (:1920) — wrapped: after it computed sequential positions and
     slots, ddtree's verify rows get positions context + depth and the step's tree masks go to the
-    CPU tree attention (:func:`vllm_ddtree.verify.prepare_tree_step`).
+    CPU tree attention (:func:`vllm_ddtree.verify.prepare_tree_step`). With a reasoning config it
+    also puts :class:`vllm_ddtree.thinking.ThinkingBudgets` in the input batch's place of vLLM's
+    ``ThinkingBudgetStateHolder`` (v1/sample/thinking_budget_state.py:34, made for speculative
+    chains: on a step without drafts it would force every request's token into the first row) and
+    gives it the step's new and finished requests.
 P12 ``GPUModelRunner._sample`` (:3437) — for ddtree steps, the tree walk replaces the chain-only
     rejection sampler (:func:`vllm_ddtree.verify.sample_tree_step`; also compacts the target's KV and
     tells the proposer the order that puts each request's accepted path first). A step in which no
@@ -88,7 +91,8 @@ P13 ``GPUModelRunner._input_fits_in_drafter`` (:4288) — for ddtree, the drafte
     max_model_len, instead of within the block size. ``GPUModelRunner.take_draft_token_ids`` (:4627)
     — when the drafter was skipped, vLLM hands the scheduler zeros of ``num_speculative_tokens`` per
     request (:4460), which ddtree would verify as a verify-width chain for every request of the
-    batch; it hands no drafts instead.
+    batch; it hands no drafts instead. A request with a ``thinking_token_budget`` has its drafts cut
+    where a tree row could be a forced end-of-thinking token (:mod:`vllm_ddtree.thinking`).
 P14 ``Worker.compile_or_warm_up_model`` (v1/worker/gpu_worker.py:908; ``CPUWorker``'s on a CPU,
     cpu_worker.py:264) — wrapped: after vLLM's own warm-up and graph capture, a ddtree engine with the
     automatic budget times its step sizes with vLLM's dummy forwards
@@ -667,7 +671,7 @@ def _patch_sampling_params() -> None:
                 raise VLLMValidationError(
                     f"{', '.join(unsupported)} not supported yet with speculative method 'ddtree': its tree "
                     "sampler applies temperature, top_k, top_p, seed, presence/frequency/repetition penalties, "
-                    "min_tokens, allowed_token_ids, bad_words and logprobs (top-n). Drop those parameters or send the "
+                    "min_tokens, allowed_token_ids, bad_words, thinking_token_budget and logprobs (top-n). Drop those parameters or send the "
                     "request to an engine without ddtree.",
                     parameter=unsupported[0].split("=", 1)[0],  # the HTTP error's "param": the first one named
                 )
@@ -683,8 +687,6 @@ def _unsupported_sampling(params) -> list[str]:
         "logprob_token_ids": bool(getattr(params, "logprob_token_ids", None)),
         "min_p": bool(getattr(params, "min_p", 0.0)),
         "logits_processors": bool(getattr(params, "logits_processors", None)),
-        # vLLM forces the end of thinking through ThinkingBudgetStateHolder in its own samplers only
-        "thinking_token_budget": getattr(params, "thinking_token_budget", None) is not None,
     }
     return [name for name, bad in checks.items() if bad]
 
@@ -789,8 +791,12 @@ def _patch_model_runner() -> None:
         if _is_ddtree(vllm_config):
             from vllm_ddtree.proposer import DDTreeProposer
 
+            from vllm_ddtree.thinking import ThinkingBudgets
+
             self.drafter = DDTreeProposer(vllm_config, self.device, self)
             self.use_aux_hidden_state_outputs = True
+            # thinking_token_budget: ddtree's stand-in for vLLM's holder (None without a reasoning config)
+            self._ddtree_thinking = ThinkingBudgets.for_runner(self)
 
     _set(GPUModelRunner, "__init__", init)
 
@@ -801,6 +807,11 @@ def _patch_model_runner() -> None:
         out = prepare(self, scheduler_output, *args, **kwargs)
         if _is_ddtree(self.vllm_config):
             from vllm_ddtree.verify import prepare_tree_step
+
+            budgets = getattr(self, "_ddtree_thinking", None)
+            if budgets is not None:
+                budgets.admit(scheduler_output.scheduled_new_reqs, scheduler_output.finished_req_ids)
+                budgets.install(self.input_batch)
 
             self._ddtree_step = prepare_tree_step(self, out[1], scheduler_output.total_num_scheduled_tokens)
         return out
@@ -847,6 +858,9 @@ def _patch_model_runner() -> None:
             # verify-width zeros for every request, verified for nothing. No drafts instead.
             return type(out)(out.req_ids, [[] for _ in out.req_ids])
         proposed = getattr(getattr(self, "drafter", None), "proposed", None)
+        budgets = getattr(self, "_ddtree_thinking", None)
+        if budgets is not None and budgets.budgeted:  # no verify row of a tree may be a forced one
+            budgets.cut_drafts(out.req_ids, out.draft_token_ids, proposed)
         if proposed is not None:  # P16: the trees' shape, for the grammar masks of structured outputs
             from vllm_ddtree.structured import DRAFT_PARENTS, TreeParents
 

@@ -102,6 +102,10 @@ if __name__ == "__main__":
         prompts = [PROMPTS[i] for i, _ in reqs]
         sampling = [sampling_params(kw) for _, kw in reqs]
     engine = engine_kwargs(args)
+    if "reasoning_config" in engine:  # {"reasoning_start_str": ..., "reasoning_end_str": ...}
+        from vllm.config import ReasoningConfig
+
+        engine["reasoning_config"] = ReasoningConfig(**engine["reasoning_config"])
     result = {"outputs": [], "metrics": [], "logprobs": [], "prompt_logprobs": [], "ddtree": [], "finish": []}
     for i, arg in enumerate(args.specs):
         spec = None if arg == "none" else json.loads(arg)
