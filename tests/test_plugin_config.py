@@ -151,10 +151,12 @@ def test_cli_flags_reach_ddtree(dirs):
     """`vllm serve`/`vllm bench` parse --speculative-config as JSON and --spec-method with choices."""
     import json
 
-    from vllm.engine.arg_utils import EngineArgs
+    from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())  # loads the general plugins first
+    # `vllm serve`'s and `vllm bench throughput`'s parser: it loads the general plugins before it
+    # lists --spec-method's choices (EngineArgs' alone does not, and depends on what ran before it)
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
     spec = {"method": "ddtree", "model": str(dirs["drafter"]), "tree_budget": "auto", "max_tree_budget": 24}
     args = parser.parse_args(["--model", str(dirs["target"]), "--dtype", "float32", "--max-model-len", "1024",
                               "--speculative-config", json.dumps(spec)])

@@ -114,6 +114,14 @@ TARGETS: tuple[Target, ...] = tuple(
     + _t("engine", "v1/sample/logits_processor/builtin.py", "MinTokensLogitsProcessor",
          "tree sampler: min_tokens state")
     + _t("engine", "v1/outputs.py", "SamplerOutput", "what the tree sampler returns")
+    + _t("engine", "v1/sample/thinking_budget_state.py",
+         "ThinkingBudgetStateHolder.__init__, ThinkingBudgetStateHolder._init_state_entry, "
+         "ThinkingBudgetStateHolder._update_think_state, ThinkingBudgetStateHolder._apply_forcing_to_logits",
+         "thinking budgets: vLLM's state machine run per request without drafts, and its forcing rule")
+    + _t("engine", "v1/sample/sampler.py", "Sampler.apply_logits_processors",
+         "thinking budgets: what vLLM's sampler asks of the holder ddtree stands in for")
+    + _t("engine", "v1/worker/gpu_input_batch.py", "InputBatch.refresh_metadata, InputBatch._make_sampling_metadata",
+         "thinking budgets: where the input batch hands its holder to the sampling metadata")
     + _t("attention", "v1/attention/backends/cpu_attn.py", "CPUAttentionBackend",
          "the CPU tree backend subclasses it")
     + _t("attention", "v1/attention/backends/flashinfer.py",
