@@ -145,3 +145,36 @@ def test_registry_patch_works(tmp_path):
         capture_output=True, text=True, env=env, timeout=600,
     )
     assert "REGISTRY-OK" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+def _holder_after_a_finished_row_is_refilled(holder_cls) -> dict:
+    """Rows 0 (a budgeted request) and 1 (none); row 0's request finishes and the batch moves row 1
+    into it. vLLM's InputBatch reports that as a move alone (condense() pops the removal it fills)."""
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.v1.sample.logits_processor.interface import BatchUpdate, MoveDirectionality
+
+    cfg = SimpleNamespace(reasoning_start_token_ids=[5], reasoning_end_token_ids=[6])
+    holder = holder_cls(cfg, 4, 0, torch.device("cpu"), False)
+    added = [(0, SimpleNamespace(thinking_token_budget=0), [1, 5], []), (1, SimpleNamespace(thinking_token_budget=None), [1], [])]
+    holder.sync_batch(BatchUpdate(2, [], added, []))
+    holder.sync_batch(BatchUpdate(1, [], [], [(1, 0, MoveDirectionality.UNIDIRECTIONAL)]))
+    return holder._state
+
+
+@pytest.mark.skipif(shutil.which("patch") is None, reason="needs the patch tool")
+def test_thinking_budget_row_moves_patch_drops_the_finished_requests_state(tmp_path):
+    import importlib.util
+
+    from vllm.v1.sample.thinking_budget_state import ThinkingBudgetStateHolder
+
+    # vLLM as it is: the request without a budget, moved into row 0, inherits the finished one's state
+    assert 0 in _holder_after_a_finished_row_is_refilled(ThinkingBudgetStateHolder)
+    patch = ROOT / "patches" / "0004-thinking-budget-row-moves.patch"
+    assert _apply_to_copy(patch, tmp_path / "src", dry_run=False).returncode == 0
+    spec = importlib.util.spec_from_file_location("patched_thinking_budget_state",
+                                                  tmp_path / "src" / "vllm/v1/sample/thinking_budget_state.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert _holder_after_a_finished_row_is_refilled(module.ThinkingBudgetStateHolder) == {}
