@@ -275,13 +275,12 @@ def test_thinking_token_budgets_end_thinking_where_the_target_alone_ends_it(tmp_
     # row (`ThinkingBudgetStateHolder.sync_batch` keeps the row's state on a move from a row without
     # one), and then forces a request without a budget; ddtree keeps its states by request id.
     path, _ = drafter
-    greedy = {"temperature": 0, "max_tokens": 48, "ignore_eos": True}
+    greedy = {"temperature": 0, "max_tokens": 40, "ignore_eos": True}
     budgets = [(3, 3), (8, 0), (0, 10), (4, None), (1, 1), (7, 40), (6, 5), (2, 2), (5, 20), (3, None)]
     requests = [[i, greedy | ({} if b is None else {"thinking_token_budget": b})] for i, b in budgets]
-    requests.append([8, {"temperature": 1.0, "seed": 3, "max_tokens": 48, "ignore_eos": True, "thinking_token_budget": 0}])
+    requests.append([8, {"temperature": 1.0, "seed": 3, "max_tokens": 40, "ignore_eos": True, "thinking_token_budget": 0}])
     engine = {"reasoning_config": {"reasoning_start_str": ",", "reasoning_end_str": " the end."}}
-    specs = [None, {"method": "ddtree", "model": str(path), "tree_budget": 8},
-             {"method": "ddtree", "model": str(path), "tree_budget": 64, "ngram_weight": 0}, {"method": "ddtree"}]
+    specs = [None, {"method": "ddtree", "model": str(path), "tree_budget": 8}, {"method": "ddtree"}]
     res = run(tmp_path / "out.json", specs, "--engine", json.dumps(engine), "--requests", json.dumps(requests))
     from transformers import AutoTokenizer
 
