@@ -18,11 +18,13 @@ length once, in order. From it, per step:
   none where the next position itself is forced, so no verify row of a tree is ever forced and every
   forced token is sampled at a request's root row, as the target alone samples it.
 
-The bound: on the output so far followed by tokens that neither start nor end thinking, vLLM's
-machine is run forward on a copy of the state until it would force; an end of thinking in a path
-only ends the thinking (nothing forced), and a start of thinking in a path cannot reach the budget
-within `thinking_token_budget` further tokens. So requests far from their budget (the usual case)
-draft whole trees, and the last few tokens of a budget and the forced end are decoded one a step.
+The bound: a request not thinking is forced on no tokens that start nothing, and one thinking on
+none while its count from its start of thinking stays short of the budget (with `COUNT_MARGIN`);
+nearer, vLLM's machine is run forward on a copy of the state over tokens that neither start nor end
+thinking, up to its first forced position. An end of thinking in a path only ends the thinking
+(nothing forced), and a start of thinking in a path cannot reach the budget within
+`thinking_token_budget` further tokens. So requests far from their budget (the usual case) draft
+whole trees, and the last few tokens of a budget and the forced end are decoded one a step.
 
 Only budgeted requests are visited (a Python loop over them, as vLLM's holder loops), each step; a
 request without a budget costs nothing.
