@@ -790,7 +790,6 @@ def _patch_model_runner() -> None:
         self._ddtree_step = None
         if _is_ddtree(vllm_config):
             from vllm_ddtree.proposer import DDTreeProposer
-
             from vllm_ddtree.thinking import ThinkingBudgets
 
             self.drafter = DDTreeProposer(vllm_config, self.device, self)
