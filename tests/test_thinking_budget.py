@@ -24,23 +24,32 @@ def _holder(start=START, end=END, num_spec_tokens=0):
     return ThinkingBudgetStateHolder(cfg, 4, num_spec_tokens, torch.device("cpu"), False)
 
 
-def _vllm_stream(prompt, budget, length, rng, start=START, end=END):
+def _vllm_run(prompt, budget, length, next_token, start=START, end=END):
     """What vLLM's sampler does without speculation, token by token: `update_state` on the output so
-    far, `apply_to_logits` on the request's row, then the next token (the forced one, else random)."""
+    far, `apply_to_logits` on the request's row, then the next token, `next_token(position, forced)`.
+    Returns the output and the token forced before each position (or None)."""
     from vllm.v1.sample.logits_processor.interface import BatchUpdate
 
     holder = _holder(start, end)
-    params = SimpleNamespace(thinking_token_budget=budget)
     output: list[int] = []
-    holder.sync_batch(BatchUpdate(1, [], [(0, params, prompt, output)], []))
+    holder.sync_batch(BatchUpdate(1, [], [(0, SimpleNamespace(thinking_token_budget=budget), prompt, output)], []))
     forced_at = []
-    for _ in range(length):
+    for at in range(length):
         holder.update_state([output], [[]])
         logits = holder.apply_to_logits(torch.zeros(1, VOCAB), False, [[]])
-        forced = bool(logits.max() >= FORCED_LOGIT)
-        forced_at.append(int(logits.argmax()) if forced else None)
-        output.append(int(logits.argmax()) if forced else _draw(rng, start, end))
+        forced_at.append(int(logits.argmax()) if logits.max() >= FORCED_LOGIT else None)
+        output.append(next_token(at, forced_at[-1]))
     return output, forced_at
+
+
+def _vllm_stream(prompt, budget, length, rng):
+    """A stream vLLM would generate: the forced token where there is one, else a random one."""
+    return _vllm_run(prompt, budget, length, lambda at, forced: _draw(rng) if forced is None else forced)
+
+
+def _replay(prompt, budget, stream):
+    """vLLM's holder on a given stream: the token it forces before each position (one past the end too)."""
+    return _vllm_run(prompt, budget, len(stream) + 1, lambda at, forced: (stream + [0])[at])
 
 
 def _draw(rng, start=START, end=END):
@@ -116,22 +125,6 @@ def test_without_the_budget_bound_a_path_that_starts_thinking_is_forced_inside_i
     assert budgets.safe_depth("r", 15) == 2  # the bound: the budget
     _, forced = _replay([1, 2], 2, [1, 2, 3] + START + [1, 2, 3, 4])
     assert forced[3 + 3] is not None  # a path's 4th position would be forced (> 2, < 15)
-
-
-def _replay(prompt, budget, stream):
-    """vLLM's holder without drafts on a given stream: the forced token before each position."""
-    from vllm.v1.sample.logits_processor.interface import BatchUpdate
-
-    holder = _holder()
-    output: list[int] = []
-    holder.sync_batch(BatchUpdate(1, [], [(0, SimpleNamespace(thinking_token_budget=budget), prompt, output)], []))
-    forced_at = []
-    for token in stream + [0]:
-        holder.update_state([output], [[]])
-        logits = holder.apply_to_logits(torch.zeros(1, VOCAB), False, [[]])
-        forced_at.append(int(logits.argmax()) if logits.max() >= FORCED_LOGIT else None)
-        output.append(token)
-    return output, forced_at
 
 
 def test_cut_drafts_keeps_the_prefix_of_nodes_within_the_safe_depth():
