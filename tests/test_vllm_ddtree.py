@@ -296,6 +296,28 @@ def test_thinking_token_budgets_end_thinking_where_the_target_alone_ends_it(tmp_
         assert metrics.get("vllm:spec_decode_num_drafts", 0) > 0, spec
 
 
+def test_thinking_budgets_survive_preemption_as_if_never_preempted(tmp_path, drafter):
+    # 8 KV blocks of 32 tokens for 9 requests of 100-120 tokens: requests are preempted, recomputed and
+    # resumed mid-thinking. ddtree keeps each budgeted request's state by request id across it, so its
+    # output is the target alone's without preemption. (vLLM 0.32's holder re-initialises a resumed
+    # request's state from its prompt and replays the whole output at once: ad hoc, the target alone
+    # under the same preemption forced a stray " end." into request 1.)
+    path, _ = drafter
+    greedy = {"temperature": 0, "max_tokens": 96, "ignore_eos": True}
+    budgets = [(3, 3), (8, 0), (0, 10), (4, None), (1, 1), (7, 40), (6, 5), (2, 2), (5, 20)]
+    requests = json.dumps([[i, greedy | ({} if b is None else {"thinking_token_budget": b})] for i, b in budgets])
+    reasoning = {"reasoning_config": {"reasoning_start_str": ",", "reasoning_end_str": " the end."},
+                 "max_model_len": 224, "max_num_seqs": 9}
+    tight = reasoning | {"num_gpu_blocks_override": 8, "block_size": 32, "max_num_batched_tokens": 48}
+    alone = run(tmp_path / "alone.json", [None], "--engine", json.dumps(reasoning), "--requests", requests)
+    res = run(tmp_path / "out.json", [{"method": "ddtree", "model": str(path)}], "--engine", json.dumps(tight),
+              "--requests", requests)
+    assert alone["metrics"][0]["vllm:num_preemptions"] == 0
+    assert res["metrics"][0]["vllm:num_preemptions"] > 0  # the scenario really preempts
+    assert res["metrics"][0].get("vllm:spec_decode_num_drafts", 0) > 0
+    assert res["outputs"][0] == alone["outputs"][0]
+
+
 def test_ddtree_applies_penalties_and_returns_logprobs_like_the_target(tmp_path, drafter):
     # Penalties depend on the tokens generated so far, so inside a tree each node's distribution is
     # penalised for its own path: greedy output must still be token-identical to no speculation, and
