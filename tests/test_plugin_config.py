@@ -433,11 +433,18 @@ def test_sampling_parameters_the_tree_sampler_ignores_are_refused(dirs):
     spec = vc.speculative_config
     for ok in (dict(temperature=0.7, top_k=5, top_p=0.9), dict(repetition_penalty=1.2, presence_penalty=0.5,
                                                               frequency_penalty=0.3), dict(logprobs=2),
-               dict(min_tokens=3, bad_words=["x"], allowed_token_ids=[1, 2]), dict(thinking_token_budget=16)):
+               dict(min_tokens=3, bad_words=["x"], allowed_token_ids=[1, 2]), dict(thinking_token_budget=16),
+               dict(temperature=0.8, min_p=0.05, logit_bias={5: -2.0})):
         SamplingParams(**ok)._validate_spec_decode(spec)  # applied by the tree sampler
     for bad in (dict(logprobs=-1), dict(logprob_token_ids=[5])):
         with pytest.raises(VLLMValidationError, match="not supported yet with speculative method 'ddtree'"):
             SamplingParams(**bad)._validate_spec_decode(spec)
+    # vLLM's own methods keep vLLM's refusal of min_p and logit_bias (its chain samplers ignore them)
+    dflash = _engine_config(dirs["target"], {"method": "dflash", "model": str(dirs["drafter"]),
+                                             "num_speculative_tokens": 4}).speculative_config
+    for bad in (dict(min_p=0.05), dict(logit_bias={5: -2.0})):
+        with pytest.raises(VLLMValidationError, match="min_p and logit_bias"):
+            SamplingParams(**bad)._validate_spec_decode(dflash)
 
 
 def test_processed_logprobs_mode_is_refused_at_startup(dirs):

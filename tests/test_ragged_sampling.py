@@ -4,7 +4,9 @@
 vLLM hands them over. The padded implementation is kept here, verbatim, as the reference: greedy
 rows (with penalties and constraints) must give exactly its tokens; sampled rows must follow the
 processed distribution (a chi-square test); nothing may be read from the device; seeds must hold.
-vLLM's own SamplingMetadata dataclass and min_tokens processor are used, no engine.
+vLLM's own SamplingMetadata dataclass and its min_tokens, logit_bias and min_p processors are used
+(their state made by vLLM's own batch updates), no engine. logit_bias and min_p, which the padded
+sampler predates, are checked against vLLM's processors applied to every row of a request.
 """
 
 from __future__ import annotations
@@ -15,9 +17,17 @@ from torch import Tensor
 
 pytest.importorskip("vllm")
 
+from types import SimpleNamespace  # noqa: E402
+
 from scipy.stats import chi2  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
 from vllm.v1.sample.logits_processor import LogitsProcessors  # noqa: E402
-from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor  # noqa: E402
+from vllm.v1.sample.logits_processor.builtin import (  # noqa: E402
+    LogitBiasLogitsProcessor,
+    MinPLogitsProcessor,
+    MinTokensLogitsProcessor,
+)
+from vllm.v1.sample.logits_processor.interface import BatchUpdate  # noqa: E402
 from vllm.v1.sample.metadata import SamplingMetadata  # noqa: E402
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p  # noqa: E402
 
@@ -155,9 +165,11 @@ def metadata(r: int, vocab: int, *, temperature: list[float] | None = None, top_
              top_p: list[float] | None = None, penalties: bool = False, outputs: list[list[int]] | None = None,
              prompts: list[list[int]] | None = None, allowed: Tensor | None = None,
              bad_words: dict[int, list[list[int]]] | None = None, min_tokens: dict | None = None,
+             logit_bias: dict[int, dict[int, float]] | None = None, min_p: list[float] | None = None,
              generators: dict[int, torch.Generator] | None = None, device: str = "cpu",
              seed: int = 0) -> SamplingMetadata:
-    """vLLM's SamplingMetadata for r requests; min_tokens: req -> (min_tokens, stop ids) (vLLM's processor state)."""
+    """vLLM's SamplingMetadata for r requests; min_tokens: req -> (min_tokens, stop ids) (vLLM's processor
+    state); logit_bias (req -> {token: bias}) and min_p (per request) through vLLM's processors."""
     gen = torch.Generator().manual_seed(seed)
     outputs = outputs or [[] for _ in range(r)]
     procs = []
@@ -166,6 +178,7 @@ def metadata(r: int, vocab: int, *, temperature: list[float] | None = None, top_
         for i, (m, stops) in min_tokens.items():
             proc.min_toks[i] = (m, outputs[i], set(stops), False)
         procs.append(proc)
+    procs += per_request_processors(r, logit_bias, min_p, torch.device(device))
     prompt = None
     if penalties:
         from vllm.utils.torch_utils import make_tensor_with_pad
@@ -186,6 +199,32 @@ def metadata(r: int, vocab: int, *, temperature: list[float] | None = None, top_
         repetition_penalties=to(uniform(1.0, 1.6) if penalties else torch.ones(r)),
         output_token_ids=outputs, allowed_token_ids_mask=to(allowed), bad_words_token_ids=bad_words or {},
         logitsprocs=LogitsProcessors(procs))
+
+
+def per_request_processors(r: int, logit_bias: dict[int, dict[int, float]] | None, min_p: list[float] | None,
+                           device: torch.device) -> list:
+    """vLLM's logit_bias and min_p processors for r requests, their state set by a vLLM batch update
+    adding each request's SamplingParams at its row (as the input batch does)."""
+    if not logit_bias and not min_p:
+        return []
+    params = [SamplingParams(min_p=(min_p or [0.0] * r)[i], logit_bias=(logit_bias or {}).get(i)) for i in range(r)]
+    update = BatchUpdate(batch_size=r, removed=[], added=[(i, p, [], []) for i, p in enumerate(params)], moved=[])
+    procs = []
+    if logit_bias:
+        procs.append(LogitBiasLogitsProcessor(None, device, False))
+    if min_p:
+        procs.append(MinPLogitsProcessor(SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=r)), device, False))
+    for proc in procs:
+        proc.update_state(update)
+    return procs
+
+
+def biased_rows(logits: Tensor, drafts: list[int], logit_bias: dict[int, dict[int, float]]) -> Tensor:
+    """vLLM's logit_bias processor applied to flat verify rows, each row given its request's biases."""
+    rows = [i for i, d in enumerate(drafts) for _ in range(d + 1)]
+    (proc,) = per_request_processors(len(rows), {k: logit_bias[i] for k, i in enumerate(rows) if i in logit_bias},
+                                     None, torch.device("cpu"))
+    return proc.apply(logits.clone())
 
 
 def row_past(batch: TreeBatch, output: list[int], i: int, j: int) -> list[int]:
@@ -257,6 +296,64 @@ def test_greedy_rows_with_penalties_and_constraints_match_the_padded_sampler(chu
             assert got == want, (name, seed)
             assert want != unprocessed, f"{name}: the step must exercise what it checks"
         assert valid_tokens(sample_rows(logits, rows, plain, batch, [d + 1 for d in DRAFTS]), batch) == unprocessed
+
+
+def test_greedy_rows_with_logit_bias_are_vllm_s_biased_rows_then_penalties_and_constraints():
+    # logit_bias is added before the penalties, as vLLM orders them: a repetition penalty does not
+    # commute with an add. On requests 1, 3, 5 and 7 token A (in the prompt: penalised) is at 1.0 and
+    # token B (unpenalised, unless on a row's path) at 2.0, with a repetition penalty of 2 and a bias
+    # of 1.75 on A: biased first, A scores (1 + 1.75) / 2 < 2 and B wins; biased after the penalties,
+    # A would score 1 / 2 + 1.75 > 2. The other requests carry biases that move their argmax.
+    for seed in range(4):
+        batch, rows, logits, outputs, prompts, bad_words, min_tokens, allowed = constrained_step(seed)
+        r, counts = len(DRAFTS), [d + 1 for d in DRAFTS]
+        start = [sum(counts[:i]) for i in range(r)]
+        gen = torch.Generator().manual_seed(100 + seed)
+        bias, raced = {}, (1, 3, 5, 7)
+        for i in range(r):
+            a, b = start[i], start[i] + counts[i]
+            if i in raced:
+                busy = set(outputs[i]) | set(range(3, 9)) | {50}
+                tok_a, tok_b = [t for t in range(16, VOCAB) if t not in busy][:2]
+                prompts[i] = [tok_a]
+                logits[a:b] = torch.rand(b - a, VOCAB, generator=gen) * 0.3
+                logits[a:b, tok_a], logits[a:b, tok_b] = 1.0, 2.0
+                bias[i] = {tok_a: 1.75}
+            elif i % 2 == 0:
+                bias[i] = {int(logits[a].argmax()): -30.0, int(torch.randint(0, VOCAB, (1,), generator=gen)): 12.5}
+        plain = dict(penalties=True, outputs=outputs, prompts=prompts, allowed=allowed, bad_words=bad_words,
+                     min_tokens=min_tokens)
+
+        def with_penalties(md):
+            md.repetition_penalties[list(raced)] = 2.0
+            md.presence_penalties[list(raced)] = md.frequency_penalties[list(raced)] = 0.0
+            return md
+
+        want = valid_tokens(padded_sample_rows(biased_rows(logits, DRAFTS, bias), rows,
+                                               with_penalties(metadata(r, VOCAB, **plain)), batch), batch)
+        for chunk_elements in (1 << 25, VOCAB * 4):
+            md = with_penalties(metadata(r, VOCAB, logit_bias=bias, **plain))
+            assert valid_tokens(sample_rows(logits, rows, md, batch, counts, chunk_elements), batch) == want, seed
+            md = metadata(r, VOCAB, logit_bias=bias)  # alone: not the plain greedy shortcut
+            alone = padded_sample_rows(biased_rows(logits, DRAFTS, bias), rows, metadata(r, VOCAB), batch)
+            assert valid_tokens(sample_rows(logits, rows, md, batch, counts, chunk_elements), batch) == \
+                valid_tokens(alone, batch)
+        unbiased = valid_tokens(padded_sample_rows(logits, rows, with_penalties(metadata(r, VOCAB, **plain)), batch),
+                                batch)
+        assert all(want[i] != unbiased[i] for i in range(0, r, 2))  # the biases decide rows
+        # The order decides the raced rows where A biased after the penalties would beat every other
+        # token and A biased before them does not: there the sampler must not pick A.
+        penalised = padded_tree_penalties(logits[rows].float(), with_penalties(metadata(r, VOCAB, **plain)), batch)
+        decided = 0
+        for i in raced:
+            tok_a = next(iter(bias[i]))
+            others = penalised[i, : counts[i]].index_fill(1, torch.tensor([tok_a]), float("-inf")).max(-1).values
+            after, before = penalised[i, : counts[i], tok_a] + 1.75, (logits[start[i], tok_a] + 1.75) / 2
+            for j in range(counts[i]):
+                if after[j] > others[j] > before:
+                    assert want[i][j] != tok_a, (seed, i, j)
+                    decided += 1
+        assert decided >= 8, decided  # most raced rows (B on a row's path is penalised too)
 
 
 @pytest.mark.parametrize("vocab", [97, 40])  # 16 columns: gathered; too many for a vocabulary of 40 (whole rows)
@@ -334,14 +431,17 @@ STAT_DRAFTS = [2, 0]  # each repeat: a request with two drafts, then one without
 FALSE_ALARM = 1e-4  # per chi-square test: a correct sampler fails one with this probability (over seeds)
 
 
-def processed_probs(logits: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
-    """softmax of the temperature-scaled logits filtered by vLLM's top-k and top-p."""
+def processed_probs(logits: Tensor, temperature: float, top_k: int, top_p: float, min_p: float = 0.0) -> Tensor:
+    """softmax of the temperature-scaled logits filtered by vLLM's min_p processor (its one row), then
+    vLLM's top-k and top-p: vLLM's sampler's order."""
     x = (logits.float() / temperature).unsqueeze(0)
+    for proc in per_request_processors(1, None, [min_p] if min_p else None, torch.device("cpu")):
+        x = proc.apply(x)
     x = apply_top_k_top_p(x.clone(), torch.tensor([top_k]), torch.tensor([top_p]))
     return torch.softmax(x, -1)[0]
 
 
-def draw_counts(temperature: float, logits_per_row: Tensor) -> Tensor:
+def draw_counts(temperature: float, logits_per_row: Tensor, min_p: float = 0.0) -> Tensor:
     """Counts [rows, V] of the ragged sampler's draws for every row of many identical requests."""
     torch.manual_seed(1234)
     drafts = STAT_DRAFTS * STAT_REPEATS
@@ -350,7 +450,8 @@ def draw_counts(temperature: float, logits_per_row: Tensor) -> Tensor:
     rows = verify_rows(drafts, max(drafts) + 1)
     logits = logits_per_row.repeat(STAT_REPEATS, 1)
     r = len(drafts)
-    md = metadata(r, STAT_VOCAB, temperature=[temperature] * r, top_k=[12] * r, top_p=[0.85] * r)
+    md = metadata(r, STAT_VOCAB, temperature=[temperature] * r, top_k=[12] * r, top_p=[0.85] * r,
+                  min_p=[min_p] * r if min_p else None)
     tokens = sample_rows(logits, rows, md, batch, [d + 1 for d in drafts], STAT_VOCAB * 64)
     per_row = [(i, j) for i, d in enumerate(STAT_DRAFTS) for j in range(d + 1)]
     counts = torch.zeros(len(per_row), STAT_VOCAB)
@@ -383,6 +484,21 @@ def test_sampled_rows_follow_the_processed_distribution_and_a_wrong_temperature_
         assert chi_square_p(wrong[k], processed_probs(rows_logits[k], 0.7, 12, 0.85)) < FALSE_ALARM, k
 
 
+def test_sampled_rows_follow_min_p_and_draws_without_it_do_not():
+    # min_p after temperature, before top-k/top-p, on every row of every request: each row's draws
+    # follow vLLM's processed distribution; draws made without min_p land outside its support.
+    gen = torch.Generator().manual_seed(4)
+    rows_logits = torch.randn(sum(d + 1 for d in STAT_DRAFTS), STAT_VOCAB, generator=gen) * 0.8
+    counts = draw_counts(0.7, rows_logits, min_p=0.12)
+    for k in range(rows_logits.shape[0]):
+        probs = processed_probs(rows_logits[k], 0.7, 12, 0.85, min_p=0.12)
+        assert 3 <= int((probs > 0).sum()) < int((processed_probs(rows_logits[k], 0.7, 12, 0.85) > 0).sum()), k
+        assert chi_square_p(counts[k], probs) > FALSE_ALARM, k
+    unfiltered = draw_counts(0.7, rows_logits)  # the negative control: the same draws without min_p
+    for k in range(rows_logits.shape[0]):
+        assert chi_square_p(unfiltered[k], processed_probs(rows_logits[k], 0.7, 12, 0.85, min_p=0.12)) < FALSE_ALARM, k
+
+
 # ---- no device reads; seeds ----
 
 def test_the_ragged_path_reads_no_device_value():
@@ -394,7 +510,8 @@ def test_the_ragged_path_reads_no_device_value():
     meta = torch.device("meta")
     md = metadata(r, VOCAB, temperature=[0.0 if i % 3 == 0 else 0.9 for i in range(r)], top_k=[20] * r,
                   top_p=[0.9] * r, penalties=True, outputs=outputs, prompts=prompts, allowed=allowed,
-                  bad_words=bad_words, min_tokens=min_tokens, device="meta")
+                  bad_words=bad_words, min_tokens=min_tokens, logit_bias={1: {3: 2.0, 9: -1.5}},
+                  min_p=[0.1 * (i % 2) for i in range(r)], device="meta")
     on_meta = TreeBatch(*(t.to(meta) for t in (batch.tokens, batch.parents, batch.depths, batch.positions,
                                                batch.valid, batch.num_rows, batch.context_lens, batch.ancestors)),
                         batch.max_depth)

@@ -358,7 +358,9 @@ def test_ddtree_applies_penalties_and_returns_logprobs_like_the_target(tmp_path,
 def test_min_tokens_bad_words_and_allowed_token_ids_apply_per_tree_path(tmp_path, drafter):
     # Constraints that depend on the output so far (min_tokens: its length; bad_words: its last
     # tokens) are applied to each tree node for its own root-to-node path. Each constrained request
-    # sits next to the same prompt unconstrained, in one mixed batch (one request samples).
+    # sits next to the same prompt unconstrained, in one mixed batch (two requests sample). logit_bias
+    # and min_p, which vLLM refuses with its own speculative methods, are applied on every row too
+    # (and, on steps without drafts, by vLLM's processors, which a ddtree engine keeps).
     from transformers import AutoTokenizer
 
     from vllm_ddtree.models.target import prepare_target
@@ -366,6 +368,7 @@ def test_min_tokens_bad_words_and_allowed_token_ids_apply_per_tree_path(tmp_path
     path, _ = drafter
     tok = AutoTokenizer.from_pretrained(prepare_target())
     allowed = sorted(set(tok.encode(" 1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13, 14, 15, 16, 17, 19")))
+    bias = {tok.encode(w)[0]: b for w, b in ((" np", -100.0), (" exp", -100.0), (" torch", 4.0))}
     plain = {"temperature": 0, "max_tokens": 40}
     requests = [
         [1, plain], [1, plain | {"min_tokens": 36}],  # plain stops on EOS after 30 tokens
@@ -373,21 +376,25 @@ def test_min_tokens_bad_words_and_allowed_token_ids_apply_per_tree_path(tmp_path
         [0, plain], [0, plain | {"bad_words": [" fibonacci(n", "print"]}],  # multi-token word
         [3, plain], [3, plain | {"allowed_token_ids": allowed}],  # no "8"
         [3, {"temperature": 1.0, "max_tokens": 24, "allowed_token_ids": allowed}],
+        [4, plain], [4, plain | {"logit_bias": bias}],
+        [6, {"temperature": 1.0, "max_tokens": 24, "min_p": 0.2, "seed": 5}],
     ]
     specs = [None, {"method": "ddtree", "model": str(path), "tree_budget": 8},
              {"method": "ddtree", "model": str(path), "tree_budget": 64, "ngram_weight": 0}]
     res = run(tmp_path / "out.json", specs, "--requests", json.dumps(requests))
     base, finish = res["outputs"][0], res["finish"][0]
     # The scenarios really constrain: each constrained greedy output differs from its plain twin.
-    for k in (1, 3, 5, 7):
+    for k in (1, 3, 5, 7, 10):
         assert base[k] != base[k - 1], requests[k]
     assert finish[0][0] == finish[2][0] == "stop" and len(base[0]) < 36 and len(base[2]) < 20
     assert len(base[1]) >= 36 and len(base[3]) >= 20
     assert "fibonacci(n" in finish[4][2] and "fibonacci(n" not in finish[5][2] and "print" not in finish[5][2]
     assert set(base[7]) <= set(allowed) and set(base[8]) <= set(allowed) | {tok.eos_token_id}
-    for spec, outs in zip(specs[1:], res["outputs"][1:]):
-        assert outs[:8] == base[:8], spec  # the greedy requests: token-identical to the target alone
+    assert not set(base[10]) & {t for t, b in bias.items() if b < 0}
+    for spec, outs, fin in zip(specs[1:], res["outputs"][1:], res["finish"][1:]):
+        assert outs[:8] == base[:8] and outs[9:11] == base[9:11], spec  # greedy: token-identical to the target alone
         assert set(outs[8]) <= set(allowed) | {tok.eos_token_id}, spec
+        assert len(outs[11]) > 0 and fin[11][0] in ("stop", "length"), spec  # min_p: sampled (its rule: unit tests)
 
 
 def test_structured_outputs_mask_each_tree_row_by_its_own_path(tmp_path, drafter):

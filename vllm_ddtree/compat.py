@@ -74,6 +74,8 @@ TARGETS: tuple[Target, ...] = tuple(
     + _t("P10", "v1/spec_decode/dflash.py", "DFlashProposer.__init__", "built as DFlash of the drafter width")
     + _t("P10", "v1/worker/gpu_model_runner.py", "GPUModelRunner.__init__",
          "the drafter becomes DDTreeProposer after the DFlash branch")
+    + _t("P10", "v1/sample/logits_processor/__init__.py", "build_logitsprocs, BUILTIN_LOGITS_PROCESSORS",
+         "a ddtree engine gets vLLM's built-in logits processors (min_p, logit_bias) as without speculation")
     + _t("P11", "v1/worker/gpu_model_runner.py", "GPUModelRunner._prepare_inputs",
          "tree rows get positions context + depth; the tree masks go to attention")
     + _t("P12", "v1/worker/gpu_model_runner.py", "GPUModelRunner._sample, GPUModelRunner._calc_spec_decode_metadata",
@@ -113,6 +115,10 @@ TARGETS: tuple[Target, ...] = tuple(
     + _t("engine", "v1/sample/ops/bad_words.py", "apply_bad_words", "tree sampler: bad words")
     + _t("engine", "v1/sample/logits_processor/builtin.py", "MinTokensLogitsProcessor",
          "tree sampler: min_tokens state")
+    + _t("engine", "v1/sample/logits_processor/builtin.py", "MinPLogitsProcessor, LogitBiasLogitsProcessor",
+         "tree sampler: min_p and logit_bias, from these processors' state and with their operations")
+    + _t("engine", "v1/sample/sampler.py", "Sampler.sample",
+         "tree sampler: the order of temperature, min_p and top-k/top-p")
     + _t("engine", "v1/outputs.py", "SamplerOutput", "what the tree sampler returns")
     + _t("engine", "v1/sample/thinking_budget_state.py",
          "ThinkingBudgetStateHolder.__init__, ThinkingBudgetStateHolder._init_state_entry, "

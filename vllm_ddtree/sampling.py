@@ -2,8 +2,10 @@
 
 Each verify row is sampled as the next position after its root-to-node path: penalties and
 constraints (allowed tokens, bad words, min_tokens) see the request's output plus the row's path,
-exactly as vLLM's rejection sampler applies them to a chain; temperature, top-k and top-p are vLLM's
-ops; the draw is an exponential race, seeded per request where the request has a seed.
+exactly as vLLM's rejection sampler applies them to a chain; logit_bias and min_p, which vLLM applies
+without speculation only (its built-in logits processors), are the same for every row of a request
+and are applied where vLLM's sampler applies them; temperature, top-k and top-p are vLLM's ops; the
+draw is an exponential race, seeded per request where the request has a seed.
 
 The logits stay ragged ([Σ rows, V], request-major, 1 + drafts rows per request) and are processed
 in chunks of whole requests, so the transient memory is bounded by the chunk (:data:`CHUNK_ELEMENTS`),
@@ -112,7 +114,8 @@ def sample_rows(logits: Tensor, rows: Tensor, md, batch: TreeBatch, num_rows: Se
         raise ValueError(f"num_rows has {len(num_rows)} entries; rows has {r} requests")
     penalized = not md.no_penalties
     constrained = _has_constraints(md)
-    if md.all_greedy and not penalized and not constrained and not forced:
+    biases = _logit_biases(md)
+    if md.all_greedy and not penalized and not constrained and not forced and not biases:
         return logits.argmax(-1)[rows]  # argmax first: no [T, V] copy on the plain greedy path
     dev, v = logits.device, logits.shape[1]
     ragged = RaggedRows.build(num_rows, dev)
@@ -127,6 +130,8 @@ def sample_rows(logits: Tensor, rows: Tensor, md, batch: TreeBatch, num_rows: Se
     for chunk in request_chunks(ragged.counts, chunk_rows_for(v, chunk_elements)):
         _, _, lo, hi = chunk
         x = logits[lo:hi].to(torch.float32, copy=True)  # a copy: path_logprobs reads the raw logits later
+        if biases:  # before the penalties, as vLLM orders them (the constraints' -inf commute with both)
+            x = tree_logit_bias(x, biases, ragged, chunk)
         if penalized:
             x = tree_penalties(x, md, batch, ragged, chunk)
         if constrained:
@@ -139,7 +144,8 @@ def sample_rows(logits: Tensor, rows: Tensor, md, batch: TreeBatch, num_rows: Se
 
 
 def _sample_chunk(x: Tensor, md, ragged: RaggedRows, chunk: tuple[int, int, int, int]) -> Tensor:
-    """Temperature, vLLM's top-k/top-p, softmax and the exponential race on one chunk (x consumed).
+    """Temperature, min_p, vLLM's top-k/top-p, softmax and the exponential race on one chunk (x
+    consumed), in the order of vLLM's ``Sampler.sample``.
 
     Greedy requests (temperature < 1e-5, vLLM's threshold) keep the argmax of x as it came in.
     """
@@ -148,6 +154,9 @@ def _sample_chunk(x: Tensor, md, ragged: RaggedRows, chunk: tuple[int, int, int,
     greedy = x.argmax(-1)
     temperature = md.temperature.index_select(0, req)
     x.div_(temperature.float().clamp(min=1e-5).unsqueeze(1))
+    min_p = _min_p(md)
+    if min_p is not None:
+        apply_min_p(x, min_p.index_select(0, req))
     k = md.top_k.index_select(0, req) if md.top_k is not None else None
     p = md.top_p.index_select(0, req) if md.top_p is not None else None
     probs = torch.softmax(apply_top_k_top_p(x, k, p), -1)
@@ -229,6 +238,51 @@ def penalise_columns(x: Tensor, prompt_tokens: Tensor, output_tokens: Tensor, pr
     return x.scatter_(1, target, values.gather(1, torch.where(real, column, column[:, :1])))
 
 
+def _logit_biases(md) -> dict[int, dict[int, float]]:
+    """vLLM's logit_bias processor state: req index -> {token: bias} (empty where the engine has none)."""
+    from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor
+
+    for proc in md.logitsprocs.non_argmax_invariant:
+        if isinstance(proc, LogitBiasLogitsProcessor):
+            return proc.biases
+    return {}
+
+
+def _min_p(md) -> Tensor | None:
+    """vLLM's min_p processor's thresholds [R, 1] (device), or None where no request has a min_p."""
+    from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
+
+    for proc in md.logitsprocs.argmax_invariant:
+        if isinstance(proc, MinPLogitsProcessor) and proc.min_p_count:
+            return proc.min_p
+    return None
+
+
+def tree_logit_bias(x: Tensor, biases: dict[int, dict[int, float]], ragged: RaggedRows,
+                    chunk: tuple[int, int, int, int]) -> Tensor:
+    """logit_bias on a chunk of verify rows: every row of a request gets the request's biases, added
+    as vLLM's ``LogitBiasLogitsProcessor.apply`` adds them to its one row (float32, one add each).
+    x [C, V], the chunk's flat rows (whole requests) -> [C, V] (in place). Only requests with a bias
+    are visited."""
+    req_lo, req_hi, lo, _ = chunk
+    for i, bias in biases.items():
+        if req_lo <= i < req_hi and bias:
+            a, c = ragged.starts[i] - lo, ragged.counts[i]
+            tokens = to_device(torch.tensor(list(bias), dtype=torch.int64), x.device)
+            values = to_device(torch.tensor(list(bias.values()), dtype=torch.float32), x.device)
+            x[a : a + c, tokens] += values
+    return x
+
+
+def apply_min_p(x: Tensor, min_p: Tensor) -> Tensor:
+    """vLLM's ``MinPLogitsProcessor.apply`` on rows x [C, V] (temperature applied) with their own
+    thresholds min_p [C, 1] (0: none): a token less likely than min_p times the row's likeliest is
+    masked, with vLLM's operations in its order. In place."""
+    probs = torch.nn.functional.softmax(x, dim=-1)
+    adjusted = torch.amax(probs, dim=-1, keepdim=True).mul_(min_p)
+    return x.masked_fill_(probs < adjusted, -float("inf"))
+
+
 def _min_tokens_state(md) -> dict:
     """vLLM's min_tokens processor state: req index -> (min_tokens, output ids, stop ids, structured)."""
     from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
@@ -247,8 +301,9 @@ def tree_constraints(x: Tensor, md, batch: TreeBatch, ragged: RaggedRows, chunk:
     """allowed_token_ids, bad_words and min_tokens for a chunk of verify rows, as vLLM applies them to a chain.
 
     Replaces the constraint part of ``RejectionSampler.apply_logits_processors`` (rejection_sampler.py:307),
-    which covers exactly these three (plus penalties, see :func:`tree_penalties`); logit_bias and
-    min_p are refused for every speculative method by vLLM itself. Each row is treated as the
+    which covers exactly these three (plus penalties, see :func:`tree_penalties`; logit_bias and
+    min_p, which vLLM applies without speculation only: :func:`tree_logit_bias`, :func:`apply_min_p`).
+    Each row is treated as the
     next position after its root-to-node path: min_tokens masks the stop tokens while
     ``len(output) + depth < min_tokens``; a bad word's last token is masked where the output so far
     plus the row's path ends with the word's other tokens. x [C, V], the chunk's flat rows (whole

@@ -56,9 +56,10 @@ P7  ``SpeculativeConfig.compute_hash`` (:612) — adds ddtree's options and the 
 P8  ``SamplingParams._validate_spec_decode`` (sampling_params.py:1182, called from
     ``SamplingParams.verify`` for every request) — refuses, per request and with a clear error, the
     sampling parameters the tree sampler does not apply yet (whole-vocabulary logprobs,
-    logprob_token_ids, per-request logits processors) instead of silently ignoring them.
-    (vLLM itself refuses min_p and logit_bias for every speculative method; P3 refuses the
-    processed logprobs modes.)
+    logprob_token_ids, per-request logits processors) instead of silently ignoring them. vLLM's
+    own check, which refuses min_p and logit_bias for every speculative method, is skipped for
+    ddtree: its engines keep vLLM's processors for them (P10) and the tree sampler applies them.
+    (P3 refuses the processed logprobs modes.)
 P9  ``vllm.v1.attention.selector._cached_get_attn_backend`` (v1/attention/selector.py:201, memoised
     per process) — wrapped: for a ddtree config, CPU_ATTN (whose kernel takes no mask, docs/design.md
     §10.2) becomes :mod:`vllm_ddtree.attention.cpu_tree`'s backend. Decided after the memo, which is
@@ -73,6 +74,10 @@ P10 ``DFlashProposer.__init__`` (v1/spec_decode/dflash.py:24) — for ddtree, ca
     ``num_speculative_tokens``, which for ddtree is the verify width). ``GPUModelRunner.__init__``
     (v1/worker/gpu_model_runner.py:638, the ``use_dflash()`` branch) — wrapped: for ddtree the
     drafter becomes :class:`vllm_ddtree.proposer.DDTreeProposer` (a DFlashProposer subclass).
+    ``build_logitsprocs`` (v1/sample/logits_processor/__init__.py:191, as the runner module imported
+    it) — for ddtree, vLLM's built-in processors (min_tokens, logit_bias, min_p) as without
+    speculation, where vLLM's speculative engines get min_tokens alone: vLLM's sampler applies them
+    on steps without drafts, and the tree sampler reads their per-request state on tree steps.
 P11 ``GPUModelRunner._prepare_inputs`` (:1920) — wrapped: after it computed sequential positions and
     slots, ddtree's verify rows get positions context + depth and the step's tree masks go to the
     CPU tree attention (:func:`vllm_ddtree.verify.prepare_tree_step`). With a reasoning config it
@@ -662,17 +667,18 @@ def _patch_sampling_params() -> None:
 
     @functools.wraps(validate)
     def _validate_spec_decode(self, speculative_config):
-        validate(self, speculative_config)
-        if speculative_config is not None and speculative_config.method == METHOD:
+        if speculative_config is None or speculative_config.method != METHOD:
+            validate(self, speculative_config)  # vLLM's: no min_p or logit_bias with speculation
+        else:
             unsupported = _unsupported_sampling(self)
             if unsupported:
                 from vllm.exceptions import VLLMValidationError
 
                 raise VLLMValidationError(
                     f"{', '.join(unsupported)} not supported yet with speculative method 'ddtree': its tree "
-                    "sampler applies temperature, top_k, top_p, seed, presence/frequency/repetition penalties, "
-                    "min_tokens, allowed_token_ids, bad_words, thinking_token_budget and logprobs (top-n). Drop those parameters or send the "
-                    "request to an engine without ddtree.",
+                    "sampler applies temperature, top_k, top_p, min_p, seed, presence/frequency/repetition "
+                    "penalties, logit_bias, min_tokens, allowed_token_ids, bad_words, thinking_token_budget and "
+                    "logprobs (top-n). Drop those parameters or send the request to an engine without ddtree.",
                     parameter=unsupported[0].split("=", 1)[0],  # the HTTP error's "param": the first one named
                 )
 
@@ -682,10 +688,8 @@ def _patch_sampling_params() -> None:
 def _unsupported_sampling(params) -> list[str]:
     """Sampling parameters the tree sampler (vllm_ddtree.verify.sample_tree_step) does not apply."""
     checks = {
-        "logit_bias": bool(params.logit_bias),
         "logprobs=-1 (whole vocabulary)": params.logprobs == -1,
         "logprob_token_ids": bool(getattr(params, "logprob_token_ids", None)),
-        "min_p": bool(getattr(params, "min_p", 0.0)),
         "logits_processors": bool(getattr(params, "logits_processors", None)),
     }
     return [name for name, bad in checks.items() if bad]
@@ -798,6 +802,27 @@ def _patch_model_runner() -> None:
             self._ddtree_thinking = ThinkingBudgets.for_runner(self)
 
     _set(GPUModelRunner, "__init__", init)
+
+    import vllm.v1.worker.gpu_model_runner as runner_module
+
+    build_logitsprocs = runner_module.build_logitsprocs
+
+    @functools.wraps(build_logitsprocs)
+    def build_ddtree_logitsprocs(vllm_config, device, is_pin_memory, is_pooling_model, custom_logitsprocs=()):
+        if not _is_ddtree(vllm_config) or is_pooling_model:
+            return build_logitsprocs(vllm_config, device, is_pin_memory, is_pooling_model, custom_logitsprocs)
+        from vllm.v1.sample.logits_processor import (
+            BUILTIN_LOGITS_PROCESSORS,
+            STR_SPEC_DEC_REJECTS_LOGITSPROCS,
+            LogitsProcessors,
+        )
+
+        if custom_logitsprocs:
+            raise ValueError(STR_SPEC_DEC_REJECTS_LOGITSPROCS)
+        # vLLM's built-ins as without speculation (its speculative engines keep min_tokens alone)
+        return LogitsProcessors(ctor(vllm_config, device, is_pin_memory) for ctor in BUILTIN_LOGITS_PROCESSORS)
+
+    _set(runner_module, "build_logitsprocs", build_ddtree_logitsprocs)
 
     prepare = GPUModelRunner._prepare_inputs
 

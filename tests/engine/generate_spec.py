@@ -90,6 +90,8 @@ if __name__ == "__main__":
     prompts = [PROMPTS[0]] * args.repeat if args.repeat else PROMPTS
     def sampling_params(kw: dict) -> SamplingParams:
         # {"structured_outputs": {"json": ..., "regex": ..., "choice": ...}} as vLLM's params object
+        if "logit_bias" in kw:  # JSON object keys are strings; vLLM's are token ids
+            kw = kw | {"logit_bias": {int(t): b for t, b in kw["logit_bias"].items()}}
         if "structured_outputs" in kw:
             from vllm.sampling_params import StructuredOutputsParams
 
