@@ -8,8 +8,10 @@ speculative-decoding counters from ``/metrics`` (drafts, draft tokens, accepted 
 mean acceptance length. The completion also asks for its token ids (vLLM's ``return_token_ids``), the
 exact output to compare with another engine. One request carries a sampling parameter ddtree does
 not apply (``logprob_token_ids``): the server answers HTTP 400 with the reason, and the completion is
-sent again after it, to show the server keeps serving. A chat in JSON mode (``response_format`` with a
-JSON schema) shows structured outputs. ``--json`` also writes the answers, the token ids, the refusal,
+sent again after it, to show the server keeps serving. ``logit_bias`` and ``min_p``, which vLLM's own
+speculative methods refuse, apply as without speculation (the completion again with its first token
+banned, and a sampled one). A chat in JSON mode (``response_format`` with a JSON schema) shows
+structured outputs. ``--json`` also writes the answers, the token ids, the refusal,
 the number of streamed chunks and the counters to a file.
 """
 
@@ -72,6 +74,14 @@ def main(argv: list[str] | None = None) -> int:
     again = complete().choices[0].model_extra["token_ids"]  # the server goes on serving
     print(f"== completion again ==\n{'same token ids' if again == token_ids else f'token ids {again}'}")
 
+    # logit_bias and min_p (chat front-ends send them): the greedy completion with its first token
+    # banned starts otherwise; a sampled completion keeps tokens at least 0.1 x the likeliest's probability.
+    biased = complete(logit_bias={str(token_ids[0]): -100}).choices[0].model_extra["token_ids"]
+    print(f"== completion, first token banned by logit_bias ==\n(token ids {biased})")
+    sampled = client.completions.create(model=model, temperature=1.0, seed=1, max_tokens=args.max_tokens,
+                                        prompt="def fibonacci(n):", extra_body={"min_p": 0.1})
+    print("== sampled completion, min_p 0.1 ==\ndef fibonacci(n):" + sampled.choices[0].text)
+
     # JSON mode: the server constrains the answer to a schema (structured outputs; each tree row is
     # masked by the grammar after its own path, so the answer is the target's own under the schema).
     schema = {"type": "object", "properties": {"color": {"type": "string", "maxLength": 20},
@@ -110,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         result = {"model": model, "chat": chat.choices[0].message.content, "completion": completion.choices[0].text,
                   "completion_token_ids": token_ids, "refused": refused, "completion_again_token_ids": again,
+                  "biased_token_ids": biased, "min_p_text": sampled.choices[0].text,
                   "json_answer": json_answer, "json_finish_reason": structured.choices[0].finish_reason,
                   "stream": streamed, "stream_chunks": chunks, "metrics": counters,
                   "mean_acceptance_length": mean_len}

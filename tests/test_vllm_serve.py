@@ -81,6 +81,9 @@ def test_serve_chat_completion_stream_and_metrics(tmp_path, drafter):
     assert "logprob_token_ids not supported yet with speculative method 'ddtree'" in refused["message"], refused
     assert refused["param"] == "logprob_token_ids", refused
     assert res["completion_again_token_ids"] == res["completion_token_ids"], res
+    # logit_bias and min_p pass through the server (vLLM refuses them for its own speculative methods)
+    assert res["biased_token_ids"] and res["biased_token_ids"][0] != res["completion_token_ids"][0], res
+    assert res["min_p_text"], res
     assert res["stream_chunks"] >= 3, res
     # JSON mode through the server: the answer is the schema's object (unless the token limit cut it).
     if res["json_finish_reason"] == "stop":
