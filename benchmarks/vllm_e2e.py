@@ -100,6 +100,8 @@ def main() -> None:
     extra = json.loads(args.sampling) if args.sampling else {}
     if not isinstance(extra, dict):
         raise SystemExit(f"--sampling must be a JSON object of SamplingParams keyword arguments, got {args.sampling}")
+    if "logit_bias" in extra:  # JSON object keys are strings; vLLM's are token ids
+        extra["logit_bias"] = {int(t): b for t, b in extra["logit_bias"].items()}
     schedule = json.loads(args.dynamic_sd) if args.dynamic_sd else None
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # to read the proposer's stats
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # skips the startup check against 0.92 of NUMA node 0
