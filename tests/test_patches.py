@@ -178,3 +178,66 @@ def test_thinking_budget_row_moves_patch_drops_the_finished_requests_state(tmp_p
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert _holder_after_a_finished_row_is_refilled(module.ThinkingBudgetStateHolder) == {}
+
+
+def _forced_with_a_preemption(holder_cls, prompt: list[int], budget: int, stream: list[int], at: int) -> list:
+    """vLLM's sampler without speculation on `stream` (as test_thinking_budget runs it), the request
+    preempted before position `at` and resumed: removed from the batch, then added again with its
+    output so far (what the input batch reports). The token forced before each position, or None."""
+    from types import SimpleNamespace
+
+    import torch
+    from test_thinking_budget import END, FORCED_LOGIT, START, VOCAB
+    from vllm.v1.sample.logits_processor.interface import BatchUpdate
+
+    holder = holder_cls(SimpleNamespace(reasoning_start_token_ids=START, reasoning_end_token_ids=END), 4, 0,
+                        torch.device("cpu"), False)
+    params, output, forced_at = SimpleNamespace(thinking_token_budget=budget), [], []
+    holder.sync_batch(BatchUpdate(1, [], [(0, params, prompt, output)], []))
+    for position in range(len(stream) + 1):
+        if position == at:
+            holder.sync_batch(BatchUpdate(0, [0], [], []))
+            holder.sync_batch(BatchUpdate(1, [], [(0, params, prompt, output)], []))
+        holder.update_state([output], [[]])
+        logits = holder.apply_to_logits(torch.zeros(1, VOCAB), False, [[]])
+        forced_at.append(int(logits.argmax()) if logits.max() >= FORCED_LOGIT else None)
+        output.append((stream + [0])[position])
+    return forced_at
+
+
+def _preemptions_that_change_forcing(holder_cls) -> tuple[int, int]:
+    """(resumptions whose forced tokens differ from the same stream never preempted, resumptions tried)
+    over random streams in which thinking starts and ends often."""
+    import random
+
+    from test_thinking_budget import START, _replay, _vllm_stream
+
+    rng, changed, tried = random.Random(0), 0, 0
+    for _ in range(100):
+        prompt = [rng.randrange(0, 5) for _ in range(rng.randrange(0, 4))] + (START if rng.random() < 0.5 else [])
+        budget = rng.randrange(0, 8)
+        stream, _ = _vllm_stream(prompt, budget, 30, rng)
+        never_preempted = _replay(prompt, budget, stream)[1]
+        for at in range(1, 30, 3):
+            tried += 1
+            changed += _forced_with_a_preemption(holder_cls, prompt, budget, stream, at) != never_preempted
+    return changed, tried
+
+
+@pytest.mark.skipif(shutil.which("patch") is None, reason="needs the patch tool")
+def test_thinking_budget_resumed_requests_patch_keeps_the_state_a_preemption_interrupted(tmp_path):
+    import importlib.util
+
+    from vllm.v1.sample.thinking_budget_state import ThinkingBudgetStateHolder
+
+    # vLLM as it is: a resumed request's state is made from its prompt and given its whole output at
+    # once, and forces differently from the same request never preempted at about a quarter of the points
+    changed, tried = _preemptions_that_change_forcing(ThinkingBudgetStateHolder)
+    assert changed > tried // 10, (changed, tried)
+    patch = ROOT / "patches" / "0005-thinking-budget-resumed-requests.patch"
+    assert _apply_to_copy(patch, tmp_path / "src", dry_run=False).returncode == 0
+    spec = importlib.util.spec_from_file_location("patched_thinking_budget_state",
+                                                  tmp_path / "src" / "vllm/v1/sample/thinking_budget_state.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert _preemptions_that_change_forcing(module.ThinkingBudgetStateHolder) == (0, tried)
