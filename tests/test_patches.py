@@ -147,6 +147,18 @@ def test_registry_patch_works(tmp_path):
     assert "REGISTRY-OK" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
 
 
+def _patched_holder(name: str, tmp_path: Path) -> type:
+    """`ThinkingBudgetStateHolder` from a copy of the installed vLLM with patches/`name` applied."""
+    import importlib.util
+
+    assert _apply_to_copy(ROOT / "patches" / name, tmp_path / "src", dry_run=False).returncode == 0
+    spec = importlib.util.spec_from_file_location("patched_thinking_budget_state",
+                                                  tmp_path / "src" / "vllm/v1/sample/thinking_budget_state.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.ThinkingBudgetStateHolder
+
+
 def _holder_after_a_finished_row_is_refilled(holder_cls) -> dict:
     """Rows 0 (a budgeted request) and 1 (none); row 0's request finishes and the batch moves row 1
     into it. vLLM's InputBatch reports that as a move alone (condense() pops the removal it fills)."""
@@ -165,19 +177,12 @@ def _holder_after_a_finished_row_is_refilled(holder_cls) -> dict:
 
 @pytest.mark.skipif(shutil.which("patch") is None, reason="needs the patch tool")
 def test_thinking_budget_row_moves_patch_drops_the_finished_requests_state(tmp_path):
-    import importlib.util
-
     from vllm.v1.sample.thinking_budget_state import ThinkingBudgetStateHolder
 
     # vLLM as it is: the request without a budget, moved into row 0, inherits the finished one's state
     assert 0 in _holder_after_a_finished_row_is_refilled(ThinkingBudgetStateHolder)
-    patch = ROOT / "patches" / "0004-thinking-budget-row-moves.patch"
-    assert _apply_to_copy(patch, tmp_path / "src", dry_run=False).returncode == 0
-    spec = importlib.util.spec_from_file_location("patched_thinking_budget_state",
-                                                  tmp_path / "src" / "vllm/v1/sample/thinking_budget_state.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert _holder_after_a_finished_row_is_refilled(module.ThinkingBudgetStateHolder) == {}
+    patched = _patched_holder("0004-thinking-budget-row-moves.patch", tmp_path)
+    assert _holder_after_a_finished_row_is_refilled(patched) == {}
 
 
 def _forced_with_a_preemption(holder_cls, prompt: list[int], budget: int, stream: list[int], at: int) -> list:
@@ -226,18 +231,11 @@ def _preemptions_that_change_forcing(holder_cls) -> tuple[int, int]:
 
 @pytest.mark.skipif(shutil.which("patch") is None, reason="needs the patch tool")
 def test_thinking_budget_resumed_requests_patch_keeps_the_state_a_preemption_interrupted(tmp_path):
-    import importlib.util
-
     from vllm.v1.sample.thinking_budget_state import ThinkingBudgetStateHolder
 
     # vLLM as it is: a resumed request's state is made from its prompt and given its whole output at
     # once, and forces differently from the same request never preempted at about a quarter of the points
     changed, tried = _preemptions_that_change_forcing(ThinkingBudgetStateHolder)
     assert changed > tried // 10, (changed, tried)
-    patch = ROOT / "patches" / "0005-thinking-budget-resumed-requests.patch"
-    assert _apply_to_copy(patch, tmp_path / "src", dry_run=False).returncode == 0
-    spec = importlib.util.spec_from_file_location("patched_thinking_budget_state",
-                                                  tmp_path / "src" / "vllm/v1/sample/thinking_budget_state.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert _preemptions_that_change_forcing(module.ThinkingBudgetStateHolder) == (0, tried)
+    patched = _patched_holder("0005-thinking-budget-resumed-requests.patch", tmp_path)
+    assert _preemptions_that_change_forcing(patched) == (0, tried)
