@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"== completion again ==\n{'same token ids' if again == token_ids else f'token ids {again}'}")
 
     # logit_bias and min_p (chat front-ends send them): the greedy completion with its first token
-    # banned starts otherwise; a sampled completion keeps tokens at least 0.1 x the likeliest's probability.
+    # banned starts otherwise; a sampled completion with min_p 0.1 (tokens less likely than 0.1 x the
+    # likeliest are never drawn).
     biased = complete(logit_bias={str(token_ids[0]): -100}).choices[0].model_extra["token_ids"]
     print(f"== completion, first token banned by logit_bias ==\n(token ids {biased})")
     sampled = client.completions.create(model=model, temperature=1.0, seed=1, max_tokens=args.max_tokens,

@@ -238,24 +238,25 @@ def penalise_columns(x: Tensor, prompt_tokens: Tensor, output_tokens: Tensor, pr
     return x.scatter_(1, target, values.gather(1, torch.where(real, column, column[:, :1])))
 
 
+def _builtin(md, name: str):
+    """vLLM's built-in logits processor of class `name` (vllm/v1/sample/logits_processor/builtin.py) in
+    the step's sampling metadata, or None where the engine has none."""
+    from vllm.v1.sample.logits_processor import builtin
+
+    cls = getattr(builtin, name)
+    return next((proc for proc in md.logitsprocs.all if isinstance(proc, cls)), None)
+
+
 def _logit_biases(md) -> dict[int, dict[int, float]]:
     """vLLM's logit_bias processor state: req index -> {token: bias} (empty where the engine has none)."""
-    from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor
-
-    for proc in md.logitsprocs.non_argmax_invariant:
-        if isinstance(proc, LogitBiasLogitsProcessor):
-            return proc.biases
-    return {}
+    proc = _builtin(md, "LogitBiasLogitsProcessor")
+    return proc.biases if proc is not None else {}
 
 
 def _min_p(md) -> Tensor | None:
     """vLLM's min_p processor's thresholds [R, 1] (device), or None where no request has a min_p."""
-    from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
-
-    for proc in md.logitsprocs.argmax_invariant:
-        if isinstance(proc, MinPLogitsProcessor) and proc.min_p_count:
-            return proc.min_p
-    return None
+    proc = _builtin(md, "MinPLogitsProcessor")
+    return proc.min_p if proc is not None and proc.min_p_count else None
 
 
 def tree_logit_bias(x: Tensor, biases: dict[int, dict[int, float]], ragged: RaggedRows,
@@ -263,7 +264,7 @@ def tree_logit_bias(x: Tensor, biases: dict[int, dict[int, float]], ragged: Ragg
     """logit_bias on a chunk of verify rows: every row of a request gets the request's biases, added
     as vLLM's ``LogitBiasLogitsProcessor.apply`` adds them to its one row (float32, one add each).
     x [C, V], the chunk's flat rows (whole requests) -> [C, V] (in place). Only requests with a bias
-    are visited."""
+    are visited, each with two small host-to-device copies (pinned, queued), as min_tokens' stops."""
     req_lo, req_hi, lo, _ = chunk
     for i, bias in biases.items():
         if req_lo <= i < req_hi and bias:
@@ -285,12 +286,8 @@ def apply_min_p(x: Tensor, min_p: Tensor) -> Tensor:
 
 def _min_tokens_state(md) -> dict:
     """vLLM's min_tokens processor state: req index -> (min_tokens, output ids, stop ids, structured)."""
-    from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
-
-    for proc in md.logitsprocs.non_argmax_invariant:
-        if isinstance(proc, MinTokensLogitsProcessor):
-            return proc.min_toks
-    return {}
+    proc = _builtin(md, "MinTokensLogitsProcessor")
+    return proc.min_toks if proc is not None else {}
 
 
 def _has_constraints(md) -> bool:
