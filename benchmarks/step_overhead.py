@@ -338,6 +338,8 @@ def draft_logits(batch: int, depth: int, vocab: int, gen: torch.Generator) -> to
 def verify_inputs(code, proposer, drafts: list[list[int]], ctx: int, vocab: int, layers: int, gen: torch.Generator):
     """The runner state prepare/sample read after vLLM scheduled `drafts`, and target logits that accept
     each tree's best-first path (row j's argmax is the token of its first child)."""
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+
     r = len(drafts)
     n = [len(d) for d in drafts]
     total = sum(n) + r
@@ -361,7 +363,7 @@ def verify_inputs(code, proposer, drafts: list[list[int]], ctx: int, vocab: int,
     logits = torch.full((total, vocab), -4.0)
     logits[torch.arange(total), want] = 4.0
     sampling = SimpleNamespace(all_greedy=True, no_penalties=True, allowed_token_ids_mask=None, bad_words_token_ids={},
-                               logitsprocs=SimpleNamespace(non_argmax_invariant=[]), max_num_logprobs=None)
+                               logitsprocs=LogitsProcessors(), max_num_logprobs=None)
     slots = device(torch.arange(total + 8))
     # Tiny heads, every layer a view of one buffer a fixed stride apart, as vLLM 0.32.0 allocates them
     # (`allocate_kv_cache`); the GPU's layout (FlashInfer's) where the revision knows it. Allocated once
