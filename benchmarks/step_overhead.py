@@ -339,6 +339,7 @@ def verify_inputs(code, proposer, drafts: list[list[int]], ctx: int, vocab: int,
     """The runner state prepare/sample read after vLLM scheduled `drafts`, and target logits that accept
     each tree's best-first path (row j's argmax is the token of its first child)."""
     from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.sampler import Sampler
 
     r = len(drafts)
     n = [len(d) for d in drafts]
@@ -387,6 +388,8 @@ def verify_inputs(code, proposer, drafts: list[list[int]], ctx: int, vocab: int,
     runner.positions = device(torch.zeros(total + 8, dtype=torch.int64))
     runner.positions[:total] = positions
     runner.drafter = proposer
+    if getattr(runner, "sampler", None) is None:  # vLLM's own: the tree sampler follows its settings
+        runner.sampler = Sampler()
     spec = SimpleNamespace(num_draft_tokens=n, draft_token_ids=device(torch.tensor([t for d in drafts for t in d])))
     return spec, total, device(logits)
 

@@ -23,6 +23,7 @@ import torch
 pytest.importorskip("vllm")
 
 from vllm.v1.sample.logits_processor import LogitsProcessors  # noqa: E402
+from vllm.v1.sample.sampler import Sampler  # noqa: E402
 
 from vllm_ddtree.proposer import DDTreeStats, ProposedTrees, RequestTree  # noqa: E402
 from vllm_ddtree.verify import prepare_tree_step, sample_tree_step  # noqa: E402
@@ -58,7 +59,7 @@ def stand_in_runner(device: torch.device):
         query_start_loc=SimpleNamespace(cpu=qsl, gpu=qsl.to(device)),
         optimistic_seq_lens_cpu=seq_lens, seq_lens=seq_lens.to(device),
         positions=torch.zeros(64, dtype=torch.int64).to(device),
-        drafter=proposer, _ddtree_target_caches=([cache], "rows"))
+        drafter=proposer, sampler=Sampler(), _ddtree_target_caches=([cache], "rows"))
     runner.positions[:total] = positions.to(device)
     spec = SimpleNamespace(num_draft_tokens=n, draft_token_ids=torch.tensor([t for d in DRAFTS for t in d]).to(device))
     return runner, spec, total

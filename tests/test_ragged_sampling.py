@@ -31,6 +31,7 @@ from vllm.v1.sample.logits_processor.interface import BatchUpdate  # noqa: E402
 from vllm.v1.sample.metadata import SamplingMetadata  # noqa: E402
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p  # noqa: E402
 
+from vllm_ddtree import sampling  # noqa: E402
 from vllm_ddtree.sampling import penalise_columns, request_chunks, sample_rows  # noqa: E402
 from vllm_ddtree.tree import NO_PARENT, DraftTree, TreeBatch, compile_tree, sample_tokens  # noqa: E402
 
@@ -441,7 +442,20 @@ def processed_probs(logits: Tensor, temperature: float, top_k: int, top_p: float
     return torch.softmax(x, -1)[0]
 
 
-def draw_counts(temperature: float, logits_per_row: Tensor, min_p: float = 0.0) -> Tensor:
+DRAWS = ["cpu-op", "race-fp32", "race-fp64"]  # vLLM's CPU op; the exponential race (GPU path), float32 / float64 noise
+
+
+@pytest.fixture(params=DRAWS)
+def draw_path(request, monkeypatch) -> bool:
+    """Each way the sampler draws, on the CPU; returns the fp64_noise flag that selects it."""
+    if request.param == "cpu-op":
+        assert sampling.fused_gumbel_argmax(torch.device("cpu")) is not None  # the premise: vLLM's op is there
+    else:
+        monkeypatch.setattr(sampling, "fused_gumbel_argmax", lambda device: None)
+    return request.param == "race-fp64"
+
+
+def draw_counts(temperature: float, logits_per_row: Tensor, min_p: float = 0.0, fp64_noise: bool = False) -> Tensor:
     """Counts [rows, V] of the ragged sampler's draws for every row of many identical requests."""
     torch.manual_seed(1234)
     drafts = STAT_DRAFTS * STAT_REPEATS
@@ -452,7 +466,7 @@ def draw_counts(temperature: float, logits_per_row: Tensor, min_p: float = 0.0) 
     r = len(drafts)
     md = metadata(r, STAT_VOCAB, temperature=[temperature] * r, top_k=[12] * r, top_p=[0.85] * r,
                   min_p=[min_p] * r if min_p else None)
-    tokens = sample_rows(logits, rows, md, batch, [d + 1 for d in drafts], STAT_VOCAB * 64)
+    tokens = sample_rows(logits, rows, md, batch, [d + 1 for d in drafts], STAT_VOCAB * 64, fp64_noise=fp64_noise)
     per_row = [(i, j) for i, d in enumerate(STAT_DRAFTS) for j in range(d + 1)]
     counts = torch.zeros(len(per_row), STAT_VOCAB)
     for k, (i, j) in enumerate(per_row):
@@ -470,16 +484,16 @@ def chi_square_p(observed: Tensor, probs: Tensor) -> float:
     return float(chi2.sf(stat, int(support.sum()) - 1))
 
 
-def test_sampled_rows_follow_the_processed_distribution_and_a_wrong_temperature_does_not():
+def test_sampled_rows_follow_the_processed_distribution_and_a_wrong_temperature_does_not(draw_path):
     gen = torch.Generator().manual_seed(3)
     rows_logits = torch.randn(sum(d + 1 for d in STAT_DRAFTS), STAT_VOCAB, generator=gen) * 0.8
-    counts = draw_counts(0.7, rows_logits)
+    counts = draw_counts(0.7, rows_logits, fp64_noise=draw_path)
     for k in range(rows_logits.shape[0]):
         probs = processed_probs(rows_logits[k], 0.7, 12, 0.85)
         assert int((probs > 0).sum()) >= 4  # the filter leaves a real distribution to test
         assert chi_square_p(counts[k], probs) > FALSE_ALARM, k
     # Negative control: draws made at temperature 1.4 are rejected as draws at 0.7.
-    wrong = draw_counts(1.4, rows_logits)
+    wrong = draw_counts(1.4, rows_logits, fp64_noise=draw_path)
     for k in range(rows_logits.shape[0]):
         assert chi_square_p(wrong[k], processed_probs(rows_logits[k], 0.7, 12, 0.85)) < FALSE_ALARM, k
 
@@ -521,24 +535,27 @@ def test_the_ragged_path_reads_no_device_value():
     assert tokens.device == meta and tokens.shape == rows.shape
 
 
-def seeded_tokens(drafts: list[int], seeded: int, seed: int, logits: Tensor, chunk_elements: int) -> list[list[int]]:
+def seeded_tokens(drafts: list[int], seeded: int, seed: int, logits: Tensor, chunk_elements: int,
+                  fp64_noise: bool = False) -> list[list[int]]:
     gen = torch.Generator().manual_seed(11)
     batch = random_trees(gen, drafts, VOCAB)
     rows = verify_rows(drafts, max(drafts) + 1)
     r = len(drafts)
     md = metadata(r, VOCAB, temperature=[1.0] * r, top_p=[0.95] * r,
                   generators={seeded: torch.Generator().manual_seed(seed)})
-    return valid_tokens(sample_rows(logits, rows, md, batch, [d + 1 for d in drafts], chunk_elements), batch)
+    return valid_tokens(sample_rows(logits, rows, md, batch, [d + 1 for d in drafts], chunk_elements,
+                                    fp64_noise=fp64_noise), batch)
 
 
-def test_seeded_requests_are_reproducible_whatever_else_is_in_the_batch():
+def test_seeded_requests_are_reproducible_whatever_else_is_in_the_batch(draw_path):
     gen = torch.Generator().manual_seed(5)
     mine = torch.randn(7, VOCAB, generator=gen)  # the seeded request: 6 drafts
     other = lambda k: torch.randn(k, VOCAB, generator=gen)  # noqa: E731
-    a = seeded_tokens([3, 6, 0], 1, 42, torch.cat([other(4), mine, other(1)]), VOCAB * 8)
-    b = seeded_tokens([3, 6, 0], 1, 42, torch.cat([other(4), mine, other(1)]), VOCAB * 8)
+    a = seeded_tokens([3, 6, 0], 1, 42, torch.cat([other(4), mine, other(1)]), VOCAB * 8, draw_path)
+    b = seeded_tokens([3, 6, 0], 1, 42, torch.cat([other(4), mine, other(1)]), VOCAB * 8, draw_path)
     # Another batch around it, other chunk boundaries: the seeded request's rows draw the same noise.
-    c = seeded_tokens([1, 0, 2, 6, 4], 3, 42, torch.cat([other(2), other(1), other(3), mine, other(5)]), VOCAB * 5)
+    c = seeded_tokens([1, 0, 2, 6, 4], 3, 42, torch.cat([other(2), other(1), other(3), mine, other(5)]), VOCAB * 5,
+                      draw_path)
     assert a[1] == b[1] == c[3]
-    d = seeded_tokens([3, 6, 0], 1, 43, torch.cat([other(4), mine, other(1)]), VOCAB * 8)
+    d = seeded_tokens([3, 6, 0], 1, 43, torch.cat([other(4), mine, other(1)]), VOCAB * 8, draw_path)
     assert d[1] != a[1]  # the seed decides the draws (7 rows at temperature 1: a coincidence is ~impossible)

@@ -5,7 +5,8 @@ constraints (allowed tokens, bad words, min_tokens) see the request's output plu
 exactly as vLLM's rejection sampler applies them to a chain; logit_bias and min_p, which vLLM applies
 without speculation only (its built-in logits processors), are the same for every row of a request
 and are applied where vLLM's sampler applies them; temperature, top-k and top-p are vLLM's ops; the
-draw is an exponential race, seeded per request where the request has a seed.
+draw is vLLM's too (the exponential race on a GPU, its fused Gumbel-max op on the CPU), seeded per
+request where the request has a seed.
 
 The logits stay ragged ([Σ rows, V], request-major, 1 + drafts rows per request) and are processed
 in chunks of whole requests, so the transient memory is bounded by the chunk (:data:`CHUNK_ELEMENTS`),
@@ -93,7 +94,8 @@ class RaggedRows:
 
 
 def sample_rows(logits: Tensor, rows: Tensor, md, batch: TreeBatch, num_rows: Sequence[int],
-                chunk_elements: int = CHUNK_ELEMENTS, forced: Sequence[tuple[int, int]] = ()) -> Tensor:
+                chunk_elements: int = CHUNK_ELEMENTS, forced: Sequence[tuple[int, int]] = (),
+                fp64_noise: bool = False) -> Tensor:
     """One target token per verify row: argmax, or one draw from the request's processed distribution.
 
     logits [T, V]: the step's logits rows, ragged and request-major, ``num_rows[i]`` (host ints,
@@ -101,13 +103,15 @@ def sample_rows(logits: Tensor, rows: Tensor, md, batch: TreeBatch, num_rows: Se
     padding); md: vLLM's SamplingMetadata. Returns [R, N] tokens (garbage where padding).
 
     Rows are processed in chunks of whole requests of about ``chunk_elements // V`` rows
-    (:func:`request_chunks`): penalties, constraints, temperature, vLLM's top-k/top-p, softmax and
-    the exponential race all run on a chunk's [rows, V] float32 copy, so the transient memory is
+    (:func:`request_chunks`): penalties, constraints, temperature, vLLM's top-k/top-p and
+    the draw all run on a chunk's [rows, V] float32 copy, so the transient memory is
     bounded by the chunk, not by the batch; the caller's logits are never written.
 
     forced: (request, token) pairs whose root row must sample that token (thinking_token_budget's
     end of thinking, :mod:`vllm_ddtree.thinking`): after penalties and constraints the token gets
     vLLM's forcing logit, as vLLM's samplers give it.
+
+    fp64_noise: vLLM's ``use_fp64_gumbel`` (the model config's; its sampler holds it): float64 noise.
     """
     r, n = rows.shape
     if len(num_rows) != r:
@@ -139,13 +143,13 @@ def sample_rows(logits: Tensor, rows: Tensor, md, batch: TreeBatch, num_rows: Se
         in_chunk = [(ragged.starts[i] - lo, t) for i, t in forced if chunk[0] <= i < chunk[1]]
         if in_chunk:
             force_rows(x, in_chunk)
-        flat[lo:hi] = x.argmax(-1) if md.all_greedy else _sample_chunk(x, md, ragged, chunk)
+        flat[lo:hi] = x.argmax(-1) if md.all_greedy else _sample_chunk(x, md, ragged, chunk, fp64_noise)
     return flat[rows]
 
 
-def _sample_chunk(x: Tensor, md, ragged: RaggedRows, chunk: tuple[int, int, int, int]) -> Tensor:
-    """Temperature, min_p, vLLM's top-k/top-p, softmax and the exponential race on one chunk (x
-    consumed), in the order of vLLM's ``Sampler.sample``.
+def _sample_chunk(x: Tensor, md, ragged: RaggedRows, chunk: tuple[int, int, int, int], fp64_noise: bool = False) -> Tensor:
+    """Temperature, min_p, vLLM's top-k/top-p and one draw per row on one chunk (x consumed), in the
+    order of vLLM's ``Sampler.sample``; the draw as vLLM's sampler draws on the device (:func:`draw`).
 
     Greedy requests (temperature < 1e-5, vLLM's threshold) keep the argmax of x as it came in.
     """
@@ -159,15 +163,53 @@ def _sample_chunk(x: Tensor, md, ragged: RaggedRows, chunk: tuple[int, int, int,
         apply_min_p(x, min_p.index_select(0, req))
     k = md.top_k.index_select(0, req) if md.top_k is not None else None
     p = md.top_p.index_select(0, req) if md.top_p is not None else None
-    probs = torch.softmax(apply_top_k_top_p(x, k, p), -1)
-    del x
-    noise = torch.empty_like(probs).exponential_()
-    for i, gen in md.generators.items():  # per-request seeds: the request's own rows, in one draw
-        if req_lo <= i < req_hi:
-            a = ragged.starts[i] - lo
-            noise[a : a + ragged.counts[i]].exponential_(generator=gen)
-    sampled = sample_tokens(probs, noise)
+    x = apply_top_k_top_p(x, k, p)
+    seeded = {ragged.starts[i] - lo: (ragged.counts[i], gen) for i, gen in md.generators.items() if req_lo <= i < req_hi}
+    sampled = draw(x, seeded, fp64_noise)
     return torch.where(temperature < 1e-5, greedy, sampled)
+
+
+def fused_gumbel_argmax(device: torch.device):
+    """vLLM's CPU sampling op (``torch.ops._C.fused_gumbel_argmax``: logits [B, V] float32, one int64
+    seed per row -> [B] tokens, Gumbel-max) on the CPU where the installed vLLM has it, else None."""
+    if device.type != "cpu":
+        return None
+    try:
+        import vllm._C  # noqa: F401  (registers the op; vLLM's engine has loaded it already)
+
+        return torch.ops._C.fused_gumbel_argmax
+    except (ImportError, AttributeError, RuntimeError):
+        return None
+
+
+def draw(x: Tensor, seeded: dict[int, tuple[int, torch.Generator]], fp64_noise: bool = False) -> Tensor:
+    """One token per row of the processed logits x [C, V] (x consumed), as vLLM's sampler draws.
+
+    seeded: first row -> (rows, generator) of each request with its own seed; its rows' randomness
+    comes from its generator alone, one draw over its rows, so it does not depend on the rest of the
+    batch. On the CPU, vLLM's fused Gumbel-max op with a seed per row (``TopKTopPSampler.forward_cpu``):
+    PyTorch's CPU ``exponential_`` takes about 19 ns per element (AMD EPYC, 2 threads), which made a
+    sampled tree step of 4 requests x 9 rows at V = 49152 spend 66 ms on noise, a seeded request's
+    twice; the fused op takes 5.5 ms for those rows. Elsewhere, and with vLLM's ``use_fp64_gumbel``
+    (float64 noise, which vLLM's CPU sampler also draws natively), the exponential race argmax(p / E)
+    of vLLM's ``random_sample``, with no host synchronisation.
+    """
+    rows = x.shape[0]
+    unseeded = rows - sum(c for c, _ in seeded.values())
+    fused = None if fp64_noise else fused_gumbel_argmax(x.device)
+    if fused is not None:
+        seeds = torch.randint(0, 2**31, (rows,), dtype=torch.int64) if unseeded else torch.empty(rows, dtype=torch.int64)
+        for a, (c, gen) in seeded.items():
+            seeds[a : a + c] = torch.randint(0, 2**31, (c,), generator=gen, dtype=torch.int64)
+        return fused(x.float().contiguous(), seeds)
+    probs = torch.softmax(x, -1)
+    del x
+    noise = torch.empty_like(probs, dtype=torch.float64 if fp64_noise else probs.dtype)
+    if unseeded:  # as vLLM's random_sample: the whole chunk at once, then the seeded requests' rows
+        noise.exponential_()
+    for a, (c, gen) in seeded.items():
+        noise[a : a + c].exponential_(generator=gen)
+    return sample_tokens(probs, noise)
 
 
 def tree_penalties(x: Tensor, md, batch: TreeBatch, ragged: RaggedRows, chunk: tuple[int, int, int, int]) -> Tensor:

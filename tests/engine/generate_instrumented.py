@@ -97,28 +97,17 @@ def record_dflash_input_writes() -> dict:
 
 
 def distort_tree_sampler(temperature: float):
-    """Replaces the tree walk's categorical draw with one from p ** (1 / temperature): the draw a
-    sampler would make that applied the wrong temperature to the verify rows. Returns an undo."""
-    import importlib
+    """Replaces the tree sampler's draw with one from p ** (1 / temperature): the draw a sampler would
+    make that applied the wrong temperature to the verify rows. Returns an undo."""
+    from vllm_ddtree import sampling
 
-    # The module whose verify-row sampler calls the tree's draw by this name.
-    for name in ("vllm_ddtree.sampling", "vllm_ddtree.engine"):
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        if hasattr(module, "sample_tokens"):
-            break
-    else:
-        raise RuntimeError("--distort: no vllm_ddtree module samples the verify rows with `sample_tokens`")
-    exact = module.sample_tokens
+    exact = sampling.draw  # the verify rows' draw from their processed logits, on every device
 
-    def sharpened(probs, exponential_noise=None, generator=None):
-        p = probs.float().pow(1 / temperature)
-        return exact(p / p.sum(-1, keepdim=True), exponential_noise, generator)
+    def sharpened(x, *args, **kwargs):
+        return exact(x / temperature, *args, **kwargs)  # softmax(x / T) is p ** (1 / T), normalised
 
-    module.sample_tokens = sharpened
-    return lambda: setattr(module, "sample_tokens", exact)
+    sampling.draw = sharpened
+    return lambda: setattr(sampling, "draw", exact)
 
 
 if __name__ == "__main__":
