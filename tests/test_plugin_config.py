@@ -469,3 +469,31 @@ def test_prompt_embeds_are_refused_at_startup(dirs):
         args.create_engine_config()
     plain = EngineArgs(model=str(dirs["target"]), dtype="float32", max_model_len=1024, enable_prompt_embeds=True)
     assert plain.create_engine_config().model_config.enable_prompt_embeds  # without ddtree vLLM's as it was
+
+
+def test_lora_step_rule_names_ddtree_s_settings_and_the_numbers_that_fit(dirs):
+    # vLLM's rule for speculation with LoRA (max_num_batched_tokens >= max_num_seqs x (1 + width)) says
+    # "decreasing num_speculative_tokens", a key ddtree refuses; its error names what to change.
+    from vllm.engine.arg_utils import EngineArgs
+
+    def config(spec: dict, **kw):
+        sizes = {"max_num_seqs": 8, "max_num_batched_tokens": 256, **kw}
+        return EngineArgs(model=str(dirs["target"]), dtype="float32", max_model_len=1024, speculative_config=spec,
+                          enable_lora=True, max_lora_rank=8, **sizes).create_engine_config()
+
+    spec = {"method": "ddtree", "model": str(dirs["drafter"]), "tree_budget": "auto", "max_tree_budget": 32,
+            "prompt_lookup_tokens": 8}
+    with pytest.raises(ValueError) as err:
+        config(spec)
+    message = str(err.value)
+    assert "num_speculative_tokens" not in message, message
+    for part in ("here 256 < 8 x 41", "max_tree_budget=32", "prompt_lookup_tokens=8",
+                 "max_num_batched_tokens to at least 328", "max_num_seqs to at most 6"):
+        assert part in message, (part, message)
+    # The numbers it gives fit: either change alone starts.
+    assert config(spec, max_num_seqs=6).speculative_config.num_speculative_tokens == 40
+    assert config(spec, max_num_batched_tokens=328).scheduler_config.max_num_batched_tokens == 328
+    # Other methods keep vLLM's own message.
+    with pytest.raises(ValueError, match="^Consider increasing max_num_batched_tokens or decreasing "
+                                         "num_speculative_tokens$"):
+        config({"method": "dflash", "model": str(dirs["drafter"]), "num_speculative_tokens": 15}, max_num_seqs=32)

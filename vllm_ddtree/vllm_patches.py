@@ -118,6 +118,11 @@ P16 Structured outputs over trees (:mod:`vllm_ddtree.structured`). vLLM's gramma
     reach the scheduler with the drafts (P13's ``take_draft_token_ids`` sets them on vLLM's
     ``DraftTokenIds``), and ``Scheduler.update_draft_token_ids`` (v1/core/sched/scheduler.py:2550)
     is wrapped to keep each structured request's parents beside its ``spec_token_ids``.
+P17 ``EngineArgs.create_engine_config`` (engine/arg_utils.py:2205) — wrapped: vLLM's start-up rule
+    for speculation with LoRA (max_num_batched_tokens >= max_num_seqs x (1 + num_speculative_tokens))
+    fails with "decreasing num_speculative_tokens", a key ddtree refuses; for ddtree the error names
+    the settings that change the verify width and the numbers to set. ``create_speculative_config``
+    (:2060) is wrapped to keep the built config beside the engine arguments for that message.
 """
 
 from __future__ import annotations
@@ -303,6 +308,7 @@ def apply() -> None:
             _patch_model_runner()
             _patch_worker_warm_up()
             _patch_structured_outputs()
+            _patch_engine_args()
             _set(SpeculativeConfig, _MARK, True)
         except BaseException:
             _rollback()
@@ -1004,3 +1010,52 @@ def prebuild_tree_attention(runner) -> int:
                 _logger().info("ddtree: FlashInfer tree-attention kernel ready (%s) in %.1f s", constants["q_data_type"],
                                time.perf_counter() - start)
     return len(built)
+
+
+# ---- P17: the engine arguments' LoRA rule ---------------------------------------------------------
+
+#: vLLM 0.32's error when speculation with LoRA does not fit a step (engine/arg_utils.py:2680).
+LORA_STEP_MESSAGE = "Consider increasing max_num_batched_tokens or decreasing num_speculative_tokens"
+
+
+def lora_step_error(max_num_seqs: int, max_num_batched_tokens: int, spec: Any) -> ValueError:
+    """vLLM's LoRA rule in ddtree's terms: what to change, with the numbers that fit."""
+    width = spec.num_speculative_tokens
+    ddtree = spec.ddtree
+    sizing = (f"tree_budget={ddtree.tree_budget!r}"
+              + (f", max_tree_budget={ddtree.max_budget}" if ddtree.adaptive else "")
+              + f", prompt_lookup_tokens={ddtree.prompt_lookup_tokens}")
+    return ValueError(
+        f"speculative method 'ddtree' with LoRA: vLLM needs max_num_batched_tokens >= max_num_seqs x (1 + the "
+        f"verify width), here {max_num_batched_tokens} < {max_num_seqs} x {1 + width}; the verify width {width} is "
+        f"the largest tree plus the prompt-lookup branch ({sizing}). Set max_num_batched_tokens to at least "
+        f"{max_num_seqs * (1 + width)}, max_num_seqs to at most {max_num_batched_tokens // (1 + width)}, or a "
+        "smaller tree_budget / max_tree_budget / prompt_lookup_tokens"
+    )
+
+
+def _patch_engine_args() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    create_spec = EngineArgs.create_speculative_config
+    create = EngineArgs.create_engine_config
+
+    @functools.wraps(create_spec)
+    def create_speculative_config(self, *args: Any, **kwargs: Any):
+        spec = create_spec(self, *args, **kwargs)
+        self._ddtree_speculative_config = spec if getattr(spec, "method", None) == METHOD else None
+        return spec
+
+    @functools.wraps(create)
+    def create_engine_config(self, *args: Any, **kwargs: Any):
+        self._ddtree_speculative_config = None
+        try:
+            return create(self, *args, **kwargs)
+        except ValueError as e:
+            spec = getattr(self, "_ddtree_speculative_config", None)
+            if spec is not None and str(e) == LORA_STEP_MESSAGE:
+                raise lora_step_error(self.max_num_seqs, self.max_num_batched_tokens, spec) from e
+            raise
+
+    _set(EngineArgs, "create_speculative_config", create_speculative_config)
+    _set(EngineArgs, "create_engine_config", create_engine_config)
