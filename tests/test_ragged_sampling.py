@@ -446,16 +446,14 @@ DRAWS = ["cpu-op", "race-fp32", "race-fp64"]  # vLLM's CPU op; the exponential r
 
 
 @pytest.fixture(params=DRAWS)
-def draw_path(request, monkeypatch) -> bool:
-    """Each way the sampler draws, on the CPU; returns the fp64_noise flag that selects it."""
+def draw_path(request) -> dict:
+    """Each way the sampler draws, on the CPU: the sample_rows arguments that select it."""
     if request.param == "cpu-op":
         assert sampling.fused_gumbel_argmax(torch.device("cpu")) is not None  # the premise: vLLM's op is there
-    else:
-        monkeypatch.setattr(sampling, "fused_gumbel_argmax", lambda device: None)
-    return request.param == "race-fp64"
+    return {"fp64_noise": request.param == "race-fp64", "cpu_op": request.param == "cpu-op"}
 
 
-def draw_counts(temperature: float, logits_per_row: Tensor, min_p: float = 0.0, fp64_noise: bool = False) -> Tensor:
+def draw_counts(temperature: float, logits_per_row: Tensor, min_p: float = 0.0, draw: dict | None = None) -> Tensor:
     """Counts [rows, V] of the ragged sampler's draws for every row of many identical requests."""
     torch.manual_seed(1234)
     drafts = STAT_DRAFTS * STAT_REPEATS
@@ -466,7 +464,7 @@ def draw_counts(temperature: float, logits_per_row: Tensor, min_p: float = 0.0, 
     r = len(drafts)
     md = metadata(r, STAT_VOCAB, temperature=[temperature] * r, top_k=[12] * r, top_p=[0.85] * r,
                   min_p=[min_p] * r if min_p else None)
-    tokens = sample_rows(logits, rows, md, batch, [d + 1 for d in drafts], STAT_VOCAB * 64, fp64_noise=fp64_noise)
+    tokens = sample_rows(logits, rows, md, batch, [d + 1 for d in drafts], STAT_VOCAB * 64, **(draw or {}))
     per_row = [(i, j) for i, d in enumerate(STAT_DRAFTS) for j in range(d + 1)]
     counts = torch.zeros(len(per_row), STAT_VOCAB)
     for k, (i, j) in enumerate(per_row):
@@ -487,13 +485,13 @@ def chi_square_p(observed: Tensor, probs: Tensor) -> float:
 def test_sampled_rows_follow_the_processed_distribution_and_a_wrong_temperature_does_not(draw_path):
     gen = torch.Generator().manual_seed(3)
     rows_logits = torch.randn(sum(d + 1 for d in STAT_DRAFTS), STAT_VOCAB, generator=gen) * 0.8
-    counts = draw_counts(0.7, rows_logits, fp64_noise=draw_path)
+    counts = draw_counts(0.7, rows_logits, draw=draw_path)
     for k in range(rows_logits.shape[0]):
         probs = processed_probs(rows_logits[k], 0.7, 12, 0.85)
         assert int((probs > 0).sum()) >= 4  # the filter leaves a real distribution to test
         assert chi_square_p(counts[k], probs) > FALSE_ALARM, k
     # Negative control: draws made at temperature 1.4 are rejected as draws at 0.7.
-    wrong = draw_counts(1.4, rows_logits, fp64_noise=draw_path)
+    wrong = draw_counts(1.4, rows_logits, draw=draw_path)
     for k in range(rows_logits.shape[0]):
         assert chi_square_p(wrong[k], processed_probs(rows_logits[k], 0.7, 12, 0.85)) < FALSE_ALARM, k
 
@@ -536,15 +534,15 @@ def test_the_ragged_path_reads_no_device_value():
 
 
 def seeded_tokens(drafts: list[int], seeded: int, seed: int, logits: Tensor, chunk_elements: int,
-                  fp64_noise: bool = False) -> list[list[int]]:
+                  draw: dict) -> list[list[int]]:
     gen = torch.Generator().manual_seed(11)
     batch = random_trees(gen, drafts, VOCAB)
     rows = verify_rows(drafts, max(drafts) + 1)
     r = len(drafts)
     md = metadata(r, VOCAB, temperature=[1.0] * r, top_p=[0.95] * r,
                   generators={seeded: torch.Generator().manual_seed(seed)})
-    return valid_tokens(sample_rows(logits, rows, md, batch, [d + 1 for d in drafts], chunk_elements,
-                                    fp64_noise=fp64_noise), batch)
+    return valid_tokens(sample_rows(logits, rows, md, batch, [d + 1 for d in drafts], chunk_elements, **draw),
+                        batch)
 
 
 def test_seeded_requests_are_reproducible_whatever_else_is_in_the_batch(draw_path):
@@ -559,3 +557,18 @@ def test_seeded_requests_are_reproducible_whatever_else_is_in_the_batch(draw_pat
     assert a[1] == b[1] == c[3]
     d = seeded_tokens([3, 6, 0], 1, 43, torch.cat([other(4), mine, other(1)]), VOCAB * 8, draw_path)
     assert d[1] != a[1]  # the seed decides the draws (7 rows at temperature 1: a coincidence is ~impossible)
+
+
+def test_the_draw_follows_the_choices_of_vllm_s_sampler(monkeypatch):
+    # vLLM's Sampler, as the engine builds it: on this x86 CPU its fused op; with use_fp64_gumbel,
+    # float64 noise (its CPU sampler then samples natively, and so do the tree rows); on a POWER CPU,
+    # where vLLM's sampler never takes the fused op, neither do the tree rows.
+    from vllm.platforms import CpuArchEnum, current_platform
+    from vllm.v1.sample.sampler import Sampler
+
+    from vllm_ddtree.sampling import draw_options
+
+    assert draw_options(Sampler()) == {"fp64_noise": False, "cpu_op": True}
+    assert draw_options(Sampler(use_fp64_gumbel=True)) == {"fp64_noise": True, "cpu_op": True}
+    monkeypatch.setattr(current_platform, "get_cpu_architecture", lambda: CpuArchEnum.POWERPC)
+    assert draw_options(Sampler()) == {"fp64_noise": False, "cpu_op": False}

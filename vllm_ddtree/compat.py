@@ -120,8 +120,10 @@ TARGETS: tuple[Target, ...] = tuple(
     + _t("engine", "v1/sample/sampler.py", "Sampler.sample",
          "tree sampler: the order of temperature, min_p and top-k/top-p")
     + _t("engine", "v1/outputs.py", "SamplerOutput", "what the tree sampler returns")
-    + _t("engine", "v1/sample/ops/topk_topp_sampler.py", "TopKTopPSampler.forward_cpu, random_sample",
-         "tree sampler: the draw, as vLLM's sampler makes it (its CPU op with a seed per row; the exponential race)")
+    + _t("engine", "v1/sample/ops/topk_topp_sampler.py",
+         "TopKTopPSampler.__init__, TopKTopPSampler.forward_cpu, random_sample",
+         "tree sampler: the draw, as vLLM's sampler chooses and makes it (its CPU op with a seed per row; the "
+         "exponential race)")
     + _t("engine", "v1/sample/sampler.py", "Sampler.__init__", "tree sampler: use_fp64_gumbel, as the sampler holds it")
     + _t("P17", "engine/arg_utils.py", "EngineArgs.create_engine_config, EngineArgs.create_speculative_config",
          "vLLM's LoRA step rule, raised there, is reworded for ddtree")

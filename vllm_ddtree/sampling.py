@@ -95,7 +95,7 @@ class RaggedRows:
 
 def sample_rows(logits: Tensor, rows: Tensor, md, batch: TreeBatch, num_rows: Sequence[int],
                 chunk_elements: int = CHUNK_ELEMENTS, forced: Sequence[tuple[int, int]] = (),
-                fp64_noise: bool = False) -> Tensor:
+                fp64_noise: bool = False, cpu_op: bool = True) -> Tensor:
     """One target token per verify row: argmax, or one draw from the request's processed distribution.
 
     logits [T, V]: the step's logits rows, ragged and request-major, ``num_rows[i]`` (host ints,
@@ -112,6 +112,8 @@ def sample_rows(logits: Tensor, rows: Tensor, md, batch: TreeBatch, num_rows: Se
     vLLM's forcing logit, as vLLM's samplers give it.
 
     fp64_noise: vLLM's ``use_fp64_gumbel`` (the model config's; its sampler holds it): float64 noise.
+    cpu_op: draw with vLLM's fused CPU op where it exists, as vLLM's sampler does on x86 and Arm CPUs
+    (on RISC-V and POWER it samples natively); see :func:`draw` and :func:`draw_options`.
     """
     r, n = rows.shape
     if len(num_rows) != r:
@@ -143,11 +145,12 @@ def sample_rows(logits: Tensor, rows: Tensor, md, batch: TreeBatch, num_rows: Se
         in_chunk = [(ragged.starts[i] - lo, t) for i, t in forced if chunk[0] <= i < chunk[1]]
         if in_chunk:
             force_rows(x, in_chunk)
-        flat[lo:hi] = x.argmax(-1) if md.all_greedy else _sample_chunk(x, md, ragged, chunk, fp64_noise)
+        flat[lo:hi] = x.argmax(-1) if md.all_greedy else _sample_chunk(x, md, ragged, chunk, fp64_noise, cpu_op)
     return flat[rows]
 
 
-def _sample_chunk(x: Tensor, md, ragged: RaggedRows, chunk: tuple[int, int, int, int], fp64_noise: bool = False) -> Tensor:
+def _sample_chunk(x: Tensor, md, ragged: RaggedRows, chunk: tuple[int, int, int, int], fp64_noise: bool = False,
+                  cpu_op: bool = True) -> Tensor:
     """Temperature, min_p, vLLM's top-k/top-p and one draw per row on one chunk (x consumed), in the
     order of vLLM's ``Sampler.sample``; the draw as vLLM's sampler draws on the device (:func:`draw`).
 
@@ -165,8 +168,17 @@ def _sample_chunk(x: Tensor, md, ragged: RaggedRows, chunk: tuple[int, int, int,
     p = md.top_p.index_select(0, req) if md.top_p is not None else None
     x = apply_top_k_top_p(x, k, p)
     seeded = {ragged.starts[i] - lo: (ragged.counts[i], gen) for i, gen in md.generators.items() if req_lo <= i < req_hi}
-    sampled = draw(x, seeded, fp64_noise)
+    sampled = draw(x, seeded, fp64_noise, cpu_op)
     return torch.where(temperature < 1e-5, greedy, sampled)
+
+
+def draw_options(sampler) -> dict[str, bool]:
+    """The draw vLLM's ``Sampler`` makes, as :func:`sample_rows`' keyword arguments: float64 noise
+    (its ``use_fp64_gumbel``), and whether its top-k/top-p sampler chose the fused CPU op
+    (``TopKTopPSampler.forward_cpu``; vLLM picks it on x86 and Arm CPUs)."""
+    forward = getattr(sampler.topk_topp_sampler, "forward", None)
+    return {"fp64_noise": bool(getattr(sampler, "use_fp64_gumbel", False)),
+            "cpu_op": getattr(forward, "__name__", "") == "forward_cpu"}
 
 
 def fused_gumbel_argmax(device: torch.device):
@@ -182,7 +194,8 @@ def fused_gumbel_argmax(device: torch.device):
         return None
 
 
-def draw(x: Tensor, seeded: dict[int, tuple[int, torch.Generator]], fp64_noise: bool = False) -> Tensor:
+def draw(x: Tensor, seeded: dict[int, tuple[int, torch.Generator]], fp64_noise: bool = False,
+         cpu_op: bool = True) -> Tensor:
     """One token per row of the processed logits x [C, V] (x consumed), as vLLM's sampler draws.
 
     seeded: first row -> (rows, generator) of each request with its own seed; its rows' randomness
@@ -190,13 +203,14 @@ def draw(x: Tensor, seeded: dict[int, tuple[int, torch.Generator]], fp64_noise: 
     batch. On the CPU, vLLM's fused Gumbel-max op with a seed per row (``TopKTopPSampler.forward_cpu``):
     PyTorch's CPU ``exponential_`` takes about 19 ns per element (AMD EPYC, 2 threads), which made a
     sampled tree step of 4 requests x 9 rows at V = 49152 spend 66 ms on noise, a seeded request's
-    twice; the fused op takes 5.5 ms for those rows. Elsewhere, and with vLLM's ``use_fp64_gumbel``
-    (float64 noise, which vLLM's CPU sampler also draws natively), the exponential race argmax(p / E)
-    of vLLM's ``random_sample``, with no host synchronisation.
+    twice; the fused op takes 5.5 ms for those rows. Elsewhere (a GPU; `cpu_op` False: a CPU where
+    vLLM's sampler samples natively), and with vLLM's ``use_fp64_gumbel`` (float64 noise, which vLLM's
+    CPU sampler also draws natively), the exponential race argmax(p / E) of vLLM's ``random_sample``,
+    with no host synchronisation.
     """
     rows = x.shape[0]
     unseeded = rows - sum(c for c, _ in seeded.values())
-    fused = None if fp64_noise else fused_gumbel_argmax(x.device)
+    fused = fused_gumbel_argmax(x.device) if cpu_op and not fp64_noise else None
     if fused is not None:
         seeds = torch.randint(0, 2**31, (rows,), dtype=torch.int64) if unseeded else torch.empty(rows, dtype=torch.int64)
         for a, (c, gen) in seeded.items():
