@@ -493,6 +493,9 @@ def test_lora_step_rule_names_ddtree_s_settings_and_the_numbers_that_fit(dirs):
     # The numbers it gives fit: either change alone starts.
     assert config(spec, max_num_seqs=6).speculative_config.num_speculative_tokens == 40
     assert config(spec, max_num_batched_tokens=328).scheduler_config.max_num_batched_tokens == 328
+    with pytest.raises(ValueError) as err:  # no request fits a step: no max_num_seqs to suggest
+        config(spec, max_num_batched_tokens=32)
+    assert "max_num_seqs to at most" not in str(err.value) and "at least 328" in str(err.value), str(err.value)
     # Other methods keep vLLM's own message.
     with pytest.raises(ValueError, match="^Consider increasing max_num_batched_tokens or decreasing "
                                          "num_speculative_tokens$"):

@@ -1025,12 +1025,14 @@ def lora_step_error(max_num_seqs: int, max_num_batched_tokens: int, spec: Any) -
     sizing = (f"tree_budget={ddtree.tree_budget!r}"
               + (f", max_tree_budget={ddtree.max_budget}" if ddtree.adaptive else "")
               + f", prompt_lookup_tokens={ddtree.prompt_lookup_tokens}")
+    fewer_seqs = max_num_batched_tokens // (1 + width)
     return ValueError(
         f"speculative method 'ddtree' with LoRA: vLLM needs max_num_batched_tokens >= max_num_seqs x (1 + the "
         f"verify width), here {max_num_batched_tokens} < {max_num_seqs} x {1 + width}; the verify width {width} is "
         f"the largest tree plus the prompt-lookup branch ({sizing}). Set max_num_batched_tokens to at least "
-        f"{max_num_seqs * (1 + width)}, max_num_seqs to at most {max_num_batched_tokens // (1 + width)}, or a "
-        "smaller tree_budget / max_tree_budget / prompt_lookup_tokens"
+        f"{max_num_seqs * (1 + width)}, "
+        + (f"max_num_seqs to at most {fewer_seqs}, " if fewer_seqs >= 1 else "")
+        + "or a smaller tree_budget / max_tree_budget / prompt_lookup_tokens"
     )
 
 
