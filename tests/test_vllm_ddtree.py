@@ -21,13 +21,15 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 HELPER = Path(__file__).parent / "engine" / "generate_spec.py"
 # Every engine counter, the prefix cache, the acceptance fit, a deliberately wrong tree sampler.
 INSTRUMENTED = Path(__file__).parent / "engine" / "generate_instrumented.py"
+CACHED_PROMPT = Path(__file__).parent / "engine" / "cached_prompt_decode.py"
 
 
-def run(out: Path, specs: list, *options: str, helper: Path = HELPER, env: dict | None = None) -> dict:
+def run(out: Path, specs: list, *options: str, helper: Path = HELPER, env: dict | None = None,
+        timeout: float = 1500) -> dict:
     env = vllm_env(VLLM_ENABLE_V1_MULTIPROCESSING="0", **(env or {}))
     args = ["none" if s is None else json.dumps(s) for s in specs]
     proc = subprocess.run([sys.executable, str(helper), str(out), *options, *args], env=env, capture_output=True, text=True,
-                          timeout=1500)
+                          timeout=timeout)
     # The exit status (-9: killed, e.g. out of memory) and the log without its progress bars.
     log = "\n".join(line for line in proc.stderr.replace("\r", "\n").splitlines() if "Processed prompts" not in line)
     assert proc.returncode == 0, (proc.returncode, log[-4000:])
@@ -316,6 +318,19 @@ def test_thinking_budgets_survive_preemption_as_if_never_preempted(tmp_path, dra
     assert res["metrics"][0]["vllm:num_preemptions"] > 0  # the scenario really preempts
     assert res["metrics"][0].get("vllm:spec_decode_num_drafts", 0) > 0
     assert res["outputs"][0] == alone["outputs"][0]
+
+
+def test_a_prompt_cached_but_for_its_last_token_decodes_under_a_small_step_budget(tmp_path, drafter):
+    # vLLM pads a request that starts decoding to 1 + num_speculative_tokens placeholder rows and skips
+    # it while those exceed the step's token budget: ddtree's 1 + verify width (73 rows) over a 48-token
+    # budget, with nothing else running, left such a request waiting forever (seen under preemption,
+    # where resumed requests hit their own cached blocks). A hang fails this test by its timeout.
+    path, _ = drafter
+    res = run(tmp_path / "out.json", [None, {"method": "ddtree", "model": str(path)}], helper=CACHED_PROMPT,
+              timeout=600)
+    assert res["cached"] == [64, 64]  # the second run's first step has one token to compute
+    alone = res["outputs"][0][0]
+    assert len(alone) == 16 and res["outputs"] == [[alone, alone], [alone, alone]]
 
 
 def test_ddtree_applies_penalties_and_returns_logprobs_like_the_target(tmp_path, drafter):

@@ -1,6 +1,6 @@
 """Static compatibility check of a vLLM release against every runtime patch vllm-ddtree applies.
 
-vllm-ddtree wraps and subclasses private vLLM code (:mod:`vllm_ddtree.vllm_patches`, P0–P17, and the
+vllm-ddtree wraps and subclasses private vLLM code (:mod:`vllm_ddtree.vllm_patches`, P0–P18, and the
 classes and helpers the tree proposer, sampler and attention backends build on). A vLLM release is
 safe to patch only where that code is what the patches were written against: vLLM 0.32.0.
 
@@ -51,7 +51,7 @@ def _t(patch: str, file: str, names: str, why: str) -> list[Target]:
     return [Target(patch, file, n.strip(), why) for n in names.split(",")]
 
 
-#: Every target, grouped by the patch that needs it (see vllm_patches' docstring for P0–P17).
+#: Every target, grouped by the patch that needs it (see vllm_patches' docstring for P0–P18).
 TARGETS: tuple[Target, ...] = tuple(
     _t("P1", "config/speculative.py", "SpeculativeMethod, SpeculativeConfig:fields",
        "the method Literal widened with 'ddtree'; the dataclass a 'ddtree' field is added to")
@@ -127,6 +127,8 @@ TARGETS: tuple[Target, ...] = tuple(
     + _t("engine", "v1/sample/sampler.py", "Sampler.__init__", "tree sampler: use_fp64_gumbel, as the sampler holds it")
     + _t("P17", "engine/arg_utils.py", "EngineArgs.create_engine_config, EngineArgs.create_speculative_config",
          "vLLM's LoRA step rule, raised there, is reworded for ddtree")
+    + _t("P18", "v1/core/sched/scheduler.py", "Scheduler.__init__, Scheduler.schedule",
+         "an identity Dynamic SD schedule for ddtree turns off the placeholder padding of requests that start decoding")
     + _t("engine", "v1/sample/thinking_budget_state.py",
          "ThinkingBudgetStateHolder.__init__, ThinkingBudgetStateHolder._init_state_entry, "
          "ThinkingBudgetStateHolder._update_think_state, ThinkingBudgetStateHolder._apply_forcing_to_logits",

@@ -123,6 +123,15 @@ P17 ``EngineArgs.create_engine_config`` (engine/arg_utils.py:2205) — wrapped: 
     fails with "decreasing num_speculative_tokens", a key ddtree refuses; for ddtree the error names
     the settings that change the verify width and the numbers to set. ``create_speculative_config``
     (:2060) is wrapped to keep the built config beside the engine arguments for that message.
+P18 ``Scheduler.__init__`` (v1/core/sched/scheduler.py:85) — wrapped: for ddtree without a Dynamic
+    SD schedule, an identity schedule (K = the verify width at every batch size). vLLM pads a request
+    that starts decoding (a prompt cached but for its last token, a 1-token prompt) to
+    1 + ``num_speculative_tokens`` placeholder rows for FULL CUDA graphs (scheduler.py:1133), and
+    skips it when those rows exceed the step's token budget; ddtree's 1 + verify width (73 by
+    default) does at ``max_num_batched_tokens`` < 73, and with nothing else running the engine then
+    schedules nothing, forever. vLLM leaves that padding out under a Dynamic SD schedule; the
+    identity schedule changes nothing else (the K it hands the proposer is the same). ddtree's verify
+    steps run no FULL graphs, so the padding bought nothing but a verify-width chain of placeholders.
 """
 
 from __future__ import annotations
@@ -197,6 +206,8 @@ CALL_SITES: tuple[tuple[str, str], ...] = (
      "P2 sets disable_eagle_block_drop by default: the trailing prefix-cache block is kept (the drafter's "
      "K/V of a full block is complete; tests/engine/prefix_cache_drafter.py), unlike DFlash; vLLM then "
      "logs that dropping is disabled"),
+    ("v1/core/sched/scheduler.py:1133-1151 a request starting to decode padded to 1 + num_spec_tokens",
+     "P18: off for ddtree (an identity Dynamic SD schedule): 1 + verify width over a smaller step budget stalled it"),
     ("v1/core/sched/scheduler.py:613 max_num_new_slots_for_drafting",
      "P5: 0, no input slots held per scheduled request; the proposer drafts when its rows fit"),
     ("v1/core/kv_cache_utils.py:2005,2066,2099 use_eagle()/use_eagle_block_drop()",
@@ -309,6 +320,7 @@ def apply() -> None:
             _patch_worker_warm_up()
             _patch_structured_outputs()
             _patch_engine_args()
+            _patch_scheduler_padding()
             _set(SpeculativeConfig, _MARK, True)
         except BaseException:
             _rollback()
@@ -1061,3 +1073,21 @@ def _patch_engine_args() -> None:
 
     _set(EngineArgs, "create_speculative_config", create_speculative_config)
     _set(EngineArgs, "create_engine_config", create_engine_config)
+
+
+# ---- P18: no placeholder padding of requests that start decoding --------------------------------
+
+
+def _patch_scheduler_padding() -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    init = Scheduler.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        if _is_ddtree(self.vllm_config) and self.num_spec_tokens and self.dynamic_sd_lookup is None:
+            # indexed by the step's request count (at most max_num_seqs), as vLLM's own lookup
+            self.dynamic_sd_lookup = [self.num_spec_tokens] * (self.scheduler_config.max_num_seqs + 1)
+
+    _set(Scheduler, "__init__", __init__)
