@@ -201,9 +201,9 @@ def draw(x: Tensor, seeded: dict[int, tuple[int, torch.Generator]], fp64_noise: 
     seeded: first row -> (rows, generator) of each request with its own seed; its rows' randomness
     comes from its generator alone, one draw over its rows, so it does not depend on the rest of the
     batch. On the CPU, vLLM's fused Gumbel-max op with a seed per row (``TopKTopPSampler.forward_cpu``):
-    PyTorch's CPU ``exponential_`` takes about 19 ns per element (AMD EPYC, 2 threads), which made a
-    sampled tree step of 4 requests x 9 rows at V = 49152 spend 66 ms on noise, a seeded request's
-    twice; the fused op takes 5.5 ms for those rows. Elsewhere (a GPU; `cpu_op` False: a CPU where
+    PyTorch's CPU ``exponential_`` takes about 19 ns per element (AMD EPYC, 2 threads): 33 ms for a
+    sampled tree step of 4 requests x 9 rows at V = 49152, 66 ms with every request seeded (its rows
+    drawn twice); the fused op takes 5.5 ms for those rows. Elsewhere (a GPU; `cpu_op` False: a CPU where
     vLLM's sampler samples natively), and with vLLM's ``use_fp64_gumbel`` (float64 noise, which vLLM's
     CPU sampler also draws natively), the exponential race argmax(p / E) of vLLM's ``random_sample``,
     with no host synchronisation.
