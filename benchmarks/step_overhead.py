@@ -364,7 +364,8 @@ def verify_inputs(code, proposer, drafts: list[list[int]], ctx: int, vocab: int,
     logits = torch.full((total, vocab), -4.0)
     logits[torch.arange(total), want] = 4.0
     sampling = SimpleNamespace(all_greedy=True, no_penalties=True, allowed_token_ids_mask=None, bad_words_token_ids={},
-                               logitsprocs=LogitsProcessors(), max_num_logprobs=None)
+                               logitsprocs=LogitsProcessors(), max_num_logprobs=None,
+                               logprob_token_ids=None)
     slots = device(torch.arange(total + 8))
     # Tiny heads, every layer a view of one buffer a fixed stride apart, as vLLM 0.32.0 allocates them
     # (`allocate_kv_cache`); the GPU's layout (FlashInfer's) where the revision knows it. Allocated once

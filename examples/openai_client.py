@@ -6,12 +6,13 @@
 ``--model`` defaults to the first model the server lists. Prints each answer, then the server's
 speculative-decoding counters from ``/metrics`` (drafts, draft tokens, accepted tokens) and the
 mean acceptance length. The completion also asks for its token ids (vLLM's ``return_token_ids``), the
-exact output to compare with another engine. One request carries a sampling parameter ddtree does
-not apply (``logprob_token_ids``): the server answers HTTP 400 with the reason, and the completion is
-sent again after it, to show the server keeps serving. ``logit_bias`` and ``min_p``, which vLLM's own
+exact output to compare with another engine. The completion is scored again with the logprobs of
+chosen tokens at every position (vLLM's ``logprob_token_ids``). One request asks for more logprobs
+than the server allows: the server answers HTTP 400 with the reason, and the completion is sent
+again after it, to show the server keeps serving. ``logit_bias`` and ``min_p``, which vLLM's own
 speculative methods refuse, apply as without speculation (the completion again with its first token
 banned, and a sampled one). A chat in JSON mode (``response_format`` with a JSON schema) shows
-structured outputs. ``--json`` also writes the answers, the token ids, the refusal,
+structured outputs. ``--json`` also writes the answers, the token ids, the scores, the refusal,
 the number of streamed chunks and the counters to a file.
 """
 
@@ -64,13 +65,18 @@ def main(argv: list[str] | None = None) -> int:
     token_ids = completion.choices[0].model_extra["token_ids"]
     print("== completion ==\ndef fibonacci(n):" + completion.choices[0].text + f"\n(token ids {token_ids})")
 
-    # A parameter the tree sampler does not apply is refused per request (HTTP 400), not ignored.
+    # The same completion scored: at every position the logprobs of its own first token and of token 0.
+    scored = complete(logprobs=1, logprob_token_ids=[token_ids[0], 0]).choices[0]
+    scores = {"token_ids": scored.model_extra["token_ids"], "top_logprobs": scored.logprobs.top_logprobs}
+    print(f"== completion scored (logprob_token_ids) ==\n{scores['top_logprobs'][:2]} ...")
+
+    # A request the server cannot honour is refused (HTTP 400) with the reason, not clamped.
     try:
-        complete(logprobs=1, logprob_token_ids=[0])
+        complete(logprobs=1000)  # above the server's max_logprobs (vLLM's default: 20)
         refused = None
     except BadRequestError as e:  # e.message: "Error code: 400 - <the server's reason>"
         refused = {"status": e.status_code, "message": e.message, "param": e.param}
-    print(f"== logprob_token_ids refused ==\n{refused}")
+    print(f"== logprobs=1000 refused ==\n{refused}")
     again = complete().choices[0].model_extra["token_ids"]  # the server goes on serving
     print(f"== completion again ==\n{'same token ids' if again == token_ids else f'token ids {again}'}")
 
@@ -120,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"mean acceptance length {mean_len:.2f}" if mean_len else "mean acceptance length n/a (no drafts)")
     if args.json:
         result = {"model": model, "chat": chat.choices[0].message.content, "completion": completion.choices[0].text,
-                  "completion_token_ids": token_ids, "refused": refused, "completion_again_token_ids": again,
+                  "completion_token_ids": token_ids, "scored": scores, "refused": refused, "completion_again_token_ids": again,
                   "biased_token_ids": biased, "min_p_text": sampled.choices[0].text,
                   "json_answer": json_answer, "json_finish_reason": structured.choices[0].finish_reason,
                   "stream": streamed, "stream_chunks": chunks, "metrics": counters,

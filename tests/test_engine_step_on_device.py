@@ -49,7 +49,8 @@ def stand_in_runner(device: torch.device):
     proposer = SimpleNamespace(proposed=ProposedTrees.from_requests({"a": TREE_A}), width=WIDTH, auto=None, stats=DDTreeStats(interval=1e9),
                                context_order=None, context_positions=None)
     sampling = SimpleNamespace(all_greedy=True, no_penalties=True, allowed_token_ids_mask=None, bad_words_token_ids={},
-                               logitsprocs=LogitsProcessors(), max_num_logprobs=None)
+                               logitsprocs=LogitsProcessors(), max_num_logprobs=None,
+                               logprob_token_ids=None)
     slot_mapping = SimpleNamespace(gpu=torch.arange(64).to(device))
     cache = torch.zeros(8, 1, 16, 4).to(device)  # [blocks, kv heads, block size, 2 * head dim] ("rows" layout)
     runner = SimpleNamespace(

@@ -366,16 +366,13 @@ def test_not_a_dflash_drafter(dirs, target_configs):
         _spec(target_configs, method="ddtree", model=str(dirs["target"]))
 
 
-def test_structured_outputs_pass_and_unapplied_sampling_is_refused_per_request(dirs, target_configs):
-    from vllm.exceptions import VLLMValidationError  # vLLM's per-request error (HTTP 400)
+def test_structured_outputs_pass_per_request(dirs, target_configs):
     from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 
     spec = _spec(target_configs, method="ddtree", model=str(dirs["drafter"]), tree_budget=8)
     guided = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
     guided._validate_spec_decode(spec)  # masked per tree row (vllm_ddtree.structured)
     SamplingParams(temperature=0.7)._validate_spec_decode(spec)  # plain requests pass
-    with pytest.raises(VLLMValidationError, match=r"logprob_token_ids not supported yet with speculative method 'ddtree'"):
-        SamplingParams(logprobs=1, logprob_token_ids=[0])._validate_spec_decode(spec)
     dflash = _spec(target_configs, method="dflash", model=str(dirs["drafter"]), num_speculative_tokens=4)
     guided._validate_spec_decode(dflash)  # other methods keep vLLM's behaviour
 
@@ -425,7 +422,7 @@ def test_ddtree_engines_get_the_cpu_tree_attention(dirs):
             assert get_attn_backend(64, torch.float32, "auto").__name__ == expect
 
 
-def test_sampling_parameters_the_tree_sampler_ignores_are_refused(dirs):
+def test_sampling_parameters_vllm_refuses_for_its_chains_pass_for_ddtree(dirs):
     from vllm import SamplingParams
     from vllm.exceptions import VLLMValidationError
 
@@ -434,11 +431,9 @@ def test_sampling_parameters_the_tree_sampler_ignores_are_refused(dirs):
     for ok in (dict(temperature=0.7, top_k=5, top_p=0.9), dict(repetition_penalty=1.2, presence_penalty=0.5,
                                                               frequency_penalty=0.3), dict(logprobs=2),
                dict(min_tokens=3, bad_words=["x"], allowed_token_ids=[1, 2]), dict(thinking_token_budget=16),
-               dict(temperature=0.8, min_p=0.05, logit_bias={5: -2.0})):
+               dict(temperature=0.8, min_p=0.05, logit_bias={5: -2.0}), dict(logprobs=-1),
+               dict(logprob_token_ids=[5])):
         SamplingParams(**ok)._validate_spec_decode(spec)  # applied by the tree sampler
-    for bad in (dict(logprobs=-1), dict(logprob_token_ids=[5])):
-        with pytest.raises(VLLMValidationError, match="not supported yet with speculative method 'ddtree'"):
-            SamplingParams(**bad)._validate_spec_decode(spec)
     # vLLM's own methods keep vLLM's refusal of min_p and logit_bias (its chain samplers ignore them)
     dflash = _engine_config(dirs["target"], {"method": "dflash", "model": str(dirs["drafter"]),
                                              "num_speculative_tokens": 4}).speculative_config

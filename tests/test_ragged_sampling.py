@@ -572,3 +572,33 @@ def test_the_draw_follows_the_choices_of_vllm_s_sampler(monkeypatch):
     assert draw_options(Sampler(use_fp64_gumbel=True)) == {"fp64_noise": True, "cpu_op": True}
     monkeypatch.setattr(current_platform, "get_cpu_architecture", lambda: CpuArchEnum.POWERPC)
     assert draw_options(Sampler()) == {"fp64_noise": False, "cpu_op": False}
+
+
+@pytest.mark.parametrize("chunk_elements", [1 << 25, VOCAB * 5, 1])  # one chunk; a few positions each; one each
+def test_emitted_positions_logprobs_are_vllm_s_sampler_s_on_their_rows(chunk_elements):
+    # path_logprobs gathers the emitted positions' rows in chunks; whatever the chunking, top-n (the
+    # whole vocabulary for logprobs=-1) and logprob_token_ids must be vLLM's Sampler's on those rows,
+    # ids padded to the widest request's across chunks. Requests 0 and 2 ask for ids, 1 does not.
+    from vllm.v1.sample.sampler import Sampler
+
+    from vllm_ddtree.sampling import path_logprobs
+
+    sampler = Sampler()  # vLLM's default logprobs mode: raw logprobs
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(20, VOCAB, generator=gen) * 3
+    path_rows = torch.randint(0, 20, (3, 4), generator=gen)
+    out = torch.randint(0, VOCAB, (3, 4), generator=gen)
+    out[1, 2:] = -1  # past request 1's end: dropped later by vLLM, gathered for token 0 meanwhile
+    raw = sampler.compute_logprobs(logits[path_rows.reshape(-1)])
+    tokens = out.reshape(-1).long().clamp(min=0)
+
+    def same(got, want):
+        for field in ("logprob_token_ids", "logprobs", "selected_token_ranks"):
+            assert torch.equal(getattr(got, field), getattr(want, field)), field
+
+    for n in (2, VOCAB):
+        same(path_logprobs(sampler, logits, path_rows, out, n, chunk_elements=chunk_elements),
+             sampler.gather_logprobs(raw, n, tokens))
+    ids = {0: [5, 6, 7], 2: [9]}
+    want = sampler.gather_specific_token_logprobs(raw, {p: ids[p // 4] for p in range(12) if p // 4 in ids}, tokens)
+    same(path_logprobs(sampler, logits, path_rows, out, 3, ids, chunk_elements=chunk_elements), want)

@@ -370,6 +370,43 @@ def test_ddtree_applies_penalties_and_returns_logprobs_like_the_target(tmp_path,
                 assert len(common) >= 2 and all(abs(got[k] - want[k]) < 1e-3 for k in common), spec
 
 
+def test_whole_vocabulary_and_chosen_token_logprobs_are_the_target_s(tmp_path, drafter):
+    # logprobs=-1 (every token's logprob at each output position) and logprob_token_ids (the emitted
+    # token and the request's own ids) are read from each emitted position's own tree row: greedy,
+    # they must be the target alone's, with the outputs token-identical. Prompt 1 asks for none.
+    path, trained = drafter
+    greedy = {"temperature": 0, "max_tokens": 12}
+    spec = [None, {"method": "ddtree", "model": str(path)}]
+    whole = json.dumps([[0, greedy | {"logprobs": -1}], [4, greedy | {"logprobs": -1}], [1, greedy]])
+    chosen_ids = {0: [5, 100, 2000], 4: [7]}
+    chosen = json.dumps([[0, greedy | {"logprob_token_ids": chosen_ids[0]}],
+                         [4, greedy | {"logprob_token_ids": chosen_ids[4]}], [1, greedy]])
+    res_whole = run(tmp_path / "whole.json", spec, "--engine", json.dumps({"max_logprobs": -1}), "--requests", whole)
+    res_chosen = run(tmp_path / "chosen.json", spec, "--requests", chosen)
+    for res in (res_whole, res_chosen):
+        assert res["outputs"][1] == res["outputs"][0]
+        if trained:  # emitted positions came from accepted tree rows, not only bonus rows
+            assert res["metrics"][1].get("vllm:spec_decode_num_accepted_tokens", 0) > 0
+        assert res["logprobs"][0][2] is None and res["logprobs"][1][2] is None
+    vocab = res_whole["logprobs"][0][0][0]["n"]
+    assert vocab >= 49152
+    for got_prompt, want_prompt, toks in zip(res_whole["logprobs"][1][:2], res_whole["logprobs"][0][:2],
+                                            res_whole["outputs"][0]):
+        assert len(got_prompt) == len(want_prompt) == len(toks)
+        for got, want, t in zip(got_prompt, want_prompt, toks):
+            assert got.pop("n") == want.pop("n") == vocab  # every token of the vocabulary
+            assert abs(got.pop("mass") - 1) < 1e-3 and abs(want.pop("mass") - 1) < 1e-3
+            common = got.keys() & want.keys()  # the top 20 and ids 0-15 (a near-tie may swap the 20th)
+            assert str(t) in common and len(common) >= 35
+            assert all(abs(got[k] - want[k]) < 1e-3 for k in common)
+    for got_prompt, want_prompt, toks, ids in zip(res_chosen["logprobs"][1][:2], res_chosen["logprobs"][0][:2],
+                                                 res_chosen["outputs"][0], chosen_ids.values()):
+        assert len(got_prompt) == len(want_prompt) == len(toks)
+        for got, want, t in zip(got_prompt, want_prompt, toks):
+            assert set(got) == set(want) == {str(t)} | {str(i) for i in ids}
+            assert all(abs(got[k] - want[k]) < 1e-3 for k in got)
+
+
 def test_min_tokens_bad_words_and_allowed_token_ids_apply_per_tree_path(tmp_path, drafter):
     # Constraints that depend on the output so far (min_tokens: its length; bad_words: its last
     # tokens) are applied to each tree node for its own root-to-node path. Each constrained request

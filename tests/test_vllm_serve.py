@@ -3,12 +3,13 @@
 Runs ``examples/serve_and_query.sh`` (which starts ``vllm serve <target> --speculative-config
 '{"method": "ddtree", ...}'`` on 127.0.0.1 and a free port, waits for /health, and runs
 ``examples/openai_client.py``: a chat completion, a text completion with its token ids, the same
-completion with a sampling parameter ddtree refuses, the completion again, a chat in JSON mode and a
-streamed chat, then reads the server's /metrics). Meanwhile ``examples/offline_generate.py
+completion scored with chosen tokens' logprobs, then with more logprobs than the server allows, the
+completion again, a chat in JSON mode and a streamed chat, then reads the server's /metrics). Meanwhile ``examples/offline_generate.py
 --baseline`` — the offline use — generates the same completion with and without ddtree in another
 process. Checks: non-empty answers, a stream of several chunks, speculation really ran on the server
-(spec-decode drafts in /metrics), the refused request got HTTP 400 naming the parameter and the
-server served the next request alike, the JSON-mode answer is the schema's object, and the greedy
+(spec-decode drafts in /metrics), the scored completion is the same tokens with a logprob per
+chosen token, the refused request got HTTP 400 naming the parameter and the server served the next
+request alike, the JSON-mode answer is the schema's object, and the greedy
 completion's token ids equal offline generation's without speculation.
 
 The drafter is the committed one when present, else a random one in the released format (then
@@ -75,11 +76,15 @@ def test_serve_chat_completion_stream_and_metrics(tmp_path, drafter):
 
     res = json.loads(client_json.read_text())
     assert res["chat"].strip() and res["completion"].strip() and res["stream"].strip()
-    # A parameter the tree sampler does not apply: HTTP 400 with the reason, and the engine serves on.
+    # Chosen tokens' logprobs at every position: the greedy completion, scored.
+    scored = res["scored"]
+    assert scored["token_ids"] == res["completion_token_ids"], res
+    assert len(scored["top_logprobs"]) == len(scored["token_ids"]), scored
+    assert all(2 <= len(pos) <= 3 and all(v <= 0 for v in pos.values()) for pos in scored["top_logprobs"]), scored
+    # A request beyond the server's limits: HTTP 400 with the reason, and the engine serves on.
     refused = res["refused"]
     assert refused is not None and refused["status"] == 400, res
-    assert "logprob_token_ids not supported yet with speculative method 'ddtree'" in refused["message"], refused
-    assert refused["param"] == "logprob_token_ids", refused
+    assert "logprobs" in refused["message"] and refused["param"] == "logprobs", refused
     assert res["completion_again_token_ids"] == res["completion_token_ids"], res
     # logit_bias and min_p pass through the server (vLLM refuses them for its own speculative methods)
     assert res["biased_token_ids"] and res["biased_token_ids"][0] != res["completion_token_ids"][0], res

@@ -68,7 +68,7 @@ TARGETS: tuple[Target, ...] = tuple(
          "ddtree always runs on the V1 runner P10-P13 patch")
     + _t("P7", "config/speculative.py", "SpeculativeConfig.compute_hash", "adds ddtree's options")
     + _t("P8", "sampling_params.py", "SamplingParams._validate_spec_decode",
-         "refuses structured outputs and sampling parameters the tree sampler does not apply")
+         "vLLM's refusal of min_p and logit_bias is skipped for ddtree (the tree sampler applies them)")
     + _t("P9", "v1/attention/selector.py", "_cached_get_attn_backend",
          "CPU_ATTN -> the CPU tree backend (its kernel, SDPA for trees); FLASHINFER -> its tree subclass")
     + _t("P10", "v1/spec_decode/dflash.py", "DFlashProposer.__init__", "built as DFlash of the drafter width")
@@ -125,6 +125,11 @@ TARGETS: tuple[Target, ...] = tuple(
          "tree sampler: the draw, as vLLM's sampler chooses and makes it (its CPU op with a seed per row; the "
          "exponential race)")
     + _t("engine", "v1/sample/sampler.py", "Sampler.__init__", "tree sampler: use_fp64_gumbel, as the sampler holds it")
+    + _t("engine", "v1/sample/sampler.py",
+         "Sampler.compute_logprobs, Sampler.gather_logprobs, Sampler.gather_specific_token_logprobs",
+         "tree sampler: the emitted positions' logprobs (top-n, the whole vocabulary, logprob_token_ids)")
+    + _t("engine", "v1/worker/gpu_input_batch.py", "InputBatch.add_request",
+         "tree sampler: logprobs=-1 counted as the vocabulary size, logprob_token_ids kept per request")
     + _t("P17", "engine/arg_utils.py", "EngineArgs.create_engine_config, EngineArgs.create_speculative_config",
          "vLLM's LoRA step rule, raised there, is reworded for ddtree")
     + _t("P18", "v1/core/sched/scheduler.py", "Scheduler.__init__, Scheduler.schedule",

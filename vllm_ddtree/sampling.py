@@ -415,27 +415,46 @@ def _bad_words(x: Tensor, words: list[list[int]], output: Sequence[int], batch: 
         x[:, last].masked_fill_(match, float("-inf"))
 
 
-def path_logprobs(sampler, logits: Tensor, path_rows: Tensor, out: Tensor, num_logprobs: int,
-                  chunk_elements: int = CHUNK_ELEMENTS):
+def path_logprobs(sampler, logits: Tensor, path_rows: Tensor, out: Tensor, num_logprobs: int | None,
+                  token_ids: dict[int, list[int]] | None = None, chunk_elements: int = CHUNK_ELEMENTS):
     """Logprobs of the emitted tokens, in the rejection sampler's layout (vLLM raw modes).
 
     path_rows [R, D + 1]: logits row of each emitted position (the accepted path, then the bonus);
     out [R, D + 1] emitted tokens, -1 past the end (those positions are dropped by vLLM's
-    parse_output, like the rejection sampler's rejected ones). Positions are gathered in chunks of
+    parse_output, like the rejection sampler's rejected ones). ``num_logprobs`` is the batch's
+    largest top-n (the vocabulary size for ``logprobs=-1``, as vLLM's input batch counts it);
+    ``token_ids`` maps a request's index to its ``logprob_token_ids``. Where any request has those,
+    every position gets the emitted token and its request's ids (none for the others), as vLLM's
+    Sampler prefers them over top-n for the whole batch. Positions are gathered in chunks of
     ``chunk_elements // V`` rows, so no [R × (D + 1), V] copy of the logits is made.
     """
     from vllm.v1.outputs import LogprobsTensors
 
     positions = path_rows.reshape(-1)
     tokens = out.reshape(-1).to(torch.int64).clamp(min=0)
+    width = out.shape[1]
     step = chunk_rows_for(logits.shape[1], chunk_elements)
     parts = []
     for lo in range(0, positions.shape[0], step):
-        raw = logits[positions[lo : lo + step]].float()
+        hi = min(lo + step, positions.shape[0])
+        raw = logits[positions[lo:hi]].float()
         if sampler.logprobs_mode == "raw_logprobs":
             raw = sampler.compute_logprobs(raw)
-        parts.append(sampler.gather_logprobs(raw, num_logprobs, tokens[lo : lo + step]))
+        if token_ids:
+            # Every position of request i (rows i × (D + 1) ...) asks for request i's ids.
+            wanted = {p - lo: ids for i, ids in token_ids.items()
+                      for p in range(max(i * width, lo), min((i + 1) * width, hi))}
+            # (an empty list where the chunk has none: vLLM's gather returns None for an empty dict)
+            parts.append(sampler.gather_specific_token_logprobs(raw, wanted or {0: []}, tokens[lo:hi]))
+        else:
+            parts.append(sampler.gather_logprobs(raw, num_logprobs, tokens[lo:hi]))
         del raw
     if len(parts) == 1:
         return parts[0]
+    if token_ids:  # chunks pad their id columns to their own widest request: pad to the widest of all
+        columns = max(part.logprobs.shape[1] for part in parts)
+        pad = torch.nn.functional.pad
+        parts = [LogprobsTensors(pad(part.logprob_token_ids, (0, columns - part.logprobs.shape[1])),
+                                 pad(part.logprobs, (0, columns - part.logprobs.shape[1]), value=float("-inf")),
+                                 part.selected_token_ranks) for part in parts]
     return LogprobsTensors(*(torch.cat([part[f] for part in parts]) for f in range(3)))

@@ -201,9 +201,9 @@ def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadat
         if auto.gate is not None:  # what the step committed, for the gate's next decision
             auto.gate.observe_tokens(verified.committed)
     logprobs = None
-    if md.max_num_logprobs is not None:
+    if md.max_num_logprobs is not None or md.logprob_token_ids:
         path_rows = rows.gather(1, path_rows.clamp(min=0).to(rows.device))
-        logprobs = path_logprobs(runner.sampler, logits, path_rows, out, md.max_num_logprobs)
+        logprobs = path_logprobs(runner.sampler, logits, path_rows, out, md.max_num_logprobs, md.logprob_token_ids)
     return SamplerOutput(sampled_token_ids=out, logprobs_tensors=logprobs)
 
 

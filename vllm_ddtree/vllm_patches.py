@@ -54,12 +54,11 @@ P6b ``VllmConfig.use_v2_model_runner`` (config/vllm.py:703, property) — for dd
 P7  ``SpeculativeConfig.compute_hash`` (:612) — adds ddtree's options and the aux-hidden-states
     flag that vLLM derives from the method name (``"ddtree"`` is not in its tuple).
 P8  ``SamplingParams._validate_spec_decode`` (sampling_params.py:1182, called from
-    ``SamplingParams.verify`` for every request) — refuses, per request and with a clear error, the
-    sampling parameters the tree sampler does not apply yet (whole-vocabulary logprobs,
-    logprob_token_ids, per-request logits processors) instead of silently ignoring them. vLLM's
-    own check, which refuses min_p and logit_bias for every speculative method, is skipped for
-    ddtree: its engines keep vLLM's processors for them (P10) and the tree sampler applies them.
-    (P3 refuses the processed logprobs modes.)
+    ``SamplingParams.verify`` for every request) — vLLM's check, which refuses min_p and logit_bias
+    for every speculative method, is skipped for ddtree: its engines keep vLLM's processors for them
+    (P10) and the tree sampler applies them, with every other sampling parameter vLLM 0.32 has
+    (logprobs: top-n, the whole vocabulary, logprob_token_ids). (P3 refuses the processed logprobs
+    modes; vLLM itself refuses custom logits processors with any speculative method.)
 P9  ``vllm.v1.attention.selector._cached_get_attn_backend`` (v1/attention/selector.py:201, memoised
     per process) — wrapped: for a ddtree config, CPU_ATTN (whose kernel takes no mask, docs/design.md
     §10.2) becomes :mod:`vllm_ddtree.attention.cpu_tree`'s backend. Decided after the memo, which is
@@ -687,30 +686,8 @@ def _patch_sampling_params() -> None:
     def _validate_spec_decode(self, speculative_config):
         if speculative_config is None or speculative_config.method != METHOD:
             validate(self, speculative_config)  # vLLM's: no min_p or logit_bias with speculation
-        else:
-            unsupported = _unsupported_sampling(self)
-            if unsupported:
-                from vllm.exceptions import VLLMValidationError
-
-                raise VLLMValidationError(
-                    f"{', '.join(unsupported)} not supported yet with speculative method 'ddtree': its tree "
-                    "sampler applies temperature, top_k, top_p, min_p, seed, presence/frequency/repetition "
-                    "penalties, logit_bias, min_tokens, allowed_token_ids, bad_words, thinking_token_budget and "
-                    "logprobs (top-n). Drop those parameters or send the request to an engine without ddtree.",
-                    parameter=unsupported[0].split("=", 1)[0],  # the HTTP error's "param": the first one named
-                )
 
     _set(SamplingParams, "_validate_spec_decode", _validate_spec_decode)
-
-
-def _unsupported_sampling(params) -> list[str]:
-    """Sampling parameters the tree sampler (vllm_ddtree.verify.sample_tree_step) does not apply."""
-    checks = {
-        "logprobs=-1 (whole vocabulary)": params.logprobs == -1,
-        "logprob_token_ids": bool(getattr(params, "logprob_token_ids", None)),
-        "logits_processors": bool(getattr(params, "logits_processors", None)),
-    }
-    return [name for name, bad in checks.items() if bad]
 
 
 # ---- P9: CPU attention backend selection ---------------------------------------------------------

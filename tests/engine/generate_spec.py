@@ -14,7 +14,8 @@ spec I's undrafted steps run vLLM's own K = 0 drafter pass (DDTreeProposer.vllm_
 {"outputs": [[token ids per prompt] per spec], "metrics": [spec-decode counters per spec], "ddtree":
 [the tree proposer's summary per spec, or null], "finish": [per spec: per prompt [finish_reason,
 stop_reason, text]], "logprobs": [per spec: per prompt, per token {token id: logprob}] (null without
-logprobs in --sampling), "prompt_logprobs": the same per prompt token (null for the first; null without
+logprobs in --sampling; null for a prompt whose request has none; a whole-vocabulary position as in
+logprob_entry), "prompt_logprobs": the same per prompt token (null for the first; null without
 prompt_logprobs)}.
 """
 
@@ -22,6 +23,7 @@ import argparse
 
 import gc
 import json
+import math
 
 PROMPTS = [
     "def fibonacci(n):",
@@ -42,6 +44,18 @@ def counters(llm) -> dict:
         if m.name.startswith("vllm:spec_decode") or "preempt" in m.name:
             out[m.name] = getattr(m, "value", None) if getattr(m, "value", None) is not None else getattr(m, "values", None)
     return out
+
+
+def logprob_entry(position: dict) -> dict:
+    """{token id: logprob} of one output position; a whole-vocabulary one (logprobs=-1) is kept as its
+    20 most likely tokens and token ids 0-15, with "n" (how many the position had) and "mass" (the sum
+    of their probabilities)."""
+    entry = {str(t): lp.logprob for t, lp in position.items()}
+    if len(entry) <= 1000:
+        return entry
+    top = sorted(entry, key=entry.get, reverse=True)[:20]
+    kept = {t: entry[t] for t in top + [str(i) for i in range(16)]}
+    return kept | {"n": len(entry), "mass": math.fsum(math.exp(v) for v in entry.values())}
 
 
 def ddtree_summary(llm) -> dict | None:
@@ -133,8 +147,9 @@ if __name__ == "__main__":
         result["ddtree"].append(ddtree_summary(llm))
         result["finish"].append([[o.outputs[0].finish_reason, str(o.outputs[0].stop_reason), o.outputs[0].text]
                                  for o in outs])
-        result["logprobs"].append([[{str(t): lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs]
-                                   for o in outs] if outs[0].outputs[0].logprobs is not None else None)
+        result["logprobs"].append([None if o.outputs[0].logprobs is None else  # per request: some ask, some not
+                                   [logprob_entry(pos) for pos in o.outputs[0].logprobs]
+                                   for o in outs] if any(o.outputs[0].logprobs is not None for o in outs) else None)
         result["prompt_logprobs"].append([[None if pos is None else {str(t): lp.logprob for t, lp in pos.items()}
                                            for pos in o.prompt_logprobs] for o in outs]
                                          if outs[0].prompt_logprobs is not None else None)
