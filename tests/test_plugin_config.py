@@ -495,3 +495,32 @@ def test_lora_step_rule_names_ddtree_s_settings_and_the_numbers_that_fit(dirs):
     with pytest.raises(ValueError, match="^Consider increasing max_num_batched_tokens or decreasing "
                                          "num_speculative_tokens$"):
         config({"method": "dflash", "model": str(dirs["drafter"]), "num_speculative_tokens": 15}, max_num_seqs=32)
+
+
+def test_per_position_acceptance_is_counted_as_deep_as_a_tree_goes(dirs):
+    # vLLM sizes the per-position acceptance counters by num_speculative_tokens: for ddtree the verify
+    # width, though no tree node is deeper than the drafter width (or the tree's size) or the lookup
+    # branch. The drafter here has block_size 16: a width of 15.
+    import prometheus_client
+    from vllm.v1.spec_decode.metrics import SpecDecodingProm, SpecDecodingStats
+
+    def per_position(spec: dict) -> tuple[int, int]:
+        vc = _engine_config(dirs["target"], {"model": str(dirs["drafter"])} | spec)
+
+        class OwnRegistry(SpecDecodingProm):  # a registry per engine: the counters' names repeat
+            _counter_cls = functools.partial(prometheus_client.Counter, registry=prometheus_client.CollectorRegistry())
+
+        prom = OwnRegistry(vc.speculative_config, ["engine"], {0: ["0"]})
+        depth = len(prom.counter_spec_decode_num_accepted_tokens_per_pos[0])
+        stats = SpecDecodingStats(num_spec_tokens=vc.speculative_config.num_speculative_tokens,
+                                  num_accepted_tokens_per_pos=[1] * depth,
+                                  num_draft_tokens_per_pos=[1] * vc.speculative_config.num_speculative_tokens)
+        prom.observe(stats)  # what a step's scheduler stats (P19's, for ddtree) feed it
+        return depth, vc.speculative_config.num_speculative_tokens
+
+    assert per_position({"method": "ddtree"}) == (15, 72)  # the defaults: trees up to 64 nodes, lookup 8
+    assert per_position({"method": "ddtree", "tree_budget": 4, "prompt_lookup_tokens": 0}) == (4, 4)
+    assert per_position({"method": "ddtree", "tree_budget": 4, "prompt_lookup_tokens": 12}) == (12, 16)
+    assert per_position({"method": "ddtree", "tree_budget": "auto", "max_tree_budget": 32,
+                         "prompt_lookup_tokens": 20}) == (20, 52)
+    assert per_position({"method": "dflash", "num_speculative_tokens": 4}) == (4, 4)  # vLLM's own

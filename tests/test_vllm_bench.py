@@ -48,3 +48,7 @@ def test_bench_throughput_with_ddtree(tmp_path, drafter):
     # A line is logged for each interval with drafts: 32 output tokens take several tree steps.
     drafted = [int(n) for n in re.findall(r"SpecDecoding metrics: .*Drafted: (\d+) tokens", out)]
     assert drafted and all(n > 0 for n in drafted), out[-4000:]
+    # Its per-position acceptance goes as deep as a tree can: tree_budget 8 and the default 8-token
+    # lookup branch reach depth 8 (vLLM's num_speculative_tokens, the verify width, is 16).
+    rates = re.findall(r"Per-position acceptance rate: ([\d., ]+), Avg", out)
+    assert rates and all(len(r.split(", ")) == 8 for r in rates), rates[:3]

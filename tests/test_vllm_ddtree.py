@@ -188,6 +188,9 @@ def test_prompt_lookup_branch_keeps_outputs_and_finds_the_request_s_repetitions(
     # first without the branch; with it, the branch's deeper nodes are.
     alone, pos = (m["vllm:spec_decode_num_accepted_tokens_per_pos"] for m in (without, with_branch))
     assert not any(alone[1:]) and any(pos[1:]), (alone, pos)
+    # Counted as deep as each engine's trees go: 1 drafter node; the 8-token branch; the drafter's 15
+    # depths (not vLLM's num_speculative_tokens, the verify widths 1, 9 and 72).
+    assert [len(m["vllm:spec_decode_num_accepted_tokens_per_pos"]) for m in res["metrics"][1:]] == [1, 8, 15]
     # And it follows the requests' repetitions: a branch node whose path has matched from depth 2 on
     # is accepted more often than a step's first draft token is (a path repeating earlier text goes on
     # repeating it). Counts a step behind propose the path shifted by one token, whose matches are

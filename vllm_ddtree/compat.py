@@ -1,6 +1,6 @@
 """Static compatibility check of a vLLM release against every runtime patch vllm-ddtree applies.
 
-vllm-ddtree wraps and subclasses private vLLM code (:mod:`vllm_ddtree.vllm_patches`, P0–P18, and the
+vllm-ddtree wraps and subclasses private vLLM code (:mod:`vllm_ddtree.vllm_patches`, P0–P19, and the
 classes and helpers the tree proposer, sampler and attention backends build on). A vLLM release is
 safe to patch only where that code is what the patches were written against: vLLM 0.32.0.
 
@@ -51,7 +51,7 @@ def _t(patch: str, file: str, names: str, why: str) -> list[Target]:
     return [Target(patch, file, n.strip(), why) for n in names.split(",")]
 
 
-#: Every target, grouped by the patch that needs it (see vllm_patches' docstring for P0–P18).
+#: Every target, grouped by the patch that needs it (see vllm_patches' docstring for P0–P19).
 TARGETS: tuple[Target, ...] = tuple(
     _t("P1", "config/speculative.py", "SpeculativeMethod, SpeculativeConfig:fields",
        "the method Literal widened with 'ddtree'; the dataclass a 'ddtree' field is added to")
@@ -134,6 +134,10 @@ TARGETS: tuple[Target, ...] = tuple(
          "vLLM's LoRA step rule, raised there, is reworded for ddtree")
     + _t("P18", "v1/core/sched/scheduler.py", "Scheduler.__init__, Scheduler.schedule",
          "an identity Dynamic SD schedule for ddtree turns off the placeholder padding of requests that start decoding")
+    + _t("P19", "v1/core/sched/scheduler.py", "Scheduler.make_spec_decoding_stats",
+         "per-position acceptance counted to the deepest tree node, not the verify width")
+    + _t("P19", "v1/spec_decode/metrics.py", "SpecDecodingStats, SpecDecodingProm.__init__",
+         "per-position acceptance counted to the deepest tree node, not the verify width")
     + _t("engine", "v1/sample/thinking_budget_state.py",
          "ThinkingBudgetStateHolder.__init__, ThinkingBudgetStateHolder._init_state_entry, "
          "ThinkingBudgetStateHolder._update_think_state, ThinkingBudgetStateHolder._apply_forcing_to_logits",

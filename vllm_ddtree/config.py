@@ -323,6 +323,15 @@ class DDTreeConfig:
         return self.max_budget + self.prompt_lookup_tokens
 
     @property
+    def max_depth(self) -> int:
+        """Deepest node a tree can have, so the most draft tokens one step can accept: a drafter
+        node sits at most at the drafter width and the tree's size, a lookup node at most at
+        ``prompt_lookup_tokens``. The verify width while the drafter width is unresolved."""
+        if self.drafter_width is None:
+            return self.verify_width
+        return max(min(self.max_budget, self.drafter_width), self.prompt_lookup_tokens)
+
+    @property
     def ngram_enabled(self) -> bool:
         """Whether n-gram rescoring runs (``ngram_weight`` resolved; see `with_platform_defaults`)."""
         return (self.ngram_weight or 0) > 0

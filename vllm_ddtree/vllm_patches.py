@@ -131,6 +131,12 @@ P18 ``Scheduler.__init__`` (v1/core/sched/scheduler.py:85) — wrapped: for ddtr
     schedules nothing, forever. vLLM leaves that padding out under a Dynamic SD schedule; the
     identity schedule changes nothing else (the K it hands the proposer is the same). ddtree's verify
     steps run no FULL graphs, so the padding bought nothing but a verify-width chain of placeholders.
+P19 ``Scheduler.make_spec_decoding_stats`` (v1/core/sched/scheduler.py:2961) and
+    ``SpecDecodingProm.__init__`` (v1/spec_decode/metrics.py:200) — wrapped: vLLM sizes the
+    per-position acceptance (the "Per-position acceptance rate" log line and the
+    ``vllm:spec_decode_num_accepted_tokens_per_pos`` counters) by ``num_speculative_tokens``, for
+    ddtree the verify width (72 by default), though no tree is deeper than its drafter width or
+    lookup branch (15): for ddtree both are sized by ``DDTreeConfig.max_depth``.
 """
 
 from __future__ import annotations
@@ -320,6 +326,7 @@ def apply() -> None:
             _patch_structured_outputs()
             _patch_engine_args()
             _patch_scheduler_padding()
+            _patch_spec_decode_metrics()
             _set(SpeculativeConfig, _MARK, True)
         except BaseException:
             _rollback()
@@ -1068,3 +1075,48 @@ def _patch_scheduler_padding() -> None:
             self.dynamic_sd_lookup = [self.num_spec_tokens] * (self.scheduler_config.max_num_seqs + 1)
 
     _set(Scheduler, "__init__", __init__)
+
+
+# ---- P19: per-position acceptance as deep as a tree goes ------------------------------------------
+
+
+class _AcceptanceDepthView:
+    """A speculative config as vLLM's per-position metrics read it: ``num_speculative_tokens`` is
+    the deepest tree node (``DDTreeConfig.max_depth``), every other attribute the config's own."""
+
+    def __init__(self, config: Any, depth: int) -> None:
+        self._config = config
+        self.num_speculative_tokens = depth
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._config, name)
+
+
+def _patch_spec_decode_metrics() -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.spec_decode.metrics import SpecDecodingProm, SpecDecodingStats
+
+    make = Scheduler.make_spec_decoding_stats
+
+    @functools.wraps(make)
+    def make_spec_decoding_stats(self, spec_decoding_stats, *args: Any, **kwargs: Any):
+        if spec_decoding_stats is None and _is_ddtree(self.vllm_config):
+            # accepted tokens counted per depth up to the deepest node; draft tokens (a tree's node
+            # count, up to the verify width) as vLLM counts them (nothing reads that list)
+            depth = self.vllm_config.speculative_config.ddtree.max_depth
+            spec_decoding_stats = SpecDecodingStats(
+                num_spec_tokens=self.num_spec_tokens, num_accepted_tokens_per_pos=[0] * depth,
+                num_draft_tokens_per_pos=[0] * self.num_spec_tokens)
+        return make(self, spec_decoding_stats, *args, **kwargs)
+
+    _set(Scheduler, "make_spec_decoding_stats", make_spec_decoding_stats)
+
+    init = SpecDecodingProm.__init__
+
+    @functools.wraps(init)
+    def __init__(self, speculative_config: Any, *args: Any, **kwargs: Any) -> None:
+        if speculative_config is not None and speculative_config.method == METHOD:
+            speculative_config = _AcceptanceDepthView(speculative_config, speculative_config.ddtree.max_depth)
+        init(self, speculative_config, *args, **kwargs)
+
+    _set(SpecDecodingProm, "__init__", __init__)
