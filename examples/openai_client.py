@@ -4,8 +4,8 @@
                                      [--max-tokens N] [--json OUT]
 
 ``--model`` defaults to the first model the server lists. Prints each answer, then the server's
-speculative-decoding counters from ``/metrics`` (drafts, draft tokens, accepted tokens) and the
-mean acceptance length. The completion also asks for its token ids (vLLM's ``return_token_ids``), the
+speculative-decoding counters from ``/metrics`` (drafts, draft tokens, accepted tokens, accepted
+tokens per tree depth) and the mean acceptance length. The completion also asks for its token ids (vLLM's ``return_token_ids``), the
 exact output to compare with another engine. The completion is scored again with the logprobs of
 chosen tokens at every position (vLLM's ``logprob_token_ids``). One request asks for more logprobs
 than the server allows: the server answers HTTP 400 with the reason, and the completion is sent
@@ -27,17 +27,25 @@ import urllib.request
 from openai import BadRequestError, OpenAI
 
 
-def spec_decode_counters(base_url: str) -> dict[str, float]:
-    """Sum of each ``vllm:spec_decode_*_total`` counter on the server's Prometheus endpoint."""
+def spec_decode_counters(base_url: str) -> tuple[dict[str, float], list[float]]:
+    """Sum of each ``vllm:spec_decode_*_total`` counter on the server's Prometheus endpoint, and the
+    accepted draft tokens per position (per tree depth for ddtree)."""
     root = base_url.rstrip("/").removesuffix("/v1")
     text = urllib.request.urlopen(f"{root}/metrics", timeout=30).read().decode()
     out: dict[str, float] = {}
+    per_position: dict[int, float] = {}
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name.startswith("vllm:spec_decode") and name.endswith("_total") and "_per_pos" not in name:
+        if not (name.startswith("vllm:spec_decode") and name.endswith("_total")):
+            continue
+        value = float(line.rsplit(" ", 1)[1])
+        if "_per_pos" in name:
+            position = int(line.split('position="', 1)[1].split('"', 1)[0])
+            per_position[position] = per_position.get(position, 0.0) + value
+        else:
             name = name.removesuffix("_total")
-            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
+            out[name] = out.get(name, 0.0) + value
+    return out, [per_position[p] for p in sorted(per_position)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,12 +124,13 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.flush()
     print(f"\n({chunks} chunks)")
 
-    counters = spec_decode_counters(args.base_url)
+    counters, per_position = spec_decode_counters(args.base_url)
     drafts = counters.get("vllm:spec_decode_num_drafts", 0.0)
     accepted = counters.get("vllm:spec_decode_num_accepted_tokens", 0.0)
     print("== speculative decoding (server /metrics) ==")
     for name, value in sorted(counters.items()):
         print(f"{name} {value:g}")
+    print(f"accepted per position: {' '.join(f'{v:g}' for v in per_position)}")
     mean_len = 1 + accepted / drafts if drafts else None
     print(f"mean acceptance length {mean_len:.2f}" if mean_len else "mean acceptance length n/a (no drafts)")
     if args.json:
@@ -130,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                   "biased_token_ids": biased, "min_p_text": sampled.choices[0].text,
                   "json_answer": json_answer, "json_finish_reason": structured.choices[0].finish_reason,
                   "stream": streamed, "stream_chunks": chunks, "metrics": counters,
+                  "accepted_per_position": per_position,
                   "mean_acceptance_length": mean_len}
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

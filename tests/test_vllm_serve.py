@@ -98,6 +98,11 @@ def test_serve_chat_completion_stream_and_metrics(tmp_path, drafter):
         assert res["json_answer"].lstrip().startswith("{"), res
     metrics = res["metrics"]
     assert metrics.get("vllm:spec_decode_num_drafts", 0) > 0, metrics  # speculation really ran
+    # Accepted tokens per position in the server's /metrics, per tree depth: the drafter's 15 under the
+    # defaults, 8 with tree_budget 8 (vLLM's num_speculative_tokens would be 72 and 16).
+    per_position = res["accepted_per_position"]
+    assert len(per_position) == (15 if table else 8) and sum(per_position) == metrics.get(
+        "vllm:spec_decode_num_accepted_tokens", 0), per_position
     if trained:
         assert metrics.get("vllm:spec_decode_num_accepted_tokens", 0) > 0, metrics
 
