@@ -56,9 +56,9 @@ P7  ``SpeculativeConfig.compute_hash`` (:612) — adds ddtree's options and the 
 P8  ``SamplingParams._validate_spec_decode`` (sampling_params.py:1182, called from
     ``SamplingParams.verify`` for every request) — vLLM's check, which refuses min_p and logit_bias
     for every speculative method, is skipped for ddtree: its engines keep vLLM's processors for them
-    (P10) and the tree sampler applies them, with every other sampling parameter vLLM 0.32 has
-    (logprobs: top-n, the whole vocabulary, logprob_token_ids). (P3 refuses the processed logprobs
-    modes; vLLM itself refuses custom logits processors with any speculative method.)
+    (P10) and the tree sampler applies them, as it applies the other parameters vLLM's sampler
+    does (logprobs: top-n, the whole vocabulary, logprob_token_ids). (P3 refuses the processed
+    logprobs modes; vLLM itself refuses custom logits processors with any speculative method.)
 P9  ``vllm.v1.attention.selector._cached_get_attn_backend`` (v1/attention/selector.py:201, memoised
     per process) — wrapped: for a ddtree config, CPU_ATTN (whose kernel takes no mask, docs/design.md
     §10.2) becomes :mod:`vllm_ddtree.attention.cpu_tree`'s backend. Decided after the memo, which is
