@@ -400,7 +400,7 @@ def test_whole_vocabulary_and_chosen_token_logprobs_are_the_target_s(tmp_path, d
             assert got.pop("n") == want.pop("n") == vocab  # every token of the vocabulary
             assert abs(got.pop("mass") - 1) < 1e-3 and abs(want.pop("mass") - 1) < 1e-3
             common = got.keys() & want.keys()  # the top 20 and ids 0-15 (a near-tie may swap the 20th)
-            assert str(t) in common and len(common) >= 35
+            assert {str(t)} | {str(i) for i in range(16)} <= common and len(common) >= len(want) - 1
             assert all(abs(got[k] - want[k]) < 1e-3 for k in common)
     for got_prompt, want_prompt, toks, ids in zip(res_chosen["logprobs"][1][:2], res_chosen["logprobs"][0][:2],
                                                  res_chosen["outputs"][0], chosen_ids.values()):
