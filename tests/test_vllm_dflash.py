@@ -78,7 +78,8 @@ def test_vllm_s_own_speculative_methods_run_as_without_the_plugin(tmp_path, draf
     # engines where vLLM loads the plugin and where it loads no plugin (VLLM_PLUGINS), must give the
     # same tokens, logprobs and spec-decode counters, and the target alone's tokens. Greedy requests,
     # one with logprobs, one with a presence penalty. (n-gram runs in its own process: after an n-gram
-    # engine, vLLM 0.32 fails to start another engine in the same process, with or without plugins.)
+    # engine, vLLM 0.32 fails to start another engine in the same process, with or without plugins;
+    # patches/0007-kernel-rebind-skips-non-mapping-dicts.patch.)
     from test_vllm_ddtree import run
 
     path, _ = drafter
