@@ -128,6 +128,8 @@ TARGETS: tuple[Target, ...] = tuple(
     + _t("engine", "v1/sample/sampler.py",
          "Sampler.compute_logprobs, Sampler.gather_logprobs, Sampler.gather_specific_token_logprobs",
          "tree sampler: the emitted positions' logprobs (top-n, the whole vocabulary, logprob_token_ids)")
+    + _t("engine", "v1/sample/ops/logprobs.py", "batched_count_greater_than",
+         "tree sampler: the emitted token's rank, for logprob_token_ids (gather_specific_token_logprobs' layout)")
     + _t("engine", "v1/worker/gpu_input_batch.py", "InputBatch.add_request",
          "tree sampler: logprobs=-1 counted as the vocabulary size, logprob_token_ids kept per request")
     + _t("P17", "engine/arg_utils.py", "EngineArgs.create_engine_config, EngineArgs.create_speculative_config",

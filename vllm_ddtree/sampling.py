@@ -423,38 +423,57 @@ def path_logprobs(sampler, logits: Tensor, path_rows: Tensor, out: Tensor, num_l
     out [R, D + 1] emitted tokens, -1 past the end (those positions are dropped by vLLM's
     parse_output, like the rejection sampler's rejected ones). ``num_logprobs`` is the batch's
     largest top-n (the vocabulary size for ``logprobs=-1``, as vLLM's input batch counts it);
-    ``token_ids`` maps a request's index to its ``logprob_token_ids``. Where any request has those,
-    every position gets the emitted token and its request's ids (none for the others), as vLLM's
-    Sampler prefers them over top-n for the whole batch. Positions are gathered in chunks of
+    ``token_ids`` maps a request's index to its ``logprob_token_ids``: where any request has those,
+    every position gets the emitted token and its request's ids, as vLLM's Sampler prefers them over
+    top-n for the whole batch (`chosen_token_logprobs`). Positions are gathered in chunks of
     ``chunk_elements // V`` rows, so no [R × (D + 1), V] copy of the logits is made.
     """
     from vllm.v1.outputs import LogprobsTensors
 
     positions = path_rows.reshape(-1)
     tokens = out.reshape(-1).to(torch.int64).clamp(min=0)
-    width = out.shape[1]
+    chosen = chosen_token_table(token_ids, *out.shape, logits.device) if token_ids else None
     step = chunk_rows_for(logits.shape[1], chunk_elements)
     parts = []
     for lo in range(0, positions.shape[0], step):
-        hi = min(lo + step, positions.shape[0])
-        raw = logits[positions[lo:hi]].float()
+        raw = logits[positions[lo : lo + step]].float()
         if sampler.logprobs_mode == "raw_logprobs":
             raw = sampler.compute_logprobs(raw)
-        if token_ids:
-            # Every position of request i (rows i × (D + 1) ...) asks for request i's ids.
-            wanted = {p - lo: ids for i, ids in token_ids.items()
-                      for p in range(max(i * width, lo), min((i + 1) * width, hi))}
-            # (an empty list where the chunk has none: vLLM's gather returns None for an empty dict)
-            parts.append(sampler.gather_specific_token_logprobs(raw, wanted or {0: []}, tokens[lo:hi]))
+        if chosen is not None:
+            parts.append(chosen_token_logprobs(raw, chosen[0][lo : lo + step], chosen[1][lo : lo + step],
+                                               tokens[lo : lo + step]))
         else:
-            parts.append(sampler.gather_logprobs(raw, num_logprobs, tokens[lo:hi]))
+            parts.append(sampler.gather_logprobs(raw, num_logprobs, tokens[lo : lo + step]))
         del raw
     if len(parts) == 1:
         return parts[0]
-    if token_ids:  # chunks pad their id columns to their own widest request: pad to the widest of all
-        columns = max(part.logprobs.shape[1] for part in parts)
-        pad = torch.nn.functional.pad
-        parts = [LogprobsTensors(pad(part.logprob_token_ids, (0, columns - part.logprobs.shape[1])),
-                                 pad(part.logprobs, (0, columns - part.logprobs.shape[1]), value=float("-inf")),
-                                 part.selected_token_ranks) for part in parts]
     return LogprobsTensors(*(torch.cat([part[f] for part in parts]) for f in range(3)))
+
+
+def chosen_token_table(token_ids: dict[int, list[int]], r: int, width: int, device) -> tuple[Tensor, Tensor]:
+    """Each emitted position's ids to score, [R × width, 1 + the most ids] (column 0 left for the
+    emitted token), and which are real (the rest padding), as vLLM's
+    ``Sampler.gather_specific_token_logprobs`` lays them out per request. Made per request on the
+    host (vLLM's loop), repeated for each of its positions by one op, sent in one queued copy each."""
+    most = max(len(ids) for ids in token_ids.values())
+    ids = torch.zeros(r, most + 1, dtype=torch.int64)
+    real = torch.zeros(r, most + 1, dtype=torch.bool)
+    real[:, 0] = True  # the emitted token
+    for i, wanted in token_ids.items():
+        ids[i, 1 : len(wanted) + 1] = torch.as_tensor(wanted, dtype=torch.int64)
+        real[i, 1 : len(wanted) + 1] = True
+    return (to_device(ids, device).repeat_interleave(width, dim=0),
+            to_device(real, device).repeat_interleave(width, dim=0))
+
+
+def chosen_token_logprobs(logprobs: Tensor, ids: Tensor, real: Tensor, emitted: Tensor):
+    """``Sampler.gather_specific_token_logprobs`` (v1/sample/sampler.py:152) on rows of positions, its
+    ids given as tensors: the emitted token and the chosen ids' logprobs (padding -inf), and the
+    emitted token's rank."""
+    from vllm.v1.outputs import LogprobsTensors
+    from vllm.v1.sample.ops.logprobs import batched_count_greater_than
+
+    ids = torch.cat([emitted.unsqueeze(1), ids[:, 1:]], dim=1)
+    gathered = logprobs.gather(-1, ids).masked_fill(~real, float("-inf"))
+    ranks = batched_count_greater_than(logprobs, logprobs.gather(-1, emitted.unsqueeze(1)))
+    return LogprobsTensors(logprob_token_ids=ids.to(torch.int32), logprobs=gathered, selected_token_ranks=ranks)
