@@ -278,41 +278,52 @@ def test_cpu_expand_patch_writes_float_and_int32_values(tmp_path):
         assert installed == (want if x.dtype == torch.int64 else [-1] * 6)
 
 
+_REBIND_CHECK = """
+import importlib.util, json, sys, types
+import llvmlite.binding.ffi  # what numba brings into a process
+from vllm.triton_utils import dispatcher
+
+spec = importlib.util.spec_from_file_location("patched_dispatcher", sys.argv[1])
+patched = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(patched)
+
+def kernel():  # a kernel and its fallback, referenced from a module and a warm-up owner
+    pass
+
+def fallback():
+    pass
+
+owner = types.SimpleNamespace(kernel=kernel)
+module = types.ModuleType("kernel_user")
+module.kernel, module.owner = kernel, owner
+sys.modules[module.__name__] = module
+try:
+    dispatcher._rebind_kernels([(kernel, fallback)])
+    installed = "rebound"
+except AttributeError as e:
+    installed = str(e)
+module.kernel = owner.kernel = kernel  # whatever the failed scan reached first
+patched._rebind_kernels([(kernel, fallback)])
+print(json.dumps({"installed": installed, "patched": module.kernel is fallback and owner.kernel is fallback}))
+"""
+
+
 @pytest.mark.skipif(shutil.which("patch") is None, reason="needs the patch tool")
 def test_kernel_rebind_patch_passes_over_llvmlite_s_library_object(tmp_path):
     # On a CPU without Triton, every engine start rebinds vLLM's Triton kernels to C++ fallbacks by
     # scanning all modules and the instance dicts of their attributes. Once numba is loaded (vLLM's
     # n-gram proposer loads it), llvmlite.binding.ffi.lib answers __dict__ through its __getattr__
-    # with a function wrapper, and the scan fails: a second engine in the process cannot start.
-    import importlib.util
+    # with a function wrapper, and the scan fails: a second engine in the process cannot start. In a
+    # process of its own: with llvmlite loaded, this test process could start no engine after it.
+    import json
+    import subprocess
     import sys
-    import types
 
-    llvmlite_ffi = pytest.importorskip("llvmlite.binding.ffi")
-    from vllm.triton_utils import dispatcher
-
-    assert not hasattr(vars(llvmlite_ffi.lib), "get")  # the object the scan trips on
+    pytest.importorskip("llvmlite")
     assert _apply_to_copy(ROOT / "patches" / "0007-kernel-rebind-skips-non-mapping-dicts.patch", tmp_path / "src",
                           dry_run=False).returncode == 0
-    spec = importlib.util.spec_from_file_location("patched_dispatcher", tmp_path / "src" / "vllm/triton_utils/dispatcher.py")
-    patched = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(patched)
-
-    def kernel():  # a kernel and its fallback, referenced from a module and a warm-up owner
-        pass
-
-    def fallback():
-        pass
-
-    owner = types.SimpleNamespace(kernel=kernel)
-    module = types.ModuleType("kernel_user")
-    module.kernel, module.owner = kernel, owner
-    sys.modules[module.__name__] = module
-    try:
-        with pytest.raises(AttributeError, match="'_lib_fn_wrapper' object has no attribute 'get'"):
-            dispatcher._rebind_kernels([(kernel, fallback)])
-        module.kernel = owner.kernel = kernel  # whatever the failed scan reached first
-        patched._rebind_kernels([(kernel, fallback)])
-        assert module.kernel is fallback and owner.kernel is fallback
-    finally:
-        del sys.modules[module.__name__]
+    proc = subprocess.run([sys.executable, "-c", _REBIND_CHECK, str(tmp_path / "src/vllm/triton_utils/dispatcher.py")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == {"installed": "'_lib_fn_wrapper' object has no attribute 'get'", "patched": True}, got
