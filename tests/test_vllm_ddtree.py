@@ -170,7 +170,7 @@ def test_prompt_lookup_branch_keeps_outputs_and_finds_the_request_s_repetitions(
     # steps (48 tokens) chunk prefills, whose discarded samples must not enter the counts; 3 requests
     # at a time, whose drafter query rows (16 each) those steps hold, so that every step may draft.
     path, _ = drafter
-    engine = {"max_num_batched_tokens": 48, "max_num_seqs": 3}
+    engine = {"max_num_batched_tokens": 48, "max_num_seqs": 3, "per_request_spec_decode_metrics": "summary"}
     sampling = {"temperature": 0, "max_tokens": 96, "ignore_eos": True}  # past EOS this small model repeats
     plain = {"method": "ddtree", "model": str(path), "tree_budget": 1, "ngram_weight": 0, "prompt_lookup_tokens": 0}
     auto = {"method": "ddtree", "model": str(path), "tree_budget": "auto", "prompt_lookup_tokens": 8}
@@ -191,6 +191,12 @@ def test_prompt_lookup_branch_keeps_outputs_and_finds_the_request_s_repetitions(
     # Counted as deep as each engine's trees go: 1 drafter node; the 8-token branch; the drafter's 15
     # depths (not vLLM's num_speculative_tokens, the verify widths 1, 9 and 72).
     assert [len(m["vllm:spec_decode_num_accepted_tokens_per_pos"]) for m in res["metrics"][1:]] == [1, 8, 15]
+    # So is the opt-in per-request histogram of accepted counts (0..depth), whose requests add up to
+    # the engine's counters.
+    for depth, per_request, m in zip([1, 8, 15], res["spec_decode"][1:], res["metrics"][1:]):
+        assert all(len(r["acceptance_histogram"]) == depth + 1 and r["num_spec_tokens"] == depth for r in per_request)
+        assert sum(r["num_spec_steps"] for r in per_request) == m["vllm:spec_decode_num_drafts"]
+        assert sum(r["num_accepted_draft_tokens"] for r in per_request) == m["vllm:spec_decode_num_accepted_tokens"]
     # And it follows the requests' repetitions: a branch node whose path has matched from depth 2 on
     # is accepted more often than a step's first draft token is (a path repeating earlier text goes on
     # repeating it). Counts a step behind propose the path shifted by one token, whose matches are

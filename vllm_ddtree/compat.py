@@ -140,6 +140,10 @@ TARGETS: tuple[Target, ...] = tuple(
          "per-position acceptance counted to the deepest tree node, not the verify width")
     + _t("P19", "v1/spec_decode/metrics.py", "SpecDecodingStats, SpecDecodingProm.__init__",
          "per-position acceptance counted to the deepest tree node, not the verify width")
+    + _t("P19", "v1/core/sched/scheduler.py", "Scheduler.add_request",
+         "the opt-in per-request acceptance histogram sized by the deepest tree node")
+    + _t("P19", "v1/metrics/stats.py", "RequestSpecDecodeMetrics",
+         "the opt-in per-request acceptance histogram sized by the deepest tree node")
     + _t("engine", "v1/sample/thinking_budget_state.py",
          "ThinkingBudgetStateHolder.__init__, ThinkingBudgetStateHolder._init_state_entry, "
          "ThinkingBudgetStateHolder._update_think_state, ThinkingBudgetStateHolder._apply_forcing_to_logits",

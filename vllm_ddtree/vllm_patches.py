@@ -136,7 +136,9 @@ P19 ``Scheduler.make_spec_decoding_stats`` (v1/core/sched/scheduler.py:2961) and
     per-position acceptance (the "Per-position acceptance rate" log line and the
     ``vllm:spec_decode_num_accepted_tokens_per_pos`` counters) by ``num_speculative_tokens``, for
     ddtree the verify width (72 by default), though no tree is deeper than its drafter width or
-    lookup branch (15): for ddtree both are sized by ``DDTreeConfig.max_depth``.
+    lookup branch (15): for ddtree both are sized by ``DDTreeConfig.max_depth``. So is the opt-in
+    per-request histogram (``--per-request-spec-decode-metrics``), through ``Scheduler.add_request``
+    (scheduler.py:2616), which makes it.
 """
 
 from __future__ import annotations
@@ -1120,3 +1122,16 @@ def _patch_spec_decode_metrics() -> None:
         init(self, speculative_config, *args, **kwargs)
 
     _set(SpecDecodingProm, "__init__", __init__)
+
+    add = Scheduler.add_request
+
+    @functools.wraps(add)
+    def add_request(self, request: Any, *args: Any, **kwargs: Any) -> None:
+        add(self, request, *args, **kwargs)
+        metrics = getattr(request, "spec_decode_metrics", None)
+        if metrics is not None and not any(metrics.histogram) and _is_ddtree(self.vllm_config):
+            # the opt-in per-request histogram of accepted counts (0..depth), made here for a new request
+            metrics.num_spec_tokens = self.vllm_config.speculative_config.ddtree.max_depth
+            metrics.histogram = [0] * (metrics.num_spec_tokens + 1)
+
+    _set(Scheduler, "add_request", add_request)

@@ -16,7 +16,9 @@ spec I's undrafted steps run vLLM's own K = 0 drafter pass (DDTreeProposer.vllm_
 stop_reason, text]], "logprobs": [per spec: per prompt, per token {token id: logprob}] (null without
 logprobs in --sampling; null for a prompt whose request has none; a whole-vocabulary position as in
 logprob_entry), "prompt_logprobs": the same per prompt token (null for the first; null without
-prompt_logprobs), "patched": whether vllm-ddtree's patches were in place}.
+prompt_logprobs), "spec_decode": [per spec: per prompt, vLLM's per-request spec-decode metrics
+(RequestSpecDecodeMetrics.to_dict) or null, with per_request_spec_decode_metrics in --engine],
+"patched": whether vllm-ddtree's patches were in place}.
 """
 
 import argparse
@@ -122,10 +124,14 @@ if __name__ == "__main__":
         from vllm.config import ReasoningConfig
 
         engine["reasoning_config"] = ReasoningConfig(**engine["reasoning_config"])
-    result = {"outputs": [], "metrics": [], "logprobs": [], "prompt_logprobs": [], "ddtree": [], "finish": []}
+    result = {"outputs": [], "metrics": [], "logprobs": [], "prompt_logprobs": [], "ddtree": [], "finish": [],
+              "spec_decode": []}
     for i, arg in enumerate(args.specs):
         spec = None if arg == "none" else json.loads(arg)
-        llm = LLM(model=target, speculative_config=spec, **engine)
+        # (vLLM refuses per-request spec-decode metrics without speculation)
+        kwargs = engine if spec is not None else {k: v for k, v in engine.items()
+                                                  if k != "per_request_spec_decode_metrics"}
+        llm = LLM(model=target, speculative_config=spec, **kwargs)
         if i == args.gate_closed:
             gate = llm.llm_engine.model_executor.driver_worker.worker.model_runner.drafter.auto.gate
             gate.probe_every = gate.max_probe_every = 3  # probe often: exactness across drafted and undrafted steps
@@ -145,6 +151,8 @@ if __name__ == "__main__":
         result["outputs"].append([o.outputs[0].token_ids for o in outs])
         result["metrics"].append(counters(llm))
         result["ddtree"].append(ddtree_summary(llm))
+        result["spec_decode"].append([None if o.outputs[0].spec_decode_metrics is None
+                                      else o.outputs[0].spec_decode_metrics.to_dict() for o in outs])
         result["finish"].append([[o.outputs[0].finish_reason, str(o.outputs[0].stop_reason), o.outputs[0].text]
                                  for o in outs])
         result["logprobs"].append([None if o.outputs[0].logprobs is None else  # per request: some ask, some not
