@@ -844,6 +844,36 @@ def test_speculation_gate_judges_a_step_by_the_tokens_it_committed_not_the_plans
     assert gate._pending is None
 
 
+def test_speculation_gate_reads_a_step_s_tokens_only_once_their_copy_has_landed(monkeypatch):
+    # On a GPU the committed tokens' copy to the host is queued in the step's sampling, just before
+    # the next decision, with no wait between: read then, the pinned buffer holds whatever it held.
+    # The gate asks the copy's event and folds the step in at a later decision once it has landed.
+    from vllm_ddtree.tree import gate as gate_module
+    from vllm_ddtree.tree.transfer import HostLater
+
+    class CopyEvent:  # a CUDA event's query(), as the copy's stream answers it
+        landed = False
+
+        def query(self) -> bool:
+            return self.landed
+
+    event = CopyEvent()
+    in_flight = HostLater(torch.tensor(-1.0), event)  # the buffer before the copy lands
+    monkeypatch.setattr(gate_module, "to_host_later", lambda t: in_flight if t.dtype == torch.float32
+                        else HostLater(t.clone()))
+    gate = SpeculationGate(probe_every=2, max_probe_every=8, alpha=1.0)
+    gate.observe_ar_step(1, 0.040)  # the target alone: 25 tokens/s
+    assert gate.speculate(1)
+    gate.observe_plan(BudgetPlan(torch.tensor([4]), torch.tensor(2.0), torch.tensor(0.01), torch.tensor(200.0)), 1)
+    gate.observe_tokens(torch.tensor(6))
+    gate.observe_drafted_step(0.1)
+    assert gate.speculate(1) and gate.advantage_at(1) == 1.0  # not read: the class stays as it was
+    in_flight.host.fill_(6.0)
+    event.landed = True
+    assert gate.speculate(1) and gate.advantage_at(1) == pytest.approx(2.4)  # 60 tokens/s over 25
+    assert not gate._measured
+
+
 def test_auto_budget_consults_its_gate_only_once_the_cost_is_calibrated():
     auto = AutoBudget(cost_model("cpu", t_draft=0.0), 1, 8, gate=SpeculationGate())
     scores = torch.log(torch.full((1, 8), 0.5))

@@ -10,10 +10,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
 from torch import Tensor
 
 from .allocate import BudgetPlan
+from .transfer import to_host_later
 
 @dataclass
 class SpeculationGate:
@@ -57,8 +57,11 @@ class SpeculationGate:
     alone measures the baseline, and while new requests keep prefilling there may be none for a while.
     A drafted step whose time was not measured (a prefill in it) teaches the gate nothing.
 
-    The plan's expected tokens are a device tensor: `observe_plan` queues their copy to the host and
-    `speculate` reads it a step later, after the engine's own per-step sync, so the gate adds no
+    The step's tokens (committed, else the plan's expected ones) are a device tensor: their copy to
+    the host is queued (`to_host_later`), and a decision folds a finished step in only once its copy
+    has landed, which it asks without waiting. On a GPU the committed tokens' copy is queued in the
+    step's sampling, just before the next decision, and lands during the drafts' copy that follows
+    it (the step's one wait): that step's measurement enters at the decision after. The gate adds no
     host sync.
     """
 
@@ -72,7 +75,8 @@ class SpeculationGate:
     ar_seconds: dict = field(default_factory=dict)  # request count -> recent undrafted cycle seconds
     drafted: int = 0  # steps the gate let draft (probes included)
     undrafted: int = 0  # steps it kept from drafting
-    _pending: list | None = None  # [host tensor [] of the step's tokens (committed, else expected), requests, seconds]
+    _pending: list | None = None  # [HostLater [] of the step's tokens (committed, else expected), requests, seconds]
+    _measured: list = field(default_factory=list)  # finished steps' _pending, oldest first, copies maybe in flight
     _since_probe: dict = field(default_factory=dict)  # size class -> undrafted steps since its last probe
     _interval: dict = field(default_factory=dict)  # size class -> steps between its probes now
     _last_seen: dict = field(default_factory=dict)  # size class -> clock() of its last decision
@@ -125,10 +129,16 @@ class SpeculationGate:
     def speculate(self, num_requests: int) -> bool:
         """Whether the next step of `num_requests` requests drafts (host bool)."""
         if self._pending is not None:
-            tokens, r, seconds = self._pending
+            if self._pending[2] is not None:  # a measured step (one with a prefill in it is not)
+                self._measured.append(self._pending)
             self._pending = None
+        while self._measured:
+            tokens = self._measured[0][0].get()
+            if tokens is None:  # its copy has not landed yet: a later decision reads it (no wait)
+                break
+            _, r, seconds = self._measured.pop(0)
             ar = self.ar_rate(r)
-            if ar is not None and seconds is not None:
+            if ar is not None:
                 c, ratio = self.size_class(r), float(tokens) / seconds / ar
                 before = self.advantage.get(c, 1.0)
                 # A probe that finds trees paying reopens its class at once: while closed a class
@@ -159,27 +169,15 @@ class SpeculationGate:
 
     def observe_plan(self, plan: BudgetPlan, num_requests: int) -> None:
         """A drafted step's chosen plan (with the step's measured time, it enters `advantage` next step)."""
-        tokens = plan.expected_tokens.detach()
-        if tokens.device.type == "cuda":
-            host = torch.empty((), dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
-        else:
-            host = tokens.clone()
-        self._pending = [host, num_requests, None]
+        self._pending = [to_host_later(plan.expected_tokens.detach()), num_requests, None]
 
     def observe_tokens(self, tokens: Tensor) -> None:
         """The tokens the last plan's step committed ([] tensor: accepted and bonus tokens of all its
-        requests), in place of the plan's expectation. Its copy to the host is queued, and read at
-        the next decision, after the engine's own per-step sync."""
+        requests), in place of the plan's expectation. Its copy to the host is queued; a decision
+        reads it once it has landed."""
         if self._pending is None:
             return
-        tokens = tokens.detach().float()
-        if tokens.device.type == "cuda":
-            host = torch.empty((), dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
-        else:
-            host = tokens.clone()
-        self._pending[0] = host
+        self._pending[0] = to_host_later(tokens.detach().float())
 
     def observe_drafted_step(self, seconds: float) -> None:
         """The measured cycle time of the step the last plan was for."""
