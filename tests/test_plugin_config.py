@@ -466,6 +466,29 @@ def test_prompt_embeds_are_refused_at_startup(dirs):
     assert plain.create_engine_config().model_config.enable_prompt_embeds  # without ddtree vLLM's as it was
 
 
+def test_a_quantized_kv_cache_is_refused_at_startup_naming_the_setting(dirs):
+    # Tree masks run FlashInfer's custom-mask (FA2) kernels, which take no FP8 queries (vLLM asks for
+    # them with an FP8 cache on H100/H200/B200): refused when the config is built, not at the first
+    # verify step; the model's own dtypes, and vLLM's other methods, as before.
+    from vllm.engine.arg_utils import EngineArgs
+
+    spec = {"method": "ddtree", "model": str(dirs["drafter"]), "tree_budget": 8}
+    for dtype in ("fp8", "fp8_e5m2"):
+        args = EngineArgs(model=str(dirs["target"]), dtype="float32", max_model_len=1024, speculative_config=spec,
+                          kv_cache_dtype=dtype)
+        with pytest.raises(ValueError, match=f"kv_cache_dtype='{dtype}' is not supported with speculative method "
+                                             "'ddtree'.*set kv_cache_dtype to 'auto'"):
+            args.create_engine_config()
+    for dtype in ("auto", "bfloat16"):
+        args = EngineArgs(model=str(dirs["target"]), dtype="bfloat16", max_model_len=1024, speculative_config=spec,
+                          kv_cache_dtype=dtype)
+        assert args.create_engine_config().cache_config.cache_dtype == dtype
+    dflash = {"method": "dflash", "model": str(dirs["drafter"]), "num_speculative_tokens": 4}
+    args = EngineArgs(model=str(dirs["target"]), dtype="float32", max_model_len=1024, speculative_config=dflash,
+                      kv_cache_dtype="fp8")
+    assert args.create_engine_config().cache_config.cache_dtype == "fp8"
+
+
 def test_lora_step_rule_names_ddtree_s_settings_and_the_numbers_that_fit(dirs):
     # vLLM's rule for speculation with LoRA (max_num_batched_tokens >= max_num_seqs x (1 + width)) says
     # "decreasing num_speculative_tokens", a key ddtree refuses; its error names what to change.

@@ -121,7 +121,10 @@ P17 ``EngineArgs.create_engine_config`` (engine/arg_utils.py:2205) — wrapped: 
     for speculation with LoRA (max_num_batched_tokens >= max_num_seqs x (1 + num_speculative_tokens))
     fails with "decreasing num_speculative_tokens", a key ddtree refuses; for ddtree the error names
     the settings that change the verify width and the numbers to set. ``create_speculative_config``
-    (:2060) is wrapped to keep the built config beside the engine arguments for that message.
+    (:2060) is wrapped to keep the built config beside the engine arguments for that message. A
+    quantized KV cache (``kv_cache_dtype`` fp8, nvfp4, ...) is refused there for ddtree, naming the
+    setting: custom-mask attention reads the cache in the model's dtype (FlashInfer's FA2 kernels take
+    no FP8 queries, which vLLM uses with an FP8 cache on SM90/SM100).
 P18 ``Scheduler.__init__`` (v1/core/sched/scheduler.py:85) — wrapped: for ddtree without a Dynamic
     SD schedule, an identity schedule (K = the verify width at every batch size). vLLM pads a request
     that starts decoding (a prompt cached but for its last token, a 1-token prompt) to
@@ -1034,6 +1037,28 @@ def lora_step_error(max_num_seqs: int, max_num_batched_tokens: int, spec: Any) -
     )
 
 
+#: KV-cache dtypes ddtree's tree attention reads: the model's own float types.
+TREE_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+def _check_kv_cache_dtype(vllm_config: Any) -> None:
+    """A quantized KV cache is refused for ddtree at start-up, with the setting to change.
+
+    Tree masks need FlashInfer's custom-mask prefill, which runs only its FA2 kernels; vLLM's FlashInfer
+    backend asks for FP8 queries with an FP8 cache on SM90 and SM100 (H100, H200, B200), which FA2 does
+    not take (FlashInfer asserts when it builds the kernel), and vLLM's NVFP4 and TurboQuant caches need
+    kernels of their own. The CPU's tree attention reads the cache in the model's dtype."""
+    if not _is_ddtree(vllm_config):
+        return
+    dtype = vllm_config.cache_config.cache_dtype
+    if dtype not in TREE_KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype={dtype!r} is not supported with speculative method 'ddtree': it verifies draft trees with "
+            "custom-mask attention (FlashInfer's FA2 kernels on a GPU), which reads the KV cache in the model's "
+            "dtype; set kv_cache_dtype to 'auto' (the model's dtype) or 'bfloat16', or use another speculative method"
+        )
+
+
 def _patch_engine_args() -> None:
     from vllm.engine.arg_utils import EngineArgs
 
@@ -1050,12 +1075,14 @@ def _patch_engine_args() -> None:
     def create_engine_config(self, *args: Any, **kwargs: Any):
         self._ddtree_speculative_config = None
         try:
-            return create(self, *args, **kwargs)
+            config = create(self, *args, **kwargs)
         except ValueError as e:
             spec = getattr(self, "_ddtree_speculative_config", None)
             if spec is not None and str(e) == LORA_STEP_MESSAGE:
                 raise lora_step_error(self.max_num_seqs, self.max_num_batched_tokens, spec) from e
             raise
+        _check_kv_cache_dtype(config)
+        return config
 
     _set(EngineArgs, "create_speculative_config", create_speculative_config)
     _set(EngineArgs, "create_engine_config", create_engine_config)
