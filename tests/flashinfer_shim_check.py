@@ -296,6 +296,19 @@ def check_start_up_build(cfg) -> None:
     q, (k, v) = builders[0]._ddtree_wrapper.ran
     assert q.shape == (2, 9, 64) and q.dtype == torch.bfloat16
     assert k.shape == v.shape and k.shape in ((1, 16, 3, 64), (1, 3, 16, 64))
+    # What the custom-mask prefill cannot run is refused at start-up, by name, as at a verify step
+    # (not with an error from inside FlashInfer's sink or DCP wrappers).
+    # A sliding window too: FlashInfer places a request's query row i at kv_len - qo_len + i, which for
+    # a tree row deeper in the rows than in the tree would cut the window's first context tokens.
+    for feature, value in (("has_sinks", True), ("window_left", 127)):
+        refused = TreeFlashInferMetadataBuilder(spec, [name], cfg, torch.device("cpu"))
+        setattr(refused, feature, value)
+        try:
+            refused.prebuild_tree_kernels()
+        except NotImplementedError as e:
+            assert "attention sinks, sliding-window attention" in str(e), e
+        else:
+            raise AssertionError(f"a builder with {feature}={value} prebuilt a tree kernel")
 
 
 def check_cudagraph_modes(cfg) -> None:

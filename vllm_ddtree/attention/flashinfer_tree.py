@@ -70,12 +70,7 @@ class TreeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
         tree = step_tree_masks_for(self.layer_names, r)
         if tree is None:
             return super().build(common_prefix_len, common_attn_metadata, fast_build)
-        if self.use_dcp or self.has_sinks or self.is_kvcache_nvfp4:
-            raise NotImplementedError(
-                "speculative method 'ddtree' verifies draft trees with FlashInfer's custom-mask prefill, which "
-                "vLLM's FlashInfer backend does not offer with decode context parallelism, attention sinks or an "
-                "NVFP4 KV cache; turn those off or use another speculative method"
-            )
+        self._check_tree_support()
         # plan() needs seq_lens on the host. The runner's host copy is exact here: ddtree never runs
         # with async scheduling, the one case where it is only an upper bound. (The stock builder
         # reads the device copy under gpu_sync_allowed when speculating; so do we without it.)
@@ -115,6 +110,20 @@ class TreeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
             decode=tree_part,
         )
 
+    def _check_tree_support(self) -> None:
+        """Refuse what FlashInfer's custom-mask prefill cannot run here, at start-up (`prebuild_tree_kernels`)
+        and at any verify step, rather than with an error from inside FlashInfer or a wrong output.
+
+        A sliding window is refused: FlashInfer places query row i of a request at position
+        kv_len - qo_len + i, so a tree row at depth d < i + 1 would lose the window's first i + 1 - d
+        context tokens, which the target alone attends."""
+        if self.use_dcp or self.has_sinks or self.is_kvcache_nvfp4 or self.window_left >= 0:
+            raise NotImplementedError(
+                "speculative method 'ddtree' verifies draft trees with FlashInfer's custom-mask prefill, which "
+                "vLLM's FlashInfer backend does not offer with decode context parallelism, attention sinks, "
+                "sliding-window attention or an NVFP4 KV cache; turn those off or use another speculative method"
+            )
+
     def tree_kernel_constants(self) -> dict:
         """This layer group's constants of `plan_flashinfer_tree_step` (as `build` passes them) and its
         cache layout: what selects FlashInfer's custom-mask kernel."""
@@ -128,6 +137,7 @@ class TreeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
         """FlashInfer's JIT build of this layer group's custom-mask kernel, and of the causal kernel its
         verify steps' prefill chunks run, at start-up instead of on the first verify step
         (`tree_mask.prebuild_tree_kernels`)."""
+        self._check_tree_support()
         prebuild_tree_kernels(self._tree_wrapper(), device=self.device, causal_wrapper=self._get_prefill_wrapper(causal=True),
                               causal_options=self._causal_plan_options(), **self.tree_kernel_constants())
 
