@@ -355,6 +355,13 @@ class DDTreeProposer(DFlashProposer):
                 super().propose(0, **kwargs)
             else:
                 self._take_in_context(**kwargs)  # the drafter still takes in the context
+                if self.vllm_config.parallel_config.data_parallel_size > 1:
+                    # Data-parallel ranks of an MoE target pair every drafter forward's batch padding
+                    # (an all-reduce, `coordinate_batch_across_dp`); each rank decides drafting on its
+                    # own, so one that does not draft runs a dummy forward in its place, as vLLM's runner
+                    # does when its ranks disagree on drafting (gpu_model_runner.py:4423). Dense
+                    # targets' ranks are independent engines (data_parallel_size 1 in each).
+                    self.dummy_run(num_tokens=1)
             return [[] for _ in range(r)]
         super().propose(self.width, **kwargs)
         return self._tree_drafts(kwargs["common_attn_metadata"], step_tokens)
