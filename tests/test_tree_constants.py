@@ -1,5 +1,8 @@
 """The step path's shared constants: right values, and memory that does not grow with the shapes asked for."""
 
+import gc
+import weakref
+
 import torch
 
 from vllm_ddtree.tree import constants
@@ -30,3 +33,23 @@ def test_filled_blocks_are_one_scalar_expanded_whatever_the_shape():
     written = blocks[1].scatter(1, torch.tensor([[0], [3]]), torch.tensor([[5], [6]]))
     assert written.tolist() == [[5, -1, -1, -1, -1, -1, -1], [-1, -1, -1, 6, -1, -1, -1]]
     assert constants.filled((2, 7), -1, torch.int64, cpu).tolist() == [[-1] * 7] * 2
+
+
+def test_memory_under_a_constant_outlives_its_kept_views(monkeypatch):
+    # A captured CUDA graph reads a constant by its address, without a reference to it: a range that
+    # grew, or a scalar whose kept views were dropped, must not be freed (the allocator would hand its
+    # memory to another tensor, and a replay would read that one's values).
+    monkeypatch.setattr(constants, "_RANGES", {})
+    monkeypatch.setattr(constants, "_OUTGROWN", [])
+    cpu = torch.device("cpu")
+    first = weakref.ref(constants.arange(10, cpu)._base)
+    constants.arange(constants._FIRST_RANGE + 1, cpu)  # grown: a longer range replaces the first
+    scalar = weakref.ref(constants.filled((4, 4), 7, torch.int64, cpu)._base)
+    ints = weakref.ref(constants.device_ints((3, 1), cpu))
+    for v in range(1100):  # more distinct constants than any bounded cache of them would keep
+        constants.filled((1,), 1000 + v, torch.int64, cpu)
+        constants.device_ints((1000 + v,), cpu)
+    for cache in (constants._range_view, constants._expanded, constants._filled):
+        cache.cache_clear()  # every kept view dropped, as the views' caches drop their oldest
+    gc.collect()
+    assert first() is not None and scalar() is not None and ints() is not None

@@ -498,7 +498,7 @@ class _UnscoredPlan:
     codes: Tensor
 
 
-@functools.lru_cache(maxsize=256)
+@functools.cache  # never evicted: a captured step reads these by address (tree/constants.py); one per shape
 def _unscored_plan(k: int, b: int, depth: int, device: torch.device) -> _UnscoredPlan:
     parents, columns, codes, counts, kept = [], [], [], [], []
     f = 1  # depth 1's frontier: the root
@@ -513,7 +513,7 @@ def _unscored_plan(k: int, b: int, depth: int, device: torch.device) -> _Unscore
     return _UnscoredPlan(tuple(parents), tuple(counts), tuple(kept), torch.cat(columns), torch.cat(codes))
 
 
-@functools.lru_cache(maxsize=256)
+@functools.cache  # never evicted: a captured step reads these by address (tree/constants.py); one per shape
 def _kept_columns(plan: _UnscoredPlan, widths: tuple[int, ...], device: torch.device) -> tuple[Tensor, Tensor]:
     """For depths sorted to `widths` columns each and concatenated: [T] the columns of each depth's
     first kept (plan.kept) ones, and [T] the offset of that depth's codes in plan.codes."""
@@ -612,7 +612,7 @@ class _LazyChildren:
         return self.score + self.logp[j], self.q + self.logp[j], j
 
 
-@functools.lru_cache(maxsize=64)
+@functools.cache  # never evicted: a captured step reads these by address (tree/constants.py); one per shape
 def _depth_layout(sizes: tuple[int, ...], device: torch.device) -> tuple[Tensor, Tensor]:
     """For frontiers of `sizes` nodes per depth, concatenated: [total] the offset of each node's
     parent depth in the concatenation (-1 at depth 1, whose parent is the root) and [total] its
@@ -624,7 +624,7 @@ def _depth_layout(sizes: tuple[int, ...], device: torch.device) -> tuple[Tensor,
     return parent_offset, depth_of
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.cache  # never evicted: a captured step reads these by address (tree/constants.py); one per shape
 def _staircase(f: int, k: int, b: int, d: int, depth: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
     """(parent, rank) pairs with (parent+1)(rank+1) <= b, parent < f, rank < k, in (parent, rank) order,
     at depth d of `depth`: [n] parent, [n] column d * k + rank of the [R, depth * k] candidates, and

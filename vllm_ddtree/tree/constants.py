@@ -10,7 +10,10 @@ wait for the device.
 
 Shared: never write into one (use out-of-place ops: `scatter`, not `scatter_`). Made on first use:
 a CUDA graph's capture records kernels without running them, so a step is run eagerly before it is
-captured (as vLLM warms up before capturing), and the constants it needs exist by then.
+captured (as vLLM warms up before capturing), and the constants it needs exist by then. Never freed:
+a captured graph reads a constant by its address, so the memory under a view must outlive every
+graph (kept views may be dropped; the ranges, scalars and int tuples under them are not, and a
+range that grows keeps its predecessor).
 """
 
 from __future__ import annotations
@@ -21,13 +24,14 @@ import torch
 from torch import Tensor
 
 _RANGES: dict[torch.device, Tensor] = {}  # per device: 0, 1, ..., n - 1 (int64), n a power of two
+_OUTGROWN: list[Tensor] = []  # ranges a longer one replaced: graphs captured before may still read them
 # 512 KiB of int64: a step's longest range (requests x tree width, ~16K at 256 x 64) fits, so it
 # seldom grows (a grown range makes every kept view anew once)
 _FIRST_RANGE = 1 << 16
 _VIEWS = 1024  # the views kept per kind (a step's shapes take a few dozen; serving adds a few per batch size)
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.cache  # never evicted (module docstring); the tuples are configuration constants
 def device_ints(values: tuple[int, ...], device: torch.device) -> Tensor:
     """[len(values)] int64 `values` on `device` (digit weights, one-element constants); for values
     that do not depend on the step's shapes (each distinct tuple is kept)."""
@@ -45,6 +49,8 @@ def arange(stop: int, device: torch.device, start: int = 0) -> Tensor:
         size = _FIRST_RANGE
         while size < stop:
             size *= 2
+        if base is not None:
+            _OUTGROWN.append(base)
         base = _RANGES[device] = torch.arange(size, dtype=torch.int64, device=device)
     return _range_view(base, start, stop)
 
@@ -75,7 +81,7 @@ def _filled(shape: tuple[int, ...], value: float | int | bool, dtype: torch.dtyp
     return _scalar(value, dtype, device).expand(shape)
 
 
-@functools.lru_cache(maxsize=256)
+@functools.cache  # never evicted (module docstring); the values are the code's own constants
 def _scalar(value: float | int | bool, dtype: torch.dtype, device: torch.device) -> Tensor:
     return torch.full((), value, dtype=dtype, device=device)
 
