@@ -86,7 +86,12 @@ class TreeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
         tree_part = causal_part = None
         if split.tree is not None:
             wrapper = self._tree_wrapper()
-            plan_flashinfer_tree_step(wrapper, split.tree, **constants)  # as the stock build passes them
+            # FlashInfer's plan() packs the bool mask with segment_packbits, which copies the mask's
+            # offsets from pageable memory and reads the packed length back (`.item()`): two waits for
+            # the device, on work this step's input preparation has just queued. Allowed, as vLLM
+            # allows its own builder's host reads (VLLM_GPU_SYNC_CHECK would report them).
+            with gpu_sync_allowed():
+                plan_flashinfer_tree_step(wrapper, split.tree, **constants)  # as the stock build passes them
             tree_part = FIDecode(wrapper=wrapper)
         if split.causal is not None:
             # the stock causal wrapper, planned as the stock build plans it (FlashInfer picks its kernel)
