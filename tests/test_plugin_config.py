@@ -466,6 +466,43 @@ def test_prompt_embeds_are_refused_at_startup(dirs):
     assert plain.create_engine_config().model_config.enable_prompt_embeds  # without ddtree vLLM's as it was
 
 
+def _config_only_target(path: Path, target: Path, config) -> Path:
+    """A target directory holding only `config` and the toy target's tokenizer (vLLM builds its
+    config without weights)."""
+    config.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(target / name, path / name)
+    return path
+
+
+def test_targets_a_tree_cannot_verify_are_refused_at_startup(dirs, tmp_path):
+    # A recurrent layer would read a tree's rows as one sequence (each row after its siblings) and
+    # MLA layers run vLLM's MLA backends, which take no tree mask: both would verify trees wrongly or
+    # fail mid-serving. Targets with the toy's vocabulary and 30 layers (the drafter's layer ids fit),
+    # config only.
+    from transformers import DeepseekV3Config, JambaConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    common = dict(vocab_size=49152, hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                  max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    jamba = JambaConfig(**common, num_key_value_heads=3, intermediate_size=256, num_experts=1)
+    jamba.architectures = ["JambaForCausalLM"]
+    mla = DeepseekV3Config(**common, num_key_value_heads=9, intermediate_size=256, moe_intermediate_size=64,
+                           n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=30, kv_lora_rank=64,
+                           q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32)
+    mla.architectures = ["DeepseekV3ForCausalLM"]
+    spec = {"method": "ddtree", "model": str(dirs["drafter"]), "tree_budget": 8}
+    for name, config, message in (("jamba", jamba, "the target has recurrent \\(Mamba / linear-attention\\) layers"),
+                                  ("mla", mla, "its multi-head latent attention \\(MLA\\)")):
+        target = str(_config_only_target(tmp_path / name, dirs["target"], config))
+        args = EngineArgs(model=target, dtype="float32", max_model_len=1024, speculative_config=spec)
+        with pytest.raises(ValueError, match=f"speculative method 'ddtree' is not supported for "
+                                             f"{config.architectures[0]}: .*{message}.*use method 'dflash'"):
+            args.create_engine_config()
+        plain = EngineArgs(model=target, dtype="float32", max_model_len=1024).create_engine_config()
+        assert plain.model_config.is_hybrid or plain.model_config.use_mla  # vLLM takes them, without ddtree
+
+
 def test_a_quantized_kv_cache_is_refused_at_startup_naming_the_setting(dirs):
     # Tree masks run FlashInfer's custom-mask (FA2) kernels, which take no FP8 queries (vLLM asks for
     # them with an FP8 cache on H100/H200/B200): refused when the config is built, not at the first

@@ -32,7 +32,9 @@ P3  ``SpeculativeConfig.__post_init__`` (config/speculative.py:1121) — wrapped
     ddtree's options are checked against the target's parallel layout before vLLM's branch and
     against its context length after it (:meth:`~vllm_ddtree.config.DDTreeConfig.check_parallelism`,
     ``check_target``); anything but a ``ValueError`` from building the drafter's config becomes one
-    naming ``model``.
+    naming ``model``. Targets a tree cannot be verified on are refused there too: recurrent (Mamba,
+    linear-attention) layers, which would read the tree's rows as one sequence, and MLA layers,
+    whose backends take no tree mask.
 P4  ``SpeculativeConfig.use_eagle`` (:1944) and ``use_dflash`` (:1954) — True for ddtree: it is a
     DFlash drafter fed by target hidden states. The call sites and the decision for each are
     listed at :data:`CALL_SITES`.
@@ -483,6 +485,7 @@ def _wrap_post_init(post_init: Callable) -> Callable:
                                      vocab_size=self.target_model_config.get_vocab_size(), drafter=self.model)
         _check_logprobs_mode(self)
         _check_prompt_embeds(self)
+        _check_target_layers(self)
         return out
 
     return __post_init__
@@ -509,6 +512,29 @@ def _check_prompt_embeds(spec: Any) -> None:
             "enable_prompt_embeds is not supported with speculative method 'ddtree': vLLM's draft step reads each "
             "request's last token id, which a prompt given as embeddings does not have (the first such request "
             "would stop the engine); start without --enable-prompt-embeds, or without speculative decoding"
+        )
+
+
+def _check_target_layers(spec: Any) -> None:
+    """A tree verifies in one forward through attention with an ancestor mask, which only ddtree's
+    attention backends apply: a recurrent layer (Mamba, linear attention) would read the tree's rows as
+    one sequence, each row after its siblings (an output that is not the target's), and MLA layers run
+    vLLM's MLA backends, which take no tree mask. Refused at start-up; vLLM's DFlash chain serves both."""
+    target = getattr(spec, "target_model_config", None)
+    if target is None:
+        return
+    if target.is_hybrid or target.is_attention_free:
+        kind = "has recurrent (Mamba / linear-attention) layers" if target.is_hybrid else "has no attention layers"
+        raise ValueError(
+            f"speculative method 'ddtree' is not supported for {target.architectures[0]}: the target {kind}, which "
+            "would read a draft tree's rows as one sequence (ddtree masks attention by tree ancestry); use "
+            "method 'dflash' (a chain) or no speculative decoding for this model"
+        )
+    if target.use_mla:
+        raise ValueError(
+            f"speculative method 'ddtree' is not supported for {target.architectures[0]}: its multi-head latent "
+            "attention (MLA) runs vLLM's MLA backends, which take no tree mask; use method 'dflash' (a chain) or no "
+            "speculative decoding for this model (VLLM_MLA_DISABLE=1 would run it without MLA, untested with ddtree)"
         )
 
 
