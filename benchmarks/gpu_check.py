@@ -192,6 +192,20 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def held_by(fn: Callable[[], object], device: torch.device) -> tuple[object, int | None]:
+    """`fn()` and the device memory it leaves reserved (None off CUDA): around a capture, the graph's
+    private pool, which vLLM's memory profiling does not see (the proposer keeps up to `max_graphs`)."""
+    if device.type != "cuda":
+        return fn(), None
+    sync(device)
+    gc.collect()
+    torch.cuda.empty_cache()  # as torch.cuda.graph does on entering: what stays reserved after is the pool
+    held = torch.cuda.memory_reserved(device)
+    out = fn()
+    sync(device)
+    return out, torch.cuda.memory_reserved(device) - held
+
+
 def timed_ms(fn: Callable[[], object], device: torch.device, reps: int) -> float:
     """Median wall milliseconds of `fn` after one warm-up call, the device drained around each call."""
     fn()
@@ -1369,12 +1383,14 @@ def verify_graphs_run(r: int, device: torch.device, backend: str, reps: int) -> 
     steps = ((top, 63), (r, 39), (top, 63), (r, 33), ((r + top) // 2, 49))
     graphs = StepGraphs(backend)
     captured, eager = AcceptanceCalibration().to(device), AcceptanceCalibration().to(device)
-    differs, calibration_gap = [], 0.0
+    differs, calibration_gap, pool_bytes = [], 0.0, None
     for i, (rows, budget) in enumerate(steps):
         batch, row_tokens, scores = verify_step_inputs(rows, budget, device, seed=5000 + 7 * r + i)
         n = batch.tokens.shape[1]  # each row's KV slot: distinct, as a step's are
         row_slots = (torch.randperm(rows * n, generator=torch.Generator().manual_seed(i)).view(rows, n) + 64).to(device)
-        got = verify_trees(batch, row_tokens, scores, captured, graphs, row_slots=row_slots)
+        got, held = held_by(lambda: verify_trees(batch, row_tokens, scores, captured, graphs, row_slots=row_slots),
+                            device)
+        pool_bytes = held if i == graphs.capture_after - 1 else pool_bytes  # the capture's call
         want = verify_trees(batch, row_tokens, scores, eager, row_slots=row_slots)
         for name in ("output_tokens", "num_emitted", "path_rows", "accepted_rows"):
             if not torch.equal(getattr(got.walk, name), getattr(want.walk, name)):
@@ -1388,7 +1404,7 @@ def verify_graphs_run(r: int, device: torch.device, backend: str, reps: int) -> 
         for a, b in ((captured._ema, eager._ema), (captured._bin_sums, eager._bin_sums)):
             calibration_gap = max(calibration_gap, float(((a - b).abs() / b.abs().clamp(min=1e-6)).max()))
     width = padded_width(steps[0][1] + 1)
-    rec = {"differs": differs, "calibration_max_rel_gap": calibration_gap, "padded": [top, width],
+    rec = {"differs": differs, "calibration_max_rel_gap": calibration_gap, "padded": [top, width], "pool_bytes": pool_bytes,
            "graphs": {"captures": graphs.captures, "replays": graphs.replays, "eager_calls": graphs.eager_calls,
                       "failed": graphs.failed}}
     rec["replay_equals_eager"] = not differs and graphs.failed is None and graphs.replays == len(steps) - 2
@@ -1442,14 +1458,15 @@ def schedule_graphs_run(r: int, device: torch.device, backend: str, reps: int) -
     top = padded_rows(r)
     steps = ((top, 40), (r, 30), (top, 40), (r, 33), ((r + top) // 2, 36))
     graphs = StepGraphs(backend)
-    differs, widths = [], set()
+    differs, widths, pool_bytes = [], set(), None
     for i, (rows, budget) in enumerate(steps):
         # (one input buffer for every step, as the runner's: room for the largest step's tokens)
         block, nodes, table, step_ids, n, deepest = schedule_step_inputs(rows, budget, device, seed=6000 + 7 * r + i,
                                                                          buffer=top * (40 + 3))
         n = max(n, 33)  # (one padded width, 64, for every step)
         widths.add(padded_width(n))
-        got = schedule_rows(block, nodes, table, step_ids, n, deepest, True, graphs)
+        got, held = held_by(lambda: schedule_rows(block, nodes, table, step_ids, n, deepest, True, graphs), device)
+        pool_bytes = held if i == graphs.capture_after - 1 else pool_bytes  # the capture's call
         want = schedule_rows(block, nodes, table, step_ids, n, deepest, True)
         for name in ("tokens", "parents", "depths", "positions", "valid", "num_rows", "context_lens", "ancestors"):
             if not torch.equal(getattr(got.batch, name), getattr(want.batch, name)):
@@ -1457,7 +1474,7 @@ def schedule_graphs_run(r: int, device: torch.device, backend: str, reps: int) -
         for name in ("row_index", "logit_rows", "write_index", "node_scores"):
             if not torch.equal(getattr(got, name), getattr(want, name)):
                 differs.append(f"step {i}: {name}")
-    rec = {"differs": differs, "padded": [top, sorted(widths)],
+    rec = {"differs": differs, "padded": [top, sorted(widths)], "pool_bytes": pool_bytes,
            "graphs": {"captures": graphs.captures, "replays": graphs.replays, "eager_calls": graphs.eager_calls,
                       "failed": graphs.failed}}
     rec["replay_equals_eager"] = not differs and graphs.failed is None and graphs.replays == len(steps) - 2
@@ -1466,6 +1483,10 @@ def schedule_graphs_run(r: int, device: torch.device, backend: str, reps: int) -
         rec["replay_ms"] = timed_ms(lambda: schedule_rows(block, nodes, table, step_ids, n, deepest, True, graphs),
                                     device, reps)
     return rec
+
+
+def held_mib(rec: dict) -> str:
+    return "pool not measured" if rec.get("pool_bytes") is None else f"{rec['pool_bytes'] / 2**20:.1f} MiB held"
 
 
 def capture_rows(ctx: "Check", variant: str, run: Callable[[int], dict], detail: Callable[[dict], str],
@@ -1561,9 +1582,9 @@ def part_b_graphs(ctx: "Check") -> dict:
                               + ("" if rec["padding_kept_plans"] else f", padding changed {rec['padding_differs']}")),
                  rows, bad)
     capture_rows(ctx, VERIFY_GRAPHS, lambda r: verify_graphs_run(r, ctx.device, "cuda", ctx.sizes.reps),
-                 lambda rec: f"calibration gap {rec['calibration_max_rel_gap']:.1e}", rows, bad)
+                 lambda rec: f"calibration gap {rec['calibration_max_rel_gap']:.1e}, {held_mib(rec)}", rows, bad)
     capture_rows(ctx, SCHEDULE_GRAPHS, lambda r: schedule_graphs_run(r, ctx.device, "cuda", ctx.sizes.reps),
-                 lambda rec: f"padded to {rec['padded']}", rows, bad)
+                 lambda rec: f"padded to {rec['padded']}, {held_mib(rec)}", rows, bad)
     return {"passed": not bad, "captures": rows, "failed": bad,
             "summary": "every capture replays equal to eager" if not bad else f"FAILED {', '.join(bad)}"}
 
