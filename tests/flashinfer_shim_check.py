@@ -309,6 +309,11 @@ def check_start_up_build(cfg) -> None:
             assert "attention sinks, sliding-window attention" in str(e), e
         else:
             raise AssertionError(f"a builder with {feature}={value} prebuilt a tree kernel")
+    # ... but only where trees are verified: the drafter's own layers are neither built nor refused
+    drafter_group = SimpleNamespace(metadata_builders=[refused])
+    drafter_runner = SimpleNamespace(_attn_group_iterator=lambda: iter([drafter_group]),
+                                     drafter=SimpleNamespace(_draft_attn_layer_names={name}))
+    assert prebuild_tree_attention(drafter_runner) == 0
 
 
 def check_cudagraph_modes(cfg) -> None:

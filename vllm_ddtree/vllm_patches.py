@@ -1020,11 +1020,14 @@ def prebuild_tree_attention(runner) -> int:
     each distinct kernel once. Returns how many were built (0 off CUDA: the CPU tree attention has
     nothing to build)."""
     built: set = set()
+    drafter_layers = set(getattr(getattr(runner, "drafter", None), "_draft_attn_layer_names", ()))
     for group in runner._attn_group_iterator():
         for builder in group.metadata_builders:
             # TreeFlashInferMetadataBuilder, by its method: importing it needs FlashInfer, which a CPU lacks
             if not hasattr(builder, "tree_kernel_constants"):
                 continue
+            if builder.layer_names and set(builder.layer_names) <= drafter_layers:
+                continue  # the drafter's own layers verify no trees (nor are refused for what they use)
             constants = builder.tree_kernel_constants()
             key = tuple(sorted((k, str(v)) for k, v in constants.items()))
             if key not in built:
