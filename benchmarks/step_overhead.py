@@ -267,8 +267,10 @@ def gpu_code_paths():
             setattr(module, name, original)
 
 
-def make_proposer(code, batch: int, budget: int | str, ngram: bool, lookup: int, vocab: int, layers: int = 36):
-    """A DDTreeProposer without vLLM's drafter model: the attributes its tree part reads, nothing else."""
+def make_proposer(code, batch: int, budget: int | str, ngram: bool, lookup: int, vocab: int, layers: int = 36,
+                  captured: bool = False):
+    """A DDTreeProposer without vLLM's drafter model: the attributes its tree part reads, nothing else.
+    `captured`: its n-gram tables of fixed shape, as the proposer makes them for captured steps."""
     t = code.tree
     p = object.__new__(code.Proposer)
     max_budget = 64
@@ -282,7 +284,9 @@ def make_proposer(code, batch: int, budget: int | str, ngram: bool, lookup: int,
     p.stats = code.Stats(interval=1e9)
     p.context_order = p.context_positions = p.step_tokens = None
     if hasattr(t, "TokenHistory"):  # as the proposer: the lookup reads a token history, rescoring the tables
-        p.ngram = t.NGramModel(vocab, 3, device=STANDIN) if ngram else None
+        fixed = ({"fixed_shape": True} if captured and "fixed_shape" in inspect.signature(t.NGramModel).parameters
+                 else {})
+        p.ngram = t.NGramModel(vocab, 3, device=STANDIN, **fixed) if ngram else None
         # the engine's window is min(max_model_len, LOOKUP_WINDOW): here the host batch's length
         with OpCounter():  # made on the stand-in device: its buffers are device data
             p.history = t.TokenHistory(CONTEXT + ROOM, 2, slots=batch, device=STANDIN) if lookup else None
@@ -420,7 +424,7 @@ def _one_step(code, batch: int, budget, ngram: bool, lookup: int, vocab: int, la
     MARK[0] = count or warm_up
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     ctx = CONTEXT
-    p = make_proposer(code, batch, budget, ngram, lookup, vocab, layers)
+    p = make_proposer(code, batch, budget, ngram, lookup, vocab, layers, captured=graphs is not None)
     if graphs is not None:  # `graphs`' stand-in for the proposer's captures (the CPU's proposer has none)
         p.step_graphs = p.verify_graphs = graphs
     runner = make_runner(p, batch, ctx, vocab, rng)
@@ -600,16 +604,19 @@ class ReplayedGraphs:
         return fn(*inputs)
 
 
-def captured_step(code, batch: int, budget, lookup: int, vocab: int, layers: int) -> dict | None:
+def captured_step(code, batch: int, budget, lookup: int, vocab: int, layers: int, ngram: bool = False) -> dict | None:
     """A step's device launches with `plan_trees` (and `verify_step`, for code that captures it)
     replayed from CUDA graphs (the proposer's `step_graphs`, VLLM_DDTREE_STEP_GRAPHS=1, the default on
     a CUDA device): the ops outside them, one copy into each of their input buffers, and one launch
     per replay. The steady step (the automatic budget's size class has its rate by then, so the
     proposer takes its captured path), counted with the ops inside the captured functions set
-    apart. None for code without the step function."""
+    apart. `ngram`: with n-gram rescoring (its tables of fixed shape, counted in place outside the
+    capture). None for code without the step function, or that does not capture rescoring."""
     if not hasattr(code.tree, "plan_trees"):
         return None
-    row = one_step(code, batch, budget, False, lookup, vocab, layers, 0, True, counter_class=CapturedOpCounter,
+    if ngram and "fixed_shape" not in inspect.signature(code.tree.NGramModel).parameters:
+        return None
+    row = one_step(code, batch, budget, ngram, lookup, vocab, layers, 0, True, counter_class=CapturedOpCounter,
                    steady=True, graphs=ReplayedGraphs())
     return row | dict(device_ops=row["device_ops"] + row["launches"], captured_ops=row["captured_ops"])
 
@@ -641,11 +648,12 @@ def pipeline_rows(quick: bool, repeats: int) -> list[dict]:
                                          glue_ms=statistics.median(glue), outside_ops_ms=statistics.median(outside)))
                         print(json.dumps(rows[-1]), flush=True)
                         gc.collect()
-        for budget in ("auto", 8):  # the GPU defaults, and a fixed budget, with the tree step captured
+        # the GPU defaults, and a fixed budget, with the tree step captured; and each with n-gram rescoring
+        for budget, ngram in (("auto", False), (8, False), ("auto", True), (8, True)):
             with torch.no_grad(), gpu_code_paths():
-                counted = captured_step(code, batch, budget, 8, QWEN3_8B["vocab_size"], 36)
+                counted = captured_step(code, batch, budget, 8, QWEN3_8B["vocab_size"], 36, ngram=ngram)
             if counted is not None:
-                rows.append(dict(engine="pipeline, captured", step="steady", batch=batch, budget=budget, ngram=False,
+                rows.append(dict(engine="pipeline, captured", step="steady", batch=batch, budget=budget, ngram=ngram,
                                  lookup=8,
                                  **{k: counted[k] for k in ("device_ops", "device_views", "host_ops", "host_copies",
                                                             "counted_host_reads", "nodes", "accepted", "captured_ops",

@@ -953,3 +953,44 @@ def test_step_observations_count_what_a_plain_counter_counts(with_host):
     model.observe_step([0], torch.tensor([[-1, -1]]))
     keys = model.online.ngram_keys[order - 1]
     assert keys.numel() == model.online.real_entries("ngram", order - 1)[0].numel() + 2  # this merge's 2 windows
+
+
+def test_fixed_shape_tables_count_the_same_in_place_and_grow_by_generations(monkeypatch):
+    """Tables a captured step reads (fixed_shape): one capacity, real keys first, every change written
+    in place, so a capture reading them by address sees each step's counts; past the capacity (by a
+    bound known without a host read) they grow, a new generation. The counts are the plain tables'."""
+    from vllm_ddtree.tree.ngram import NGramCounts
+
+    monkeypatch.setattr(NGramCounts, "FIRST_CAPACITY", 16)
+    g = torch.Generator().manual_seed(5)
+    vocab, order = 7, 3
+    plain, fixed = NGramModel(vocab, order=order), NGramModel(vocab, order=order, fixed_shape=True)
+    generations, address = {fixed.generation}, None
+    for step in range(10):
+        if step == 6:
+            for model in (plain, fixed):
+                model.release_batch([1])
+        slots = [0, 1, 2]
+        new = torch.randint(0, vocab, (3, 4), generator=g)
+        new[1, 3:] = -1
+        for model in (plain, fixed):
+            model.observe_step(slots, new)
+        keys = fixed.online.ngram_keys[order - 1]
+        assert keys.numel() == fixed.online.capacity and fixed.tails.shape[0] >= 3
+        if fixed.generation in generations and address is not None:  # same generation: the same memory
+            assert keys.data_ptr() == address
+        generations.add(fixed.generation)
+        address = keys.data_ptr()
+        for kind in ("ngram", "context"):
+            for m in range(order):
+                want, got = plain.online.real_entries(kind, m), fixed.online.real_entries(kind, m)
+                assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1]), (step, kind, m)
+        assert torch.equal(plain.context_tail(slots), fixed.context_tail(slots))
+    assert len(generations) > 1 and fixed.online.capacity > 16  # it grew, and kept every count
+    hist, toks = torch.tensor([[[1, 2]]]), torch.tensor([[[3, 4, 5]]])
+    assert torch.equal(plain.log_rho(torch.tensor([0]), hist, toks), fixed.log_rho(torch.tensor([0]), hist, toks))
+    # the GPU's search, all orders at once over the stacked tables (the fixed ones: the buffers themselves)
+    for want, got in zip(plain.online.lookup_orders(torch.tensor([0]), hist, toks, order),
+                         fixed.online.lookup_orders(torch.tensor([0]), hist, toks, order)):
+        assert torch.equal(want, got)
+    assert fixed.online._stacked(order)[0].data_ptr() == fixed.online.ngram_keys[0].data_ptr()

@@ -42,7 +42,8 @@ R, DEPTH, VOCAB, WIDTH = 3, 6, 50, 8
 def on_meta(model: NGramModel) -> NGramModel:
     t = model.online
     model.online = NGramCounts(t.order, t.vocab_size, META, *[[x.to(META) for x in xs] for xs in
-                               (t.ngram_keys, t.ngram_counts, t.context_keys, t.context_counts)])
+                               (t.ngram_keys, t.ngram_counts, t.context_keys, t.context_counts)],
+                               fixed_shape=t.fixed_shape)
     model.device, model.tails = META, model.tails.to(META)
     return model
 
@@ -51,10 +52,11 @@ def cost_model() -> CostModel:
     return CostModel(ModelShape(30, 576, 9, 3, 64, 1536, VOCAB, 4), get_profile("cpu"), per_token=0.002, intercept=0.05)
 
 
-def test_a_whole_tree_step_runs_on_the_device_without_a_host_sync():
+@pytest.mark.parametrize("fixed_shape", [False, True])  # (True: the tables a captured step reads)
+def test_a_whole_tree_step_runs_on_the_device_without_a_host_sync(fixed_shape):
     logits = torch.randn(R, DEPTH, VOCAB, device=META)
     top_logp, top_ids = topk_per_depth(logits, WIDTH)
-    ngram = NGramModel(VOCAB, 3)
+    ngram = NGramModel(VOCAB, 3, fixed_shape=fixed_shape)
     ngram.observe_batch([0, 1, 2], [torch.randint(0, VOCAB, (30,)) for _ in range(R)])
     ngram = on_meta(ngram)
     ctx = torch.full((R,), 100, device=META)

@@ -273,12 +273,15 @@ class DDTreeProposer(DFlashProposer):
         self.context_positions: Tensor | None = None  # likewise: the step's sequential positions
         self.step_tokens: Tensor | None = None  # likewise: [R, L + 1] the step's accepted tokens and bonus
         target = vllm_config.model_config
+        self.step_graphs = step_graphs_from_env(device)
+        self.verify_graphs = step_graphs_from_env(device)  # the walk's (`sample_tree_step`), on the same switch
         self.ngram = None
         if options.ngram_weight > 0:
             # On the drafter's device: the tree build scores candidates there (a GPU tree would not
-            # mix with tables left on the host).
+            # mix with tables left on the host). With captured steps, tables of fixed shape changed in
+            # place, which a capture reads (`NGramCounts.fixed_shape`).
             self.ngram = NGramModel(target.get_vocab_size(), options.ngram_order, corpus=options.ngram_corpus,
-                                    device=device)
+                                    device=device, fixed_shape=self.step_graphs is not None)
         self.history = None
         if self.lookup > 0:  # the prompt-lookup branch: each request's last tokens, and where they recur
             # Made here, sized for the scheduler's requests, so that vLLM's memory profiling sees it.
@@ -316,8 +319,6 @@ class DDTreeProposer(DFlashProposer):
                                    gate=gate).to(device)
             self.stats.gate = gate
         self._proposed: tuple[list[str], Tensor, Tensor] | None = None  # last step's lookup paths (auto)
-        self.step_graphs = step_graphs_from_env(device)
-        self.verify_graphs = step_graphs_from_env(device)  # the walk's (`sample_tree_step`), on the same switch
 
     # vLLM calls propose(num_speculative_tokens=<scheduler's count>, ...): the drafter's width is W,
     # the count caps the tree (the verify width, or a Dynamic SD schedule's K at this batch size).
@@ -630,12 +631,9 @@ class DDTreeProposer(DFlashProposer):
         self._draft_hidden = None
         if self._draft_to_target is not None:
             top_ids = self._draft_to_target[top_ids]
-        scorer = tail = slots = new_tokens = None
+        slots = new_tokens = None
         if self.ngram is not None or self.history is not None:  # this step's tokens in, on the device
             slots, new_tokens = self._observe(req_ids, step_tokens)
-        if self.ngram is not None:
-            tail = self.ngram.context_tail(slots)
-            scorer = self.ngram.scorer(slots)
         observed = None  # last step's lookup paths, scored against this step's tokens in the step function
         if self.history is not None and self.auto is not None:
             observed = self._lookup_outcome(req_ids)  # (before this step's replay overwrites them)
@@ -647,6 +645,11 @@ class DDTreeProposer(DFlashProposer):
                 self.history.append(slots, new_tokens)
             if observed is not None:
                 self.auto.observe_lookup(*observed, new_tokens)
+            # the n-gram scores of this step's requests (a padded row's slot, -1, scores the last one's:
+            # its candidates are -inf, so it keeps no node either way)
+            scorer = tail = None
+            if self.ngram is not None:
+                scorer, tail = self.ngram.scorer(slots), self.ngram.context_tail(slots)
             if self.history is None:
                 return *plan_trees(top_logp, top_ids, build, context_lens, self.auto, None, None, self._cap,
                                    scorer=scorer, context_tail=tail, lam=self.options.ngram_weight, rows=rows), None, None
@@ -656,8 +659,7 @@ class DDTreeProposer(DFlashProposer):
                                           context_tail=tail, lam=self.options.ngram_weight, rows=rows)
 
         context_lens = cad.seq_lens[:r] if self.auto is not None else None
-        slots = slots if self.history is not None else None  # (the n-gram tables' alone: not the step's)
-        state = self._capture_state(r, scorer, top_logp.device)
+        state = self._capture_state(r, top_logp.device)
         # captured: one shape per (size class, width), whatever the batch and the depth cap drafted
         new_tokens = new_tokens if self.history is not None else None  # (the n-gram tables took theirs)
         tree, plan, branch, valid = draft_trees(step, top_logp, top_ids, context_lens, slots, min(self.width, build),
@@ -671,15 +673,17 @@ class DDTreeProposer(DFlashProposer):
             self.auto.grow(host.ranked)  # the next build follows the largest tree the drafter's ranking kept
         return host.tokens  # the scheduler takes these lists; what we keep of the trees is `self.proposed`
 
-    def _capture_state(self, r: int, scorer, device: torch.device) -> tuple | None:
+    def _capture_state(self, r: int, device: torch.device) -> tuple | None:
         """What keys this step's captured `plan_trees` (`step_graphs`) beside its shapes, or None to
-        run it eagerly: without graphs, with n-gram rescoring (its tables grow with the text), or while
-        the automatic budget cannot be captured (`AutoBudget.capture_state`)."""
-        if self.step_graphs is None or scorer is not None:
+        run it eagerly: without graphs, or while the automatic budget cannot be captured
+        (`AutoBudget.capture_state`). The token history's and the n-gram tables' generations: their
+        buffers, made anew when they grow."""
+        if self.step_graphs is None:
             return None
-        history = () if self.history is None else (self.history.generation,)  # its buffers, if ever regrown
+        history = () if self.history is None else (self.history.generation,)
+        ngram = () if self.ngram is None else self.ngram.generation
         budget = () if self.auto is None else self.auto.capture_state(r, device)
-        return None if budget is None else history + budget
+        return None if budget is None else history + ngram + budget
 
     def _store(self, req_ids: list[str], tree: DraftTree) -> HostTrees:
         # The one host copy per step: vLLM's scheduler takes draft tokens as Python lists.

@@ -11,6 +11,11 @@ device has told the host how many keys are real (`to_host_later`). Keys pack (na
 exceeds 63 bits (n >= 4 with a large vocabulary) it wraps and acts as a hash, which only perturbs
 scores, never the target's output.
 
+With `fixed_shape` (what a captured tree step reads: CUDA graphs hold addresses and shapes) every
+table keeps one capacity, its real keys first and `KEY_PAD` after them, and each change is written into
+it in place; the host grows the capacity (doubling; a new `generation`, so captures keyed by it are
+made anew) when an upper bound of the real keys, known without a host read, would pass it.
+
 Two sources, mixed: an online table per request (namespace = the request's slot), fed with the
 prompt and every committed token, which catches the repetition typical of code and quoting; and an
 optional corpus table (namespace 0) loaded from a file built by `build_corpus_ngram`.
@@ -52,7 +57,7 @@ def _search_orders_at_once(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-@functools.lru_cache(maxsize=16)
+@functools.cache  # never evicted: a captured step reads these by address (tree/constants.py)
 def _context_powers(radix: int, orders: int, history: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """The digit weights of `_pack` for contexts of 0..orders-1 tokens taken from the end of a
     `history`-token window: [orders, history] (radix^(m-1-i) on order m's i-th context token, 0 on
@@ -91,10 +96,19 @@ class NGramCounts:
     ngram_counts: list[Tensor] = field(default_factory=list)
     context_keys: list[Tensor] = field(default_factory=list)
     context_counts: list[Tensor] = field(default_factory=list)
+    # keep every table at one capacity, changed in place (module docstring)
+    fixed_shape: bool = False
     # the tables of orders 0..k-1 stacked for one search (`_stacked`), until the next change
     _stack: tuple | None = field(default=None, repr=False, compare=False)
     # (table, order) -> its count of real keys on the way to the host (`_trim`)
     _lengths: dict = field(default_factory=dict, repr=False, compare=False)
+    # fixed_shape: kind -> (keys [order, capacity], counts [order, capacity]), whose rows the lists view
+    _buffers: dict = field(default_factory=dict, repr=False, compare=False)
+    generation: int = field(default=0, compare=False)  # fixed_shape: how many times the capacity grew
+    # fixed_shape: windows added in all (host), and the largest real length last reported with the
+    # count of windows added when it was queued: an upper bound of the real keys without a host read
+    _added: int = field(default=0, repr=False, compare=False)
+    _reported: tuple = field(default=(0, 0), repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.order < 1:
@@ -107,10 +121,61 @@ class NGramCounts:
             self.ngram_counts = [empty() for _ in range(self.order)]
             self.context_keys = [empty() for _ in range(self.order)]
             self.context_counts = [empty() for _ in range(self.order)]
+        if self.fixed_shape:
+            longest = max(t.numel() for t in self.ngram_keys + self.context_keys)
+            self._reported = (longest, 0)  # given tables: their padding counts as real until reported
+            capacity = self.FIRST_CAPACITY
+            while capacity < 2 * longest:
+                capacity *= 2
+            self._buffers = {kind: self._new_buffers(kind, capacity) for kind in ("ngram", "context")}
+
+    #: fixed_shape: the first capacity of every table (keys; it grows by doubling)
+    FIRST_CAPACITY = 1024
 
     @property
     def radix(self) -> int:
         return self.vocab_size + 1
+
+    @property
+    def capacity(self) -> int | None:
+        """fixed_shape: every table's length (real keys, then `KEY_PAD`); None otherwise."""
+        return self._buffers["ngram"][0].shape[1] if self._buffers else None
+
+    def _new_buffers(self, kind: str, capacity: int) -> tuple[Tensor, Tensor]:
+        """fixed_shape: [order, capacity] keys and counts holding the tables of `kind` (padded), whose
+        rows the table lists become."""
+        keys, counts = self._tables(kind)
+        kbuf = torch.full((self.order, capacity), KEY_PAD, dtype=torch.int64, device=self.device)
+        cbuf = torch.zeros((self.order, capacity), dtype=torch.int64, device=self.device)
+        for m in range(self.order):
+            n = keys[m].numel()  # (<= capacity: real keys first, and `_make_room` keeps them within it)
+            kbuf[m, :n], cbuf[m, :n] = keys[m], counts[m]
+            keys[m], counts[m] = kbuf[m], cbuf[m]
+        return kbuf, cbuf
+
+    def _make_room(self, new: int) -> None:
+        """fixed_shape: grow every table's capacity (a new generation) if `new` more keys could pass it."""
+        longest, added_then = self._reported
+        bound = longest + (self._added - added_then) + new
+        if bound <= self.capacity:
+            return
+        capacity = self.capacity
+        while capacity < 2 * bound:
+            capacity *= 2
+        self._buffers = {kind: self._new_buffers(kind, capacity) for kind in ("ngram", "context")}
+        self._stack = None
+        self.generation += 1
+
+    def _store(self, kind: str, m: int, keys: Tensor, counts: Tensor) -> None:
+        """A table's new contents: in its fixed-shape row, in place (its real keys come first, and
+        `_make_room` kept them within the row), or as they are."""
+        tables = self._tables(kind)
+        if self.fixed_shape:
+            n = tables[0][m].numel()
+            tables[0][m].copy_(keys[:n])
+            tables[1][m].copy_(counts[:n])
+        else:
+            tables[0][m], tables[1][m] = keys, counts
 
     def add(self, namespace: Tensor, windows: Tensor, valid: Tensor | None = None) -> None:
         """Count n-grams. windows [N, n]: n-1 context tokens (PAD where none) then the token; valid [N]
@@ -124,6 +189,9 @@ class NGramCounts:
             raise ValueError(f"windows must be [N, order={self.order}], got {tuple(windows.shape)}")
         self._trim()
         windows = to_device(windows, self.device).long()
+        if self.fixed_shape:
+            self._make_room(windows.shape[0])
+            self._added += windows.shape[0]
         namespace = to_device(namespace, self.device).long().expand(windows.shape[0])
         ok = torch.ones_like(namespace, dtype=torch.bool) if valid is None else to_device(valid, self.device)
         changed = []
@@ -132,10 +200,10 @@ class NGramCounts:
             # A context that reaches before the sequence start is not a real m-token context.
             real = ok & (ctx >= 0).all(dim=1) if m > 0 else ok
             ng = torch.where(real, _pack(namespace, windows[:, self.order - 1 - m :], self.radix), KEY_PAD)
-            self.ngram_keys[m], self.ngram_counts[m] = _merge(self.ngram_keys[m], self.ngram_counts[m], ng, real)
+            self._store("ngram", m, *_merge(self.ngram_keys[m], self.ngram_counts[m], ng, real))
             changed.append(("ngram", m))
             cx = torch.where(real, _pack(namespace, ctx, self.radix), KEY_PAD)
-            self.context_keys[m], self.context_counts[m] = _merge(self.context_keys[m], self.context_counts[m], cx, real)
+            self._store("context", m, *_merge(self.context_keys[m], self.context_counts[m], cx, real))
             changed.append(("context", m))
         self._changed(changed)
 
@@ -144,14 +212,16 @@ class NGramCounts:
 
     def _changed(self, tables: list[tuple[str, int]]) -> None:
         """After a change of `tables` ((kind, order) pairs): drop what was derived from the tables, and
-        queue each one's count of real keys (the first `KEY_PAD`) for the host."""
-        self._stack = None
+        queue each one's count of real keys (the first `KEY_PAD`) for the host. (fixed_shape: the
+        stacked tables are the buffers themselves, changed in place.)"""
+        if not self.fixed_shape:
+            self._stack = None
         if not tables:
             return
         pad = device_ints((KEY_PAD,), self.device)
         found = [torch.searchsorted(self._tables(kind)[0][m], pad) for kind, m in tables]
         lengths = found[0] if len(found) == 1 else torch.cat(found)
-        self._lengths = {"tables": tables, "lengths": to_host_later(lengths)}
+        self._lengths = {"tables": tables, "lengths": to_host_later(lengths), "added": self._added}
 
     def _trim(self) -> None:
         """Cut the `KEY_PAD` padding off the tables whose real length the device has reported since
@@ -160,6 +230,10 @@ class NGramCounts:
         pending: HostLater | None = self._lengths.get("lengths")
         lengths = pending.get() if pending is not None else None
         if lengths is None:
+            return
+        if self.fixed_shape:  # kept at their capacity: the report only tightens the bound of `_make_room`
+            self._reported = (max(lengths.tolist()), self._lengths["added"])
+            self._lengths = {}
             return
         for (kind, m), n in zip(self._lengths["tables"], lengths.tolist()):
             keys, counts = self._tables(kind)
@@ -186,7 +260,7 @@ class NGramCounts:
         for m in range(self.order):
             for kind, span in (("ngram", self.radix ** (m + 1)), ("context", self.radix**m)):
                 keys, counts = self._tables(kind)
-                keys[m], counts[m] = _drop(keys[m], counts[m], drop, span)
+                self._store(kind, m, *_drop(keys[m], counts[m], drop, span))
                 changed.append((kind, m))
         self._changed(changed)
 
@@ -236,6 +310,9 @@ class NGramCounts:
         """[orders, L] keys and counts of the n-gram tables of orders 0..orders-1, then the same of their
         context tables, each padded to its group's longest with keys past any query (count 0). Made
         once per change of the tables."""
+        if self.fixed_shape:  # one capacity: the buffers' first rows, changed in place
+            return (self._buffers["ngram"][0][:orders], self._buffers["ngram"][1][:orders],
+                    self._buffers["context"][0][:orders], self._buffers["context"][1][:orders])
         if self._stack is None or self._stack[0] != orders:
             last = torch.iinfo(torch.int64).max
 
@@ -402,6 +479,7 @@ class NGramModel:
         corpus: NGramCounts | str | Path | None = None,
         corpus_weight: float = 0.5,
         device: torch.device | str = "cpu",
+        fixed_shape: bool = False,
     ) -> None:
         if order < 2:
             raise ValueError(f"n-gram order must be >= 2 (a context of at least one token), got {order}")
@@ -416,7 +494,7 @@ class NGramModel:
         self.vocab_size = vocab_size
         self.floor = floor
         self.backoff = backoff
-        self.online = NGramCounts(order, vocab_size, self.device)
+        self.online = NGramCounts(order, vocab_size, self.device, fixed_shape=fixed_shape)
         if isinstance(corpus, (str, Path)):
             corpus = NGramCounts.load(corpus, self.device)
         if corpus is not None:
@@ -430,8 +508,15 @@ class NGramModel:
         self.corpus = corpus
         self.corpus_weight = corpus_weight if corpus is not None else 0.0
         # [slots, n-1] each slot's last committed tokens (PAD-filled on the left), on the device: a
-        # step's windows start from them without a host read. Grows with the largest slot seen.
+        # step's windows start from them without a host read. Grows with the largest slot seen;
+        # changed in place otherwise (a captured step reads it).
         self.tails = torch.full((0, order - 1), PAD, dtype=torch.int64, device=self.device)
+
+    @property
+    def generation(self) -> tuple[int, int]:
+        """Changes whenever a table or the tails are made anew (their addresses or shapes): what keys a
+        captured step that scores with this model (fixed_shape tables)."""
+        return self.online.generation, self.tails.shape[0]
 
     def observe(self, slot: int, tokens: Sequence[int] | Tensor) -> None:
         """Count the n-grams that `tokens` (appended to the slot's sequence so far) complete."""
@@ -489,7 +574,7 @@ class NGramModel:
             self.online.add(namespace, windows, valid=flat_valid)
         # the new tails: the n-1 tokens before each row's first PAD
         last = valid.sum(dim=1, keepdim=True) + device_ints(tuple(range(n1)), self.device)
-        self.tails = self.tails.index_put((slots_d,), seq.gather(1, last))
+        self.tails.index_put_((slots_d,), seq.gather(1, last))
         return slots_d
 
     def _grow_tails(self, slots: int) -> None:
@@ -508,8 +593,8 @@ class NGramModel:
             return
         self.online.drop_namespaces(list(slots))
         self._grow_tails(max(slots) + 1)
-        self.tails = self.tails.index_put((to_device(torch.tensor(list(slots), dtype=torch.int64), self.device),),
-                                          torch.full((), PAD, dtype=torch.int64, device=self.device))
+        self.tails.index_put_((to_device(torch.tensor(list(slots), dtype=torch.int64), self.device),),
+                              torch.full((), PAD, dtype=torch.int64, device=self.device))
 
     def context_tail(self, slots: Sequence[int] | Tensor) -> Tensor:
         """[R, n-1] last committed tokens per slot (PAD-filled on the left), for `build_tree`; a
