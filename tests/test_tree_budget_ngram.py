@@ -830,15 +830,21 @@ def test_a_closed_size_class_left_alone_for_stale_s_probes_at_once():
     assert gate.speculate(32) is False  # seen a second ago: still closed, no probe due
 
 
-def test_speculation_gate_judges_a_step_by_the_tokens_it_committed_not_the_plans_estimate():
+def _gate_after_a_drafted_step() -> SpeculationGate:
+    """A gate whose one drafted step's plan expected 2 tokens (a calibration that underrates this
+    request) and which committed 6 in 0.1 s: 60 tokens/s, 2.4x the target alone's 25."""
     gate = SpeculationGate(probe_every=2, max_probe_every=8, alpha=1.0)
     gate.observe_ar_step(1, 0.040)  # the target alone: 25 tokens/s
     assert gate.speculate(1)
-    # the plan expected 2 tokens (a calibration that underrates this request), the step committed 6 in
-    # 0.1 s: 60 tokens/s, 2.4x the target alone (the estimate alone would say 0.8x and close the gate)
     gate.observe_plan(BudgetPlan(torch.tensor([4]), torch.tensor(2.0), torch.tensor(0.01), torch.tensor(200.0)), 1)
     gate.observe_tokens(torch.tensor(6))
     gate.observe_drafted_step(0.1)
+    return gate
+
+
+def test_speculation_gate_judges_a_step_by_the_tokens_it_committed_not_the_plans_estimate():
+    gate = _gate_after_a_drafted_step()
+    # 2.4x the target alone (the plan's estimate alone would say 0.8x and close the gate)
     assert gate.speculate(1) and gate.advantage_at(1) == pytest.approx(2.4)
     gate.observe_tokens(torch.tensor(1))  # no plan pending (the step drafted nothing): nothing to replace
     assert gate._pending is None
@@ -861,12 +867,7 @@ def test_speculation_gate_reads_a_step_s_tokens_only_once_their_copy_has_landed(
     in_flight = HostLater(torch.tensor(-1.0), event)  # the buffer before the copy lands
     monkeypatch.setattr(gate_module, "to_host_later", lambda t: in_flight if t.dtype == torch.float32
                         else HostLater(t.clone()))
-    gate = SpeculationGate(probe_every=2, max_probe_every=8, alpha=1.0)
-    gate.observe_ar_step(1, 0.040)  # the target alone: 25 tokens/s
-    assert gate.speculate(1)
-    gate.observe_plan(BudgetPlan(torch.tensor([4]), torch.tensor(2.0), torch.tensor(0.01), torch.tensor(200.0)), 1)
-    gate.observe_tokens(torch.tensor(6))
-    gate.observe_drafted_step(0.1)
+    gate = _gate_after_a_drafted_step()
     assert gate.speculate(1) and gate.advantage_at(1) == 1.0  # not read: the class stays as it was
     in_flight.host.fill_(6.0)
     event.landed = True
