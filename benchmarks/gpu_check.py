@@ -192,18 +192,20 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def held_by(fn: Callable[[], object], device: torch.device) -> tuple[object, int | None]:
-    """`fn()` and the device memory it leaves reserved (None off CUDA): around a capture, the graph's
-    private pool, which vLLM's memory profiling does not see (the proposer keeps up to `max_graphs`)."""
-    if device.type != "cuda":
-        return fn(), None
+def held_by(fn: Callable[[], object], device: torch.device) -> tuple[object, int | None, float]:
+    """`fn()`, the device memory it leaves reserved (None off CUDA) and its milliseconds, the device
+    drained: around a capture, the graph's private pool, which vLLM's memory profiling does not see
+    (the proposer keeps up to `max_graphs` of them), and the capture's time."""
     sync(device)
-    gc.collect()
-    torch.cuda.empty_cache()  # as torch.cuda.graph does on entering: what stays reserved after is the pool
-    held = torch.cuda.memory_reserved(device)
+    if device.type == "cuda":  # as torch.cuda.graph does on entering: what stays reserved after is the pool
+        gc.collect()
+        torch.cuda.empty_cache()
+    held = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+    t0 = time.perf_counter()
     out = fn()
     sync(device)
-    return out, torch.cuda.memory_reserved(device) - held
+    ms = 1e3 * (time.perf_counter() - t0)
+    return out, (torch.cuda.memory_reserved(device) - held if device.type == "cuda" else None), ms
 
 
 def timed_ms(fn: Callable[[], object], device: torch.device, reps: int) -> float:
@@ -1310,18 +1312,8 @@ def step_graphs_run(r: int, vocab: int, device: torch.device, backend: str, reps
     assert state.auto.capture_state(r, device) is not None
     for _ in range(graphs.capture_after - 1):  # eager
         drafted(first, first_observed, graphs)
-    # The capture: its time, and the memory its graph keeps (its private pool, which vLLM's memory
-    # profiling does not see; the proposer keeps up to `max_graphs` of them).
-    sync(device)
-    if device.type == "cuda":  # as torch.cuda.graph does on entering: what stays reserved after is the pool
-        gc.collect()
-        torch.cuda.empty_cache()
-    held = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
-    t0 = time.perf_counter()
-    drafted(first, first_observed, graphs)
-    sync(device)
-    capture_ms = 1e3 * (time.perf_counter() - t0)
-    pool_bytes = torch.cuda.memory_reserved(device) - held if device.type == "cuda" else None
+    # The capture: its time, and the memory its graph keeps
+    _, pool_bytes, capture_ms = held_by(lambda: drafted(first, first_observed, graphs), device)
     advance_state(state, capture_requests, seed=3000 + r)
     x, x_observed = inputs(4000 + r, r, DEPTHS - 2), observed(2, r, 2)  # fewer committed columns, too
     saved = [t.clone() for t in state_tensors(state)]
@@ -1388,8 +1380,8 @@ def verify_graphs_run(r: int, device: torch.device, backend: str, reps: int) -> 
         batch, row_tokens, scores = verify_step_inputs(rows, budget, device, seed=5000 + 7 * r + i)
         n = batch.tokens.shape[1]  # each row's KV slot: distinct, as a step's are
         row_slots = (torch.randperm(rows * n, generator=torch.Generator().manual_seed(i)).view(rows, n) + 64).to(device)
-        got, held = held_by(lambda: verify_trees(batch, row_tokens, scores, captured, graphs, row_slots=row_slots),
-                            device)
+        got, held, _ = held_by(lambda: verify_trees(batch, row_tokens, scores, captured, graphs,
+                                                    row_slots=row_slots), device)
         pool_bytes = held if i == graphs.capture_after - 1 else pool_bytes  # the capture's call
         want = verify_trees(batch, row_tokens, scores, eager, row_slots=row_slots)
         for name in ("output_tokens", "num_emitted", "path_rows", "accepted_rows"):
@@ -1465,7 +1457,7 @@ def schedule_graphs_run(r: int, device: torch.device, backend: str, reps: int) -
                                                                          buffer=top * (40 + 3))
         n = max(n, 33)  # (one padded width, 64, for every step)
         widths.add(padded_width(n))
-        got, held = held_by(lambda: schedule_rows(block, nodes, table, step_ids, n, deepest, True, graphs), device)
+        got, held, _ = held_by(lambda: schedule_rows(block, nodes, table, step_ids, n, deepest, True, graphs), device)
         pool_bytes = held if i == graphs.capture_after - 1 else pool_bytes  # the capture's call
         want = schedule_rows(block, nodes, table, step_ids, n, deepest, True)
         for name in ("tokens", "parents", "depths", "positions", "valid", "num_rows", "context_lens", "ancestors"):

@@ -1042,7 +1042,7 @@ def prebuild_tree_attention(runner) -> int:
     return len(built)
 
 
-# ---- P17: the engine arguments' LoRA rule ---------------------------------------------------------
+# ---- P17: the engine arguments' rules (LoRA step, KV-cache dtype) ---------------------------------
 
 #: vLLM 0.32's error when speculation with LoRA does not fit a step (engine/arg_utils.py:2680).
 LORA_STEP_MESSAGE = "Consider increasing max_num_batched_tokens or decreasing num_speculative_tokens"
