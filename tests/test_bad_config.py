@@ -360,3 +360,20 @@ def test_tensor_parallel_refusal_through_engine_args(target):
     assert vc.parallel_config.tensor_parallel_size == 3 and vc.speculative_config.draft_tensor_parallel_size == 3
     assert vc.speculative_config.ddtree.draft_vocab == "checkpoint"
 
+
+
+def test_microbatching_refused_through_engine_args(target):
+    """`--enable-dbo` / `--ubatch-size N` split a step's attention metadata by token ranges, which
+    ddtree's tree masks and rows are not: refused when the config is built, naming both options."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    for option, microbatches in ((dict(enable_dbo=True), 2), (dict(ubatch_size=3), 3)):
+        args = EngineArgs(model=str(target[0]), dtype="float32", max_model_len=MAX_MODEL_LEN,
+                          speculative_config={"method": "ddtree", "model": str(TOY_DRAFTER)}, **option)
+        with no_hang(), pytest.raises(ValueError, match=rf"does not support microbatching \({microbatches} "
+                                                        r"microbatches\).*turn off --enable-dbo and leave --ubatch-size"):
+            args.create_engine_config()
+    args = EngineArgs(model=str(target[0]), dtype="float32", max_model_len=MAX_MODEL_LEN, ubatch_size=1,
+                      speculative_config={"method": "ddtree", "model": str(TOY_DRAFTER)})
+    with no_hang():
+        assert not args.create_engine_config().parallel_config.use_ubatching  # one microbatch is no split

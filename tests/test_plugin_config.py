@@ -477,10 +477,10 @@ def _config_only_target(path: Path, target: Path, config) -> Path:
 
 def test_targets_a_tree_cannot_verify_are_refused_at_startup(dirs, tmp_path):
     # A recurrent layer would read a tree's rows as one sequence (each row after its siblings) and
-    # MLA layers run vLLM's MLA backends, which take no tree mask: both would verify trees wrongly or
-    # fail mid-serving. Targets with the toy's vocabulary and 30 layers (the drafter's layer ids fit),
+    # MLA layers run vLLM's MLA backends, which take no tree mask, and chunked local attention splits a
+    # step into one virtual request per chunk: each would verify trees wrongly or fail mid-serving. Targets with the toy's vocabulary and 30 layers (the drafter's layer ids fit),
     # config only.
-    from transformers import DeepseekV3Config, JambaConfig
+    from transformers import DeepseekV3Config, JambaConfig, Llama4TextConfig
     from vllm.engine.arg_utils import EngineArgs
 
     common = dict(vocab_size=49152, hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
@@ -491,16 +491,21 @@ def test_targets_a_tree_cannot_verify_are_refused_at_startup(dirs, tmp_path):
                            n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=30, kv_lora_rank=64,
                            q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32)
     mla.architectures = ["DeepseekV3ForCausalLM"]
+    chunked = Llama4TextConfig(**common, num_key_value_heads=3, intermediate_size=256, intermediate_size_mlp=256,
+                               num_local_experts=2, head_dim=64, attention_chunk_size=256)
+    chunked.architectures = ["Llama4ForCausalLM"]
     spec = {"method": "ddtree", "model": str(dirs["drafter"]), "tree_budget": 8}
     for name, config, message in (("jamba", jamba, "the target has recurrent \\(Mamba / linear-attention\\) layers"),
-                                  ("mla", mla, "its multi-head latent attention \\(MLA\\)")):
+                                  ("mla", mla, "its multi-head latent attention \\(MLA\\)"),
+                                  ("chunked", chunked, "its chunked local attention \\(attention_chunk_size=256\\)")):
         target = str(_config_only_target(tmp_path / name, dirs["target"], config))
         args = EngineArgs(model=target, dtype="float32", max_model_len=1024, speculative_config=spec)
         with pytest.raises(ValueError, match=f"speculative method 'ddtree' is not supported for "
                                              f"{config.architectures[0]}: .*{message}.*use method 'dflash'"):
             args.create_engine_config()
         plain = EngineArgs(model=target, dtype="float32", max_model_len=1024).create_engine_config()
-        assert plain.model_config.is_hybrid or plain.model_config.use_mla  # vLLM takes them, without ddtree
+        model = plain.model_config  # vLLM takes them, without ddtree
+        assert model.is_hybrid or model.use_mla or model.attention_chunk_size == 256
 
 
 def test_a_quantized_kv_cache_is_refused_at_startup_naming_the_setting(dirs):

@@ -274,18 +274,26 @@ class DDTreeConfig:
                 )
 
     def check_parallelism(self, *, tensor_parallel_size: int, pipeline_parallel_size: int = 1,
-                          draft_tensor_parallel_size: int | None = None) -> None:
+                          draft_tensor_parallel_size: int | None = None, microbatches: int = 1) -> None:
         """Refuse, at configuration time, the parallel layouts ddtree cannot run (``ValueError`` naming
         the key).
 
         The DFlash drafter runs inside the target's workers, in the target's tensor-parallel group (it
         reads the target's hidden states and shares its embeddings and LM head), so a drafter
-        tensor-parallel size other than the target's cannot be honoured.
+        tensor-parallel size other than the target's cannot be honoured. Microbatching (vLLM's dual
+        batch overlap) splits a step's attention metadata by token ranges, which the step's tree
+        masks, positions and sampling rows are not split with.
         """
         if pipeline_parallel_size > 1:
             raise ValueError(
                 "method 'ddtree' does not support pipeline parallelism yet (the tree proposer reads the "
                 "target's hidden states on the last rank only); set pipeline_parallel_size=1"
+            )
+        if microbatches > 1:
+            raise ValueError(
+                f"method 'ddtree' does not support microbatching ({microbatches} microbatches): a step's tree masks "
+                "and rows are built for the whole batch, not for token ranges of it; turn off --enable-dbo and "
+                "leave --ubatch-size unset"
             )
         if draft_tensor_parallel_size is not None and draft_tensor_parallel_size != tensor_parallel_size:
             raise ValueError(

@@ -205,7 +205,7 @@ CALL_SITES: tuple[tuple[str, str], ...] = (
     ("config/vllm.py:1596-1610 default async scheduling",
      "name: disabled with a warning — wanted: the tree walk's variable accept length is host-side"),
     ("config/vllm.py:1945 kv_sharing_fast_prefill use_eagle()", "P4 True: refused, as for EAGLE/DFlash"),
-    ("config/vllm.py:2154 chunked local attention use_eagle()", "P4 True: hybrid KV manager off, as DFlash"),
+    ("config/vllm.py:2154 chunked local attention use_eagle()", "unreached: chunked local attention refused in P3"),
     ("config/vllm.py:2260 _set_max_num_scheduled_tokens max_num_new_slots_for_drafting",
      "patched (P5): 0, the step's tokens are max_num_batched_tokens"),
     ("config/vllm.py:2941 V2 runner unsupported: parallel_drafting and method not in (dflash, dspark)",
@@ -519,7 +519,9 @@ def _check_target_layers(spec: Any) -> None:
     """A tree verifies in one forward through attention with an ancestor mask, which only ddtree's
     attention backends apply: a recurrent layer (Mamba, linear attention) would read the tree's rows as
     one sequence, each row after its siblings (an output that is not the target's), and MLA layers run
-    vLLM's MLA backends, which take no tree mask. Refused at start-up; vLLM's DFlash chain serves both."""
+    vLLM's MLA backends, which take no tree mask; chunked local attention (Llama 4) rebuilds each step's
+    batch into one virtual request per chunk of positions, which a tree's rows are not. Refused at
+    start-up; vLLM's DFlash chain serves all three."""
     target = getattr(spec, "target_model_config", None)
     if target is None:
         return
@@ -528,6 +530,13 @@ def _check_target_layers(spec: Any) -> None:
         raise ValueError(
             f"speculative method 'ddtree' is not supported for {target.architectures[0]}: the target {kind}, which "
             "would read a draft tree's rows as one sequence (ddtree masks attention by tree ancestry); use "
+            "method 'dflash' (a chain) or no speculative decoding for this model"
+        )
+    if target.attention_chunk_size is not None:
+        raise ValueError(
+            f"speculative method 'ddtree' is not supported for {target.architectures[0]}: its chunked local attention "
+            f"(attention_chunk_size={target.attention_chunk_size}) splits each request's rows into virtual requests "
+            "at chunk boundaries, which a draft tree's rows (one per node, not one per position) do not follow; use "
             "method 'dflash' (a chain) or no speculative decoding for this model"
         )
     if target.use_mla:
@@ -582,7 +591,8 @@ def _reject_chain_only(spec: Any) -> None:
     if par is not None:
         spec.ddtree.check_parallelism(
             tensor_parallel_size=par.tensor_parallel_size, pipeline_parallel_size=par.pipeline_parallel_size,
-            draft_tensor_parallel_size=spec.draft_tensor_parallel_size)
+            draft_tensor_parallel_size=spec.draft_tensor_parallel_size,
+            microbatches=par.num_ubatches if par.use_ubatching else 1)
 
 
 def _default_drafter(spec: Any) -> str:
