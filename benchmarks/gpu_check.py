@@ -36,7 +36,8 @@ run in the order of `PARTS`):
   b.graphs   The step captured in a CUDA graph per batch size, replayed on new inputs after the serving
              state moved on (calibrations updated, the cost model refit), equal to eager; eager vs
              replay time. Then the proposer's own captures (`StepGraphs` around
-             `plan_trees_with_lookup`, what VLLM_DDTREE_STEP_GRAPHS=1 runs) the same way, and the
+             `plan_trees_with_lookup`, what VLLM_DDTREE_STEP_GRAPHS=1 runs) the same way, with and
+             without n-gram rescoring (its tables moved in place between capture and replay), and the
              verify side's (`schedule_rows`: the verify rows before the forward; `verify_trees`:
              walk, statistics, calibration) over steps that pad to one capture, smaller ones after
              larger. CUDA only; last, so a failed capture cannot
@@ -758,12 +759,14 @@ def step_inputs(r: int, vocab: int, ngram_tail: torch.Tensor, seed: int, dtype: 
                       torch.randperm(r * m + 64, generator=g, device=device)[: r * m] + 7)
 
 
-def step_state(r: int, vocab: int, device: torch.device, seed: int) -> tuple[StepState, torch.Tensor]:
-    """Fresh n-gram tables and token history (each request's own random text, with repeats) and a
-    calibrated automatic budget (its exploration fed the published-figure H100 roofline's step times), on `device`; and the
+def step_state(r: int, vocab: int, device: torch.device, seed: int,
+               fixed_shape: bool = False) -> tuple[StepState, torch.Tensor]:
+    """Fresh n-gram tables (`fixed_shape`: of one capacity, changed in place, as a captured step reads
+    them) and token history (each request's own random text, with repeats) and a calibrated automatic
+    budget (its exploration fed the published-figure H100 roofline's step times), on `device`; and the
     requests' context tails [R, 2] (host)."""
     g = torch.Generator().manual_seed(seed)
-    ngram = NGramModel(vocab, 3, device=device)
+    ngram = NGramModel(vocab, 3, device=device, fixed_shape=fixed_shape)
     texts = []
     for _ in range(r):
         phrase = torch.randint(min(vocab, 64), (12,), generator=g)
@@ -851,6 +854,7 @@ def tree_step(x: StepInputs, st: StepState, variant: str,
 
 VARIANTS = ("plain", "ngram", "lookup")
 STEP_GRAPHS = "StepGraphs"  # b.graphs' rows of the proposer's own captured step (`step_graphs_run`)
+STEP_GRAPHS_NGRAM = "StepGraphs+ngram"  # the same step rescored with n-gram tables of fixed shape
 
 
 def host_walk(parents: list[int], tokens: list[int], valid: list[bool], target: list[int]) -> list[int]:
@@ -1252,7 +1256,7 @@ def advance_state(st: StepState, r: int, seed: int) -> None:
         st.auto.observe_step(tokens, tokens * (501 + b), ctx, seconds)
 
 
-def step_graphs_run(r: int, vocab: int, device: torch.device, backend: str, reps: int) -> dict:
+def step_graphs_run(r: int, vocab: int, device: torch.device, backend: str, reps: int, ngram: bool = False) -> dict:
     """The proposer's own captured step: `draft_trees` with `StepGraphs(backend)` around the step's
     tokens appended to the token history, the lookup calibration's update and `plan_trees_with_lookup`
     (lookup path, build, automatic budget) as `DDTreeProposer` calls it, its batch padded to the top
@@ -1263,16 +1267,28 @@ def step_graphs_run(r: int, vocab: int, device: torch.device, backend: str, reps
     depths fewer and two new tokens, reads an earlier step's values past them in its buffers (the
     history it appends to is compared too). The state moves on between them (`advance_state`) and the replay
     must equal the eager step on the same padded shape; the unpadded eager step (the proposer's
-    without graphs) is compared too. Returns the comparisons, the captures' counters and on request
-    (`reps` > 0) eager and replay times. On a CPU the "trace" backend runs the same logic."""
+    without graphs) is compared too. With `ngram`, the step rescores with n-gram tables of fixed
+    shape (what the proposer captures), which count a step's committed tokens in place, outside the
+    step, before the capture and again before the replay: the replay reads the moved tables. Returns
+    the comparisons, the captures' counters and on request (`reps` > 0) eager and replay times. On a
+    CPU the "trace" backend runs the same logic."""
     capture_requests = min(r + 1, padded_rows(r))  # the capture's requests: the same size class as r
-    state, tail = step_state(capture_requests, vocab, device, seed=7)
+    state, tail = step_state(capture_requests, vocab, device, seed=7, fixed_shape=ngram)
     graphs = StepGraphs(backend)
 
     def key() -> tuple:
-        # the proposer's key holds the budget's capture state: a replaced buffer would be a new key (run
-        # eagerly, no replay), which this check counts as a failure
-        return ("plan_trees_with_lookup", BUILD, state.auto.capture_state(r, device))
+        # the proposer's key holds the budget's capture state and the tables' generation: a replaced
+        # buffer would be a new key (run eagerly, no replay), which this check counts as a failure
+        return ("plan_trees_with_lookup", BUILD, (state.ngram.generation if ngram else ()),
+                state.auto.capture_state(r, device))
+
+    def count_tokens(seed: int, rows: int) -> None:
+        # a step's committed tokens (1-4 per row, some from the row's own text) into the tables, as the
+        # proposer's `_observe` counts them before its step
+        g = torch.Generator().manual_seed(seed)
+        tokens = torch.where(torch.arange(4) < torch.randint(1, 5, (rows, 1), generator=g),
+                             torch.randint(0, 64, (rows, 4), generator=g), -1)
+        state.ngram.observe_step(list(range(rows)), tokens.to(device))
 
     def inputs(seed: int, rows: int, depths: int) -> tuple:
         x = step_inputs(rows, vocab, tail[:rows], seed=seed,
@@ -1291,8 +1307,12 @@ def step_graphs_run(r: int, vocab: int, device: torch.device, backend: str, reps
         if new_tokens is not None:  # the step's tokens into the history, the lookup calibration fed, as the proposer's
             state.history.append(slots, new_tokens)
             state.auto.observe_lookup(*observed, new_tokens)
+        scorer = tail = None
+        if ngram:  # as the proposer's step: the scores of this step's slots (a padded row's, -1: inert)
+            scorer, tail = state.ngram.scorer(slots), state.ngram.context_tail(slots)
         return plan_trees_with_lookup(top_logp, top_ids, BUILD, context_lens, state.auto, state.history, slots, LOOKUP,
-                                      BUILD + LOOKUP, padded=rows is not None, rows=rows)
+                                      BUILD + LOOKUP, padded=rows is not None, scorer=scorer, context_tail=tail,
+                                      lam=NGRAM_WEIGHT if ngram else 0.0, rows=rows)
 
     def named(out) -> dict[str, torch.Tensor]:
         tree, plan, branch, valid = out
@@ -1312,9 +1332,13 @@ def step_graphs_run(r: int, vocab: int, device: torch.device, backend: str, reps
     assert state.auto.capture_state(r, device) is not None
     for _ in range(graphs.capture_after - 1):  # eager
         drafted(first, first_observed, graphs)
+    if ngram:
+        count_tokens(5, capture_requests)
     # The capture: its time, and the memory its graph keeps
     _, pool_bytes, capture_ms = held_by(lambda: drafted(first, first_observed, graphs), device)
     advance_state(state, capture_requests, seed=3000 + r)
+    if ngram:  # the tables move on in place (a new generation would be a new key: no replay, a failure)
+        count_tokens(6, r)
     x, x_observed = inputs(4000 + r, r, DEPTHS - 2), observed(2, r, 2)  # fewer committed columns, too
     saved = [t.clone() for t in state_tensors(state)]
     replayed = named(drafted(x, x_observed, graphs))
@@ -1573,6 +1597,9 @@ def part_b_graphs(ctx: "Check") -> dict:
                  lambda rec: (f"capture {rec['capture_ms']:.1f} ms, {rec['pool_bytes'] / 2**20:.1f} MiB held"
                               + ("" if rec["padding_kept_plans"] else f", padding changed {rec['padding_differs']}")),
                  rows, bad)
+    capture_rows(ctx, STEP_GRAPHS_NGRAM,
+                 lambda r: step_graphs_run(r, ctx.sizes.vocab, ctx.device, "cuda", ctx.sizes.reps, ngram=True),
+                 lambda rec: f"capture {rec['capture_ms']:.1f} ms, {rec['pool_bytes'] / 2**20:.1f} MiB held", rows, bad)
     capture_rows(ctx, VERIFY_GRAPHS, lambda r: verify_graphs_run(r, ctx.device, "cuda", ctx.sizes.reps),
                  lambda rec: f"calibration gap {rec['calibration_max_rel_gap']:.1e}, {held_mib(rec)}", rows, bad)
     capture_rows(ctx, SCHEDULE_GRAPHS, lambda r: schedule_graphs_run(r, ctx.device, "cuda", ctx.sizes.reps),
@@ -1975,8 +2002,8 @@ def plot_report(report: dict, png: str) -> None:
         pts = sorted((s["batch"], s["replay_ms"]) for s in g if s.get("variant") == variant and "replay_ms" in s)
         if pts:
             ax.plot(*zip(*pts), style + ":", label=f"{variant} graph replay")
-    for variant, name, marker in ((STEP_GRAPHS, "plan_trees", "D"), (VERIFY_GRAPHS, "verify_trees", "v"),
-                                  (SCHEDULE_GRAPHS, "schedule_rows", "x")):
+    for variant, name, marker in ((STEP_GRAPHS, "plan_trees", "D"), (STEP_GRAPHS_NGRAM, "plan_trees + n-gram", "P"),
+                                  (VERIFY_GRAPHS, "verify_trees", "v"), (SCHEDULE_GRAPHS, "schedule_rows", "x")):
         for key, line in (("eager_ms", "-"), ("replay_ms", ":")):
             pts = sorted((s["batch"], s[key]) for s in g if s.get("variant") == variant and key in s)
             if pts:

@@ -295,14 +295,18 @@ def render_gpu_check(study: dict, data: dict) -> list[str]:
         out += table(["batch", "variant", "ops", "kernels", "kernel ms", "largest stages (kernel ms)", "replayed ms",
                       "eager ms"] + (["n-gram count of a step (ops / kernel ms)"] if observed else []),
                      rows)
-    own = [c for c in parts.get("b.graphs", {}).get("captures", []) if c["variant"] == "StepGraphs" and "capture_ms" in c]
+    # the proposer's captured step, without and (reports since it was added) with n-gram rescoring
+    own = [c for c in parts.get("b.graphs", {}).get("captures", [])
+           if c["variant"] in ("StepGraphs", "StepGraphs+ngram") and "capture_ms" in c]
     if own:
         mib = lambda v: "–" if v is None else f"{v / 2**20:.0f}"  # noqa: E731
         out += ["", "The proposer's own captures (b.graphs, StepGraphs; a batch is padded to the top of its size class):", ""]
-        out += table(["batch", "capture ms", "GPU memory kept (MiB)", "replayed ms", "eager ms", "padded plan = unpadded"],
-                     [[fmt(c["batch"]), fmt(c["capture_ms"]), mib(c.get("pool_bytes")), fmt(c.get("replay_ms")),
-                       fmt(c.get("eager_ms")), {True: "yes", False: "no", None: "–"}[c.get("padding_kept_plans")]]
-                      for c in own])
+        out += table(["batch", "n-gram rescoring", "capture ms", "GPU memory kept (MiB)", "replayed ms", "eager ms",
+                      "padded plan = unpadded"],
+                     [[fmt(c["batch"]), "yes" if c["variant"].endswith("+ngram") else "no", fmt(c["capture_ms"]),
+                       mib(c.get("pool_bytes")), fmt(c.get("replay_ms")), fmt(c.get("eager_ms")),
+                       {True: "yes", False: "no", None: "–"}[c.get("padding_kept_plans")]]
+                      for c in sorted(own, key=lambda c: (c["variant"], c["batch"]))])
     topk = [b for b in parts.get("b.topk", {}).get("batches", []) if "whole_ms" in b]
     if topk:
         names = parts["b.topk"]["selections"]

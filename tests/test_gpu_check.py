@@ -221,6 +221,22 @@ def test_the_proposers_captured_step_replays_equal_to_eager_after_the_state_move
 
 
 @pytest.mark.parametrize("requests", [4, 64])
+def test_the_captured_step_rescored_by_n_grams_reads_the_tables_moved_in_place(requests, monkeypatch):
+    """`b.graphs`' rows of the proposer's captured step with n-gram rescoring (`StepGraphs+ngram`):
+    tables of fixed shape count a step's tokens in place between the capture and the replay, and
+    the replay equals the eager step on the moved tables. Negative control: tables made anew at each
+    count (the eager engine's) leave the capture reading the old ones, and its trees differ."""
+    rec = gpu_check.step_graphs_run(requests, 512, torch.device("cpu"), "trace", reps=1 if requests == 4 else 0,
+                                    ngram=True)
+    assert rec["replay_equals_eager"] and not rec["differs"] and not rec["padding_differs"], rec
+    assert rec["graphs"] == {"captures": 1, "replays": 1, "failed": None}
+    fresh = gpu_check.step_state
+    monkeypatch.setattr(gpu_check, "step_state", lambda *a, fixed_shape=False, **k: fresh(*a, fixed_shape=False, **k))
+    stale = gpu_check.step_graphs_run(requests, 512, torch.device("cpu"), "trace", reps=0, ngram=True)
+    assert stale["graphs"]["replays"] == 1 and "tree.tokens" in stale["differs"], stale
+
+
+@pytest.mark.parametrize("requests", [4, 64])
 def test_the_verify_side_s_captured_step_replays_equal_to_eager_over_stale_buffers(requests):
     """`b.graphs`' rows of the verify side's captures (`verify_graphs_run`) with `make_fx` traces: five
     steps of one padded shape, the later ones smaller than an earlier one, walk and counts equal to
