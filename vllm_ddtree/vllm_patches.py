@@ -1076,6 +1076,10 @@ def lora_step_error(max_num_seqs: int, max_num_batched_tokens: int, spec: Any) -
     )
 
 
+#: The start of vLLM's error for async scheduling asked with a speculative method it does not list
+#: (config/vllm.py:1567), which ddtree rewords with the setting to change.
+ASYNC_SCHEDULING_MESSAGE = "Currently, async scheduling is only supported"
+
 #: KV-cache dtypes ddtree's tree attention reads: the model's own float types.
 TREE_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 
@@ -1119,6 +1123,11 @@ def _patch_engine_args() -> None:
             spec = getattr(self, "_ddtree_speculative_config", None)
             if spec is not None and str(e) == LORA_STEP_MESSAGE:
                 raise lora_step_error(self.max_num_seqs, self.max_num_batched_tokens, spec) from e
+            if spec is not None and ASYNC_SCHEDULING_MESSAGE in str(e):  # (in pydantic's wrapping)
+                raise ValueError(
+                    "speculative method 'ddtree' runs without async scheduling (vLLM's async placeholders assume "
+                    "a chain of drafts, and a tree's verified length is known only after its walk); remove "
+                    "--async-scheduling / async_scheduling=True: with ddtree it is off by default") from e
             raise
         _check_kv_cache_dtype(config)
         return config
