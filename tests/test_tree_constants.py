@@ -44,8 +44,10 @@ def test_memory_under_a_constant_outlives_its_kept_views(monkeypatch):
     cpu = torch.device("cpu")
     first = weakref.ref(constants.arange(10, cpu)._base)
     constants.arange(constants._FIRST_RANGE + 1, cpu)  # grown: a longer range replaces the first
-    scalar = weakref.ref(constants.filled((4, 4), 7, torch.int64, cpu)._base)
-    ints = weakref.ref(constants.device_ints((3, 1), cpu))
+    # values no other code asks for: a constant another test made first (inside a make_fx trace, say)
+    # would be that one's, not this test's
+    scalar = weakref.ref(constants.filled((4, 4), 7771, torch.int16, cpu)._base)
+    ints = weakref.ref(constants.device_ints((3, 1, 7771), cpu))
     for v in range(1100):  # more distinct constants than any bounded cache of them would keep
         constants.filled((1,), 1000 + v, torch.int64, cpu)
         constants.device_ints((1000 + v,), cpu)
