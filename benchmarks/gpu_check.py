@@ -621,7 +621,7 @@ def build_kernels(ctx: "Check") -> dict:
 
 def time_flashinfer(ctx: "Check", workspace: torch.Tensor) -> list[dict]:
     """Custom-mask vs causal, bf16: mask build (`flashinfer_paged_plan`), plan() and run() at tree shapes
-    (every request a tree of 1 + 64 rows)."""
+    (every request a tree of 1 + 64 rows); and the host syncs of the mask build and of each plan."""
     rows = []
     for b in ctx.sizes.timing_batches:
         for c in ctx.sizes.timing_contexts:
@@ -650,8 +650,20 @@ def time_flashinfer(ctx: "Check", workspace: torch.Tensor) -> list[dict]:
                                      ctx.sizes.reps)
             rows.append({"batch": b, "context": c, "rows": 65, "mask_build_ms": build_ms, "tree_plan_ms": tree_plan_ms,
                          "tree_run_ms": tree_run_ms, "causal_plan_ms": causal_plan_ms, "causal_run_ms": causal_run_ms})
+            # The host's waits for the device in each (sync debug mode "warn": where, how often); the
+            # builder allows the plan's (gpu_sync_allowed), each one stalls the host behind queued work.
+            for key, fn in (("mask_build", lambda: step_plan(step)),
+                            ("tree_plan", lambda: plan_flashinfer_tree_step(tree_w, plan, **plan_constants(dt))),
+                            ("causal_plan", lambda: causal_w.plan(**kw, num_qo_heads=HQ, num_kv_heads=HKV,
+                                                                  head_dim_qk=HD, page_size=PAGE, sm_scale=HD ** -0.5,
+                                                                  q_data_type=dt, kv_data_type=dt, o_data_type=dt))):
+                sites = sync_sites(fn)
+                rows[-1][f"{key}_syncs"] = sum(site["count"] for site in sites)
+                rows[-1][f"{key}_sync_sites"] = sites
             log(f"  a.kernel timing batch {b} ctx {c}: tree plan+run {tree_plan_ms + tree_run_ms:.3f} ms, "
-                f"causal {causal_plan_ms + causal_run_ms:.3f} ms, mask build {build_ms:.3f} ms")
+                f"causal {causal_plan_ms + causal_run_ms:.3f} ms, mask build {build_ms:.3f} ms; host syncs: "
+                f"mask {rows[-1]['mask_build_syncs']}, tree plan {rows[-1]['tree_plan_syncs']}, "
+                f"causal plan {rows[-1]['causal_plan_syncs']}")
     return rows
 
 
@@ -959,7 +971,9 @@ def sync_sites(fn: Callable[[], object]) -> list[dict]:
 
     def record(message, category, filename, lineno, file=None, line=None):  # noqa: ARG001 - warnings' signature
         where = where_in_repo(traceback.extract_stack()[:-1]) or f"{filename}:{lineno}"
-        site = sites.setdefault(where, {"where": where, "count": 0, "message": str(message)[:200]})
+        # origin: the line that synchronised (in a library, where `where` is our call into it)
+        site = sites.setdefault(where, {"where": where, "origin": f"{filename}:{lineno}", "count": 0,
+                                        "message": str(message)[:200]})
         site["count"] += 1
 
     with warnings.catch_warnings():
