@@ -361,7 +361,6 @@ def test_tensor_parallel_refusal_through_engine_args(target):
     assert vc.speculative_config.ddtree.draft_vocab == "checkpoint"
 
 
-
 def test_microbatching_refused_through_engine_args(target):
     """`--enable-dbo` / `--ubatch-size N` split a step's attention metadata by token ranges, which
     ddtree's tree masks and rows are not: refused when the config is built, naming both options."""

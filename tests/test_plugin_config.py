@@ -510,8 +510,8 @@ def _config_only_target(path: Path, target: Path, config) -> Path:
 def test_targets_a_tree_cannot_verify_are_refused_at_startup(dirs, tmp_path):
     # A recurrent layer would read a tree's rows as one sequence (each row after its siblings) and
     # MLA layers run vLLM's MLA backends, which take no tree mask, and chunked local attention splits a
-    # step into one virtual request per chunk: each would verify trees wrongly or fail mid-serving. Targets with the toy's vocabulary and 30 layers (the drafter's layer ids fit),
-    # config only.
+    # step into one virtual request per chunk: each would verify trees wrongly or fail mid-serving.
+    # Targets with the toy's vocabulary and 30 layers (the drafter's layer ids fit), config only.
     from transformers import DeepseekV3Config, JambaConfig, Llama4TextConfig
     from vllm.engine.arg_utils import EngineArgs
 
