@@ -135,14 +135,10 @@ def test_async_scheduling_is_off_for_ddtree_where_vllm_turns_it_on(dirs, monkeyp
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms.cpu import CpuPlatform
 
-    hook = CpuPlatform.check_and_update_config.__func__
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "engine"))
+    from generate_spec import hook_keeping_async_scheduling  # what the engine helper lifts it with
 
-    def keep_async_decision(cls, vllm_config):
-        asked = vllm_config.scheduler_config.async_scheduling
-        hook(cls, vllm_config)
-        vllm_config.scheduler_config.async_scheduling = asked
-
-    monkeypatch.setattr(CpuPlatform, "check_and_update_config", classmethod(keep_async_decision))
+    monkeypatch.setattr(CpuPlatform, "check_and_update_config", hook_keeping_async_scheduling())
     dflash = {"method": "dflash", "model": str(dirs["drafter"]), "num_speculative_tokens": 4}
     ddtree = {"method": "ddtree", "model": str(dirs["drafter"]), "tree_budget": 8}
     assert _engine_config(dirs["target"], None).scheduler_config.async_scheduling  # vLLM's default

