@@ -44,6 +44,27 @@ def drafter(tmp_path_factory) -> tuple[Path, bool]:
     return out, False
 
 
+@pytest.fixture(autouse=True)
+def _one_torch_thread_beside_another_worker(request):
+    """With several test workers (pytest-xdist) on a 2-core machine, tests outside the engine tests
+    run torch on one thread. Their models are tiny, so each forward is many small ops, and with two
+    OpenMP threads each op waits at a barrier for a thread the other worker's engine holds: in a CI
+    run such tests took 5-20x their time alone (a 1 s test took 22 s). Engine tests (marked `vllm`)
+    keep the threads vLLM gives its workers."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers < 2 or request.node.get_closest_marker("vllm") is not None:
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """Under CI (``CI`` set, as ``.ci/run`` has it) a skipped test fails: what a skip hides (a missing
