@@ -38,7 +38,7 @@ def test_demo_runs_its_engines_side_by_side_and_reports_each_engine_s_tau(drafte
             assert rows[name][0] > 1 and rows[name][3] > 1, (name, rows[name])
     assert re.search(r"ddtree \(defaults\) vs dflash chain, one at a time: [\d.]+x", out), out[-3000:]
     # the demo says how often ddtree's speculation gate let a step draft, each way of sending
-    gate_line = r"^ddtree \(defaults\), (.+?): the speculation gate let (\d+) of \d+ steps draft"
+    gate_line = r"^ddtree \(defaults\), (.+?): the speculation gate let (\d+) of the \d+ steps it decided draft"
     gate = dict(re.findall(gate_line, out, re.M))
     assert set(gate) == {"one at a time", "batch of 2"}, out[-3000:]
     if trained:

@@ -288,9 +288,9 @@ def vllm_demo(args) -> int:
             steps = [r.gate_steps for r in reps[name, mode] if r.gate_steps is not None]
             if steps:
                 drafted, undrafted = sum(d for d, _ in steps), sum(u for _, u in steps)
-                print(f"{name}, {mode}: the speculation gate let {drafted} of {drafted + undrafted} steps draft "
-                      "(all repeats); the others decoded without a tree, where trees had been costing more "
-                      "than they gained")
+                print(f"{name}, {mode}: the speculation gate let {drafted} of the {drafted + undrafted} steps it "
+                      "decided draft (all repeats); the others decoded without a tree, where trees had been costing "
+                      "more than they gained")
     print("greedy outputs token-identical to the target alone (every method, both ways, every repeat):",
           "yes" if same else "NO")
     return 0 if same else 1
