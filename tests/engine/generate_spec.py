@@ -73,7 +73,8 @@ def ddtree_summary(llm) -> dict | None:
     if not hasattr(drafter, "budget_summary"):
         return None
     graphs = {name: getattr(drafter, name, None) for name in ("step_graphs", "verify_graphs")}
-    return drafter.stats.summary() | drafter.budget_summary() | {"draft_vocab_size": drafter.draft_vocab_size} | {
+    return drafter.stats.summary() | drafter.budget_summary() | {"draft_vocab_size": drafter.draft_vocab_size,
+                                                                 "live_timing": drafter.live_timing} | {
         name: {"captures": g.captures, "replays": g.replays,
                "eager_calls": g.eager_calls, "failed": g.failed} for name, g in graphs.items() if g is not None}
 
