@@ -67,7 +67,14 @@ def generated(models, tmp_path_factory) -> dict:
     return json.loads(out.read_text())
 
 
-def test_qwen3_shape_ddtree_greedy_is_token_identical(generated):
+def test_qwen3_shape_is_token_identical_in_the_engine_and_under_vllm_serve(models, generated, tmp_path):
+    # One test, not two: pytest-xdist may hand two tests of a module to two workers, and each would
+    # build the models and run the engines of the module's fixtures again.
+    _check_engine_greedy(generated)
+    _check_vllm_serve(models, generated, tmp_path)
+
+
+def _check_engine_greedy(generated: dict) -> None:
     base, *trees = generated["outputs"]
     assert len(base) == len(generated["prompts"]) >= 4
     assert all(len(o) > 0 for o in base)
@@ -86,7 +93,7 @@ def _post(url: str, body: dict) -> dict:
         raise AssertionError(f"{url}: HTTP {e.code}: {e.read()[:2000]!r}") from e
 
 
-def test_qwen3_shape_vllm_serve_with_ddtree(models, generated, tmp_path):
+def _check_vllm_serve(models: tuple[Path, Path], generated: dict, tmp_path: Path) -> None:
     target, drafter = models
     port = free_port()
     base = f"http://127.0.0.1:{port}"
