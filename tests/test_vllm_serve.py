@@ -73,6 +73,10 @@ def test_serve_chat_completion_stream_and_metrics(tmp_path, drafter):
     server_log = log.read_text()[-4000:] if log.exists() else ""
     assert serve.returncode == 0, out[-4000:] + "\n--- server log ---\n" + server_log
     assert offline.returncode == 0, off_out[-4000:]
+    # Start-up speaks of ddtree's choices, not of vLLM's "experimental" block-drop warning it would raise.
+    full_log = log.read_text()
+    assert "ddtree: the prefix cache keeps each request's trailing block" in full_log
+    assert "block dropping is disabled" not in full_log
 
     res = json.loads(client_json.read_text())
     assert res["chat"].strip() and res["completion"].strip() and res["stream"].strip()

@@ -136,6 +136,9 @@ P18 ``Scheduler.__init__`` (v1/core/sched/scheduler.py:85) — wrapped: for ddtr
     schedules nothing, forever. vLLM leaves that padding out under a Dynamic SD schedule; the
     identity schedule changes nothing else (the K it hands the proposer is the same). ddtree's verify
     steps run no FULL graphs, so the padding bought nothing but a verify-width chain of placeholders.
+    The same wrapper replaces vLLM's start-up warning that trailing-block dropping is disabled
+    ("experimental and may affect acceptance rates", scheduler.py:317), which ddtree's default (P2)
+    would raise in every engine, by one info line saying why ddtree keeps the block.
 P19 ``Scheduler.make_spec_decoding_stats`` (v1/core/sched/scheduler.py:2961) and
     ``SpecDecodingProm.__init__`` (v1/spec_decode/metrics.py:200) — wrapped: vLLM sizes the
     per-position acceptance (the "Per-position acceptance rate" log line and the
@@ -150,6 +153,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import time
 from collections.abc import Callable
 from typing import Any, Literal
@@ -1140,15 +1144,40 @@ def _patch_engine_args() -> None:
 # ---- P18: no placeholder padding of requests that start decoding --------------------------------
 
 
+class _DropLogRecord(logging.Filter):
+    """Drops the records of one logger whose message starts with `prefix`."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
 def _patch_scheduler_padding() -> None:
+    from vllm.v1.core.sched import scheduler as scheduler_module
     from vllm.v1.core.sched.scheduler import Scheduler
 
     init = Scheduler.__init__
+    block_drop_warning = _DropLogRecord("EAGLE trailing prefix-cache block dropping is disabled")
 
     @functools.wraps(init)
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        if _is_ddtree(self.vllm_config) and self.num_spec_tokens and self.dynamic_sd_lookup is None:
+    def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+        ddtree = _is_ddtree(vllm_config)
+        if ddtree:
+            scheduler_module.logger.addFilter(block_drop_warning)
+        try:
+            init(self, vllm_config, *args, **kwargs)
+        finally:
+            scheduler_module.logger.removeFilter(block_drop_warning)
+        if not ddtree:
+            return
+        if self.use_eagle and not self.use_eagle_block_drop:
+            _logger().info("ddtree: the prefix cache keeps each request's trailing block, which DFlash drops: "
+                           "the drafter's K/V of a cached block is complete (\"disable_eagle_block_drop\": false "
+                           "drops it as DFlash does)")
+        if self.num_spec_tokens and self.dynamic_sd_lookup is None:
             # indexed by the step's request count (at most max_num_seqs), as vLLM's own lookup
             self.dynamic_sd_lookup = [self.num_spec_tokens] * (self.scheduler_config.max_num_seqs + 1)
 
