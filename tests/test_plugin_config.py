@@ -223,6 +223,15 @@ def test_shallow_copy_presents_as_dflash(dirs, target_configs):
     assert (spec.method, spec.num_speculative_tokens) == ("ddtree", 12 + 8)  # + the default lookup branch
 
 
+def test_ddtree_keeps_the_trailing_cached_block_unless_asked_to_drop_it(dirs, target_configs):
+    # ddtree's start-up log names "disable_eagle_block_drop": false as the way back to DFlash's dropping
+    kept = _spec(target_configs, method="ddtree", model=str(dirs["drafter"]))
+    dropped = _spec(target_configs, method="ddtree", model=str(dirs["drafter"]), disable_eagle_block_drop=False)
+    dflash = _spec(target_configs, method="dflash", model=str(dirs["drafter"]), num_speculative_tokens=15)
+    assert not kept.use_eagle_block_drop()
+    assert dropped.use_eagle_block_drop() and dflash.use_eagle_block_drop()
+
+
 def test_dflash_in_drafter_path_stays_ddtree(dirs, target_configs, tmp_path):
     named = shutil.copytree(dirs["drafter"], tmp_path / "smollm2-dflash-b16")
     spec = _spec(target_configs, method="ddtree", model=str(named))

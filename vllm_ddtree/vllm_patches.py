@@ -1141,7 +1141,7 @@ def _patch_engine_args() -> None:
     _set(EngineArgs, "create_engine_config", create_engine_config)
 
 
-# ---- P18: no placeholder padding of requests that start decoding --------------------------------
+# ---- P18: no placeholder padding of requests that start decoding; the block-drop log line ------
 
 
 class _DropLogRecord(logging.Filter):
