@@ -133,13 +133,16 @@ def padded_tree_constraints(row_logits: Tensor, md, batch: TreeBatch) -> Tensor:
 
 # ---- building a step: random trees, ragged logits, vLLM's SamplingMetadata ----
 
-def random_trees(gen: torch.Generator, drafts: list[int], vocab: int) -> TreeBatch:
-    """Trees with the given node counts (0 allowed): random parents, distinct sibling tokens."""
+def random_trees(gen: torch.Generator, drafts: list[int], vocab: int, tree_seeds: list[int] | None = None) -> TreeBatch:
+    """Trees with the given node counts (0 allowed): random parents, distinct sibling tokens.
+    tree_seeds: request i's tree drawn from a generator of its own, seeded tree_seeds[i]."""
     r, width = len(drafts), max(max(drafts), 1)
     tok = torch.zeros(r, width, dtype=torch.int64)
     par = torch.full((r, width), NO_PARENT, dtype=torch.int64)
     dep = torch.zeros(r, width, dtype=torch.int64)
     for i, n in enumerate(drafts):
+        if tree_seeds is not None:
+            gen = torch.Generator().manual_seed(tree_seeds[i])
         for j in range(n):
             p = int(torch.randint(-1, j, (1,), generator=gen)) if j else -1
             siblings = {int(tok[i, k]) for k in range(j) if int(par[i, k]) == p}
@@ -536,7 +539,8 @@ def test_the_ragged_path_reads_no_device_value():
 def seeded_tokens(drafts: list[int], seeded: int, seed: int, logits: Tensor, chunk_elements: int,
                   draw: dict) -> list[list[int]]:
     gen = torch.Generator().manual_seed(11)
-    batch = random_trees(gen, drafts, VOCAB)
+    # the seeded request's tree is the same in every batch (seed 99); the others' vary with the batch
+    batch = random_trees(gen, drafts, VOCAB, [99 if i == seeded else 11 + i + 7 * len(drafts) for i in range(len(drafts))])
     rows = verify_rows(drafts, max(drafts) + 1)
     r = len(drafts)
     md = metadata(r, VOCAB, temperature=[1.0] * r, top_p=[0.95] * r,
@@ -557,6 +561,60 @@ def test_seeded_requests_are_reproducible_whatever_else_is_in_the_batch(draw_pat
     assert a[1] == b[1] == c[3]
     d = seeded_tokens([3, 6, 0], 1, 43, torch.cat([other(4), mine, other(1)]), VOCAB * 8, draw_path)
     assert d[1] != a[1]  # the seed decides the draws (7 rows at temperature 1: a coincidence is ~impossible)
+
+
+def vllm_draw(row_logits: Tensor, top_p: float, gen: torch.Generator, draw: dict) -> int:
+    """The token vLLM's sampler draws for one request's row at temperature 1 with its generator: its
+    CPU sampler (the fused op, or float64 noise), or the exponential race it makes on a GPU."""
+    from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler, random_sample
+
+    x, p = row_logits[None].float().clone(), torch.tensor([top_p])
+    if draw["cpu_op"] or draw["fp64_noise"]:
+        return int(TopKTopPSampler(use_fp64_gumbel=draw["fp64_noise"]).forward_cpu(x, {0: gen}, None, p)[0][0])
+    return int(random_sample(apply_top_k_top_p(x, None, p).softmax(-1, dtype=torch.float32), {0: gen})[0])
+
+
+def test_a_seeded_request_s_rows_at_depth_d_draw_what_the_target_alone_draws_d_steps_later(draw_path):
+    # The target alone samples one position per step: the token after d more steps is drawn with its
+    # generator d draws further on. A tree row at depth d samples that position (after the row's path),
+    # so it must be that draw, from where the generator stood before the step, whatever the tree's
+    # shape; after the step the generator must stand as many draws on as the request emitted tokens.
+    from vllm_ddtree.sampling import SeededDraws
+
+    drafts, seeded, seed = [2, 9, 0], 1, 42
+    gen = torch.Generator().manual_seed(6)
+    batch = random_trees(gen, drafts, VOCAB)
+    logits = torch.randn(sum(d + 1 for d in drafts), VOCAB, generator=gen) * 1.5
+    depths = batch.depths[seeded, : drafts[seeded] + 1].tolist()
+    assert len(set(depths)) < len(depths) and max(depths) >= 3  # siblings share depths; a deep path
+    r = len(drafts)
+    md = metadata(r, VOCAB, temperature=[1.0] * r, top_p=[0.95] * r,
+                  generators={seeded: torch.Generator().manual_seed(seed)})
+    seeds = SeededDraws.before_sampling(md.generators)
+    got = valid_tokens(sample_rows(logits, verify_rows(drafts, max(drafts) + 1), md, batch,
+                                   [d + 1 for d in drafts], seeds=seeds, **draw_path), batch)[seeded]
+    alone = torch.Generator().manual_seed(seed)
+    states = [alone.get_state()]  # the target alone's generator before each of its steps
+    draws = min(len(depths), batch.max_depth + 1)  # as many as the request's rows can use
+    for _ in range(draws):
+        vllm_draw(logits[0], 0.95, alone, draw_path)
+        states.append(alone.get_state())
+
+    def drawn_at(k: int, row: int) -> int:  # vLLM's draw for this row at the target alone's step k
+        g = torch.Generator()
+        g.set_state(states[k])
+        return vllm_draw(logits[drafts[0] + 1 + row], 0.95, g, draw_path)
+
+    assert got == [drawn_at(d, j) for j, d in enumerate(depths)]
+    # The test's teeth: drawing row j with the j-th draw (one draw per row) samples other tokens.
+    assert got != [drawn_at(j, j) for j in range(len(depths))]
+    # The generator's states, then the generator put where the emitted tokens leave it.
+    assert all(torch.equal(a, b) for a, b in zip(seeds.states[seeded], states, strict=True))
+    for emitted in (3, 0, 1):
+        seeds.settle([[], [7] * emitted, []])
+        assert torch.equal(md.generators[seeded].get_state(), states[emitted])
+    with pytest.raises(RuntimeError, match="emitted"):
+        seeds.settle([[], [7] * (draws + 1), []])
 
 
 def test_the_draw_follows_the_choices_of_vllm_s_sampler(monkeypatch):

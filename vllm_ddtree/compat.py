@@ -80,6 +80,9 @@ TARGETS: tuple[Target, ...] = tuple(
          "tree rows get positions context + depth; the tree masks go to attention")
     + _t("P12", "v1/worker/gpu_model_runner.py", "GPUModelRunner._sample, GPUModelRunner._calc_spec_decode_metadata",
          "the tree walk replaces the chain rejection sampler; reads the spec-decode metadata it builds")
+    + _t("P12", "v1/worker/gpu_model_runner.py", "GPUModelRunner._bookkeeping_sync",
+         "a seeded request's generator is left one draw on per emitted token (in place of vLLM's rewind of a "
+         "discarded draw, which a CPU generator cannot make)")
     + _t("P13", "v1/worker/gpu_model_runner.py", "GPUModelRunner._input_fits_in_drafter",
          "the drafter's query is 1 + drafter width rows")
     + _t("P13", "v1/worker/gpu_model_runner.py", "GPUModelRunner.take_draft_token_ids",

@@ -6,7 +6,9 @@ exactly as vLLM's rejection sampler applies them to a chain; logit_bias and min_
 without speculation only (its built-in logits processors), are the same for every row of a request
 and are applied where vLLM's sampler applies them; temperature, top-k and top-p are vLLM's ops; the
 draw is vLLM's too (the exponential race on a GPU, its fused Gumbel-max op on the CPU), seeded per
-request where the request has a seed.
+request where the request has a seed: a seeded request's rows at depth d take the d-th draw of its
+generator from the step's start, the draw vLLM's sampler would make for that position, so a seeded
+request samples the target alone's tokens whatever the trees (:class:`SeededDraws`).
 
 The logits stay ragged ([Σ rows, V], request-major, 1 + drafts rows per request) and are processed
 in chunks of whole requests, so the transient memory is bounded by the chunk (:data:`CHUNK_ELEMENTS`),
@@ -59,6 +61,57 @@ def request_chunks(num_rows: Sequence[int], chunk_rows: int) -> list[tuple[int, 
 
 
 @dataclass
+class SeededDraws:
+    """The generators of a step's seeded requests, and where each stood before and after each draw.
+
+    vLLM's sampler makes one draw per request and step from a seeded request's generator (one int64
+    seed on the CPU, one row of exponential noise elsewhere), so the draw that samples a request's
+    k-th output token is its generator's k-th. A tree step samples the next positions at once: its
+    rows at depth d sample the position d after the step's first token, so they take the d-th draw
+    from where the generator stood (siblings share it) and the tokens emitted are those the target
+    alone would sample. After the step the generator must stand after as many draws as the request
+    emitted tokens (none for a prefill chunk whose sample vLLM discards; vLLM rewinds that one with
+    ``set_offset``, which a CPU generator does not have): :meth:`settle` puts it there.
+
+    generators: batch index -> generator (vLLM's ``input_batch.generators``); states: batch index ->
+    [state before the step's first draw, after the first, after the second, ...] (host tensors).
+    """
+
+    generators: dict[int, torch.Generator]
+    states: dict[int, list[Tensor]]
+
+    @classmethod
+    def before_sampling(cls, generators: dict[int, torch.Generator]) -> "SeededDraws":
+        """Each seeded request's generator state before the step draws (one host copy each, no device read)."""
+        return cls(generators, {i: [gen.get_state()] for i, gen in generators.items()})
+
+    def drawn_once(self) -> None:
+        """vLLM's own sampler took the step: one draw per seeded request."""
+        for i, gen in self.generators.items():
+            self.states[i].append(gen.get_state())
+
+    def settle(self, emitted: Sequence[Sequence[int]]) -> None:
+        """Leave each seeded generator after one draw per token its request emitted this step.
+        emitted: per batch index, the step's tokens for that request (vLLM's valid sampled tokens)."""
+        for i, states in self.states.items():
+            n = len(emitted[i])
+            if n >= len(states):
+                raise RuntimeError(f"request {i} of the batch emitted {n} tokens from {len(states) - 1} seeded draws")
+            self.generators[i].set_state(states[n])
+
+
+def _seeded_draws(gen: torch.Generator, draws: int, make, states: list | None) -> Tensor:
+    """[draws, ...]: `draws` successive draws `make(gen)` (each as vLLM's sampler makes one), stacked;
+    the generator's state after each is appended to `states` (which holds the state before them)."""
+    out = []
+    for _ in range(draws):
+        out.append(make(gen))
+        if states is not None:
+            states.append(gen.get_state())
+    return torch.stack(out)
+
+
+@dataclass
 class RaggedRows:
     """The step's verify rows, flat and request-major: what each chunk needs to find its rows.
 
@@ -95,7 +148,7 @@ class RaggedRows:
 
 def sample_rows(logits: Tensor, rows: Tensor, md, batch: TreeBatch, num_rows: Sequence[int],
                 chunk_elements: int = CHUNK_ELEMENTS, forced: Sequence[tuple[int, int]] = (),
-                fp64_noise: bool = False, cpu_op: bool = True) -> Tensor:
+                fp64_noise: bool = False, cpu_op: bool = True, seeds: SeededDraws | None = None) -> Tensor:
     """One target token per verify row: argmax, or one draw from the request's processed distribution.
 
     logits [T, V]: the step's logits rows, ragged and request-major, ``num_rows[i]`` (host ints,
@@ -114,6 +167,7 @@ def sample_rows(logits: Tensor, rows: Tensor, md, batch: TreeBatch, num_rows: Se
     fp64_noise: vLLM's ``use_fp64_gumbel`` (the model config's; its sampler holds it): float64 noise.
     cpu_op: draw with vLLM's fused CPU op where it exists, as vLLM's sampler does on x86 and Arm CPUs
     (on RISC-V and POWER it samples natively); see :func:`draw` and :func:`draw_options`.
+    seeds: where the seeded requests' generator states are kept for :meth:`SeededDraws.settle`.
     """
     r, n = rows.shape
     if len(num_rows) != r:
@@ -132,6 +186,8 @@ def sample_rows(logits: Tensor, rows: Tensor, md, batch: TreeBatch, num_rows: Se
 
         outputs = make_tensor_with_pad(md.output_token_ids[:r], pad=v, device="cpu", dtype=torch.int64)
         ragged.outputs = to_device(outputs.masked_fill(outputs < 0, v), dev)  # async-scheduling placeholders
+    # Each row's depth: a seeded request's rows draw by depth (SeededDraws), one gather for the step.
+    row_depths = batch.depths.to(dev)[ragged.request, ragged.node] if md.generators else None
     flat = torch.empty(ragged.total, dtype=torch.int64, device=dev)
     for chunk in request_chunks(ragged.counts, chunk_rows_for(v, chunk_elements)):
         _, _, lo, hi = chunk
@@ -145,16 +201,20 @@ def sample_rows(logits: Tensor, rows: Tensor, md, batch: TreeBatch, num_rows: Se
         in_chunk = [(ragged.starts[i] - lo, t) for i, t in forced if chunk[0] <= i < chunk[1]]
         if in_chunk:
             force_rows(x, in_chunk)
-        flat[lo:hi] = x.argmax(-1) if md.all_greedy else _sample_chunk(x, md, ragged, chunk, fp64_noise, cpu_op)
+        flat[lo:hi] = x.argmax(-1) if md.all_greedy else _sample_chunk(x, md, ragged, chunk, fp64_noise, cpu_op,
+                                                                       row_depths, batch.max_depth, seeds)
     return flat[rows]
 
 
 def _sample_chunk(x: Tensor, md, ragged: RaggedRows, chunk: tuple[int, int, int, int], fp64_noise: bool = False,
-                  cpu_op: bool = True) -> Tensor:
+                  cpu_op: bool = True, row_depths: Tensor | None = None, max_depth: int = 0,
+                  seeds: SeededDraws | None = None) -> Tensor:
     """Temperature, min_p, vLLM's top-k/top-p and one draw per row on one chunk (x consumed), in the
     order of vLLM's ``Sampler.sample``; the draw as vLLM's sampler draws on the device (:func:`draw`).
 
     Greedy requests (temperature < 1e-5, vLLM's threshold) keep the argmax of x as it came in.
+    row_depths [T]: every row's depth (needed where the chunk has seeded requests); max_depth: the
+    deepest row there can be, which bounds a seeded request's draws.
     """
     req_lo, req_hi, lo, hi = chunk
     req = ragged.request[lo:hi]
@@ -167,7 +227,12 @@ def _sample_chunk(x: Tensor, md, ragged: RaggedRows, chunk: tuple[int, int, int,
     k = md.top_k.index_select(0, req) if md.top_k is not None else None
     p = md.top_p.index_select(0, req) if md.top_p is not None else None
     x = apply_top_k_top_p(x, k, p)
-    seeded = {ragged.starts[i] - lo: (ragged.counts[i], gen) for i, gen in md.generators.items() if req_lo <= i < req_hi}
+    seeded = {}
+    for i, gen in md.generators.items():  # (vLLM's sampler loops over its seeded requests too)
+        if req_lo <= i < req_hi:
+            a, c = ragged.starts[i], ragged.counts[i]
+            seeded[a - lo] = SeededRows(c, gen, row_depths[a : a + c], min(c, max_depth + 1),
+                                        None if seeds is None else seeds.states.setdefault(i, [gen.get_state()]))
     sampled = draw(x, seeded, fp64_noise, cpu_op)
     return torch.where(temperature < 1e-5, greedy, sampled)
 
@@ -194,13 +259,26 @@ def fused_gumbel_argmax(device: torch.device):
         return None
 
 
-def draw(x: Tensor, seeded: dict[int, tuple[int, torch.Generator]], fp64_noise: bool = False,
-         cpu_op: bool = True) -> Tensor:
+@dataclass
+class SeededRows:
+    """A seeded request's rows in a chunk: how many, its generator, each row's draw [rows] (its depth:
+    rows at depth d take the d-th draw, :class:`SeededDraws`), how many draws, and the list that keeps
+    the generator's states (None: not kept)."""
+
+    rows: int
+    generator: torch.Generator
+    draw_of_row: Tensor
+    draws: int
+    states: list | None = None
+
+
+def draw(x: Tensor, seeded: dict[int, SeededRows], fp64_noise: bool = False, cpu_op: bool = True) -> Tensor:
     """One token per row of the processed logits x [C, V] (x consumed), as vLLM's sampler draws.
 
-    seeded: first row -> (rows, generator) of each request with its own seed; its rows' randomness
-    comes from its generator alone, one draw over its rows, so it does not depend on the rest of the
-    batch. On the CPU, vLLM's fused Gumbel-max op with a seed per row (``TopKTopPSampler.forward_cpu``):
+    seeded: first row -> :class:`SeededRows` of each request with its own seed; its rows' randomness
+    comes from its generator alone, one draw of vLLM's per depth, so it does not depend on the rest
+    of the batch or on the tree's shape. On the CPU, vLLM's fused Gumbel-max op with a seed per row
+    (``TopKTopPSampler.forward_cpu``, whose seeded requests each take one int64 from their generator):
     PyTorch's CPU ``exponential_`` takes about 19 ns per element (AMD EPYC, 2 threads): 33 ms for a
     sampled tree step of 4 requests x 9 rows at V = 49152, 66 ms with every request seeded (its rows
     drawn twice); the fused op takes 5.5 ms for those rows. Elsewhere (a GPU; `cpu_op` False: a CPU where
@@ -209,20 +287,22 @@ def draw(x: Tensor, seeded: dict[int, tuple[int, torch.Generator]], fp64_noise: 
     with no host synchronisation.
     """
     rows = x.shape[0]
-    unseeded = rows - sum(c for c, _ in seeded.values())
+    unseeded = rows - sum(s.rows for s in seeded.values())
     fused = fused_gumbel_argmax(x.device) if cpu_op and not fp64_noise else None
     if fused is not None:
         seeds = torch.randint(0, 2**31, (rows,), dtype=torch.int64) if unseeded else torch.empty(rows, dtype=torch.int64)
-        for a, (c, gen) in seeded.items():
-            seeds[a : a + c] = torch.randint(0, 2**31, (c,), generator=gen, dtype=torch.int64)
+        one_seed = lambda gen: torch.randint(0, 2**31, (1,), generator=gen, dtype=torch.int64)[0]  # noqa: E731
+        for a, s in seeded.items():
+            seeds[a : a + s.rows] = _seeded_draws(s.generator, s.draws, one_seed, s.states)[s.draw_of_row]
         return fused(x.float().contiguous(), seeds)
     probs = torch.softmax(x, -1)
     del x
     noise = torch.empty_like(probs, dtype=torch.float64 if fp64_noise else probs.dtype)
     if unseeded:  # as vLLM's random_sample: the whole chunk at once, then the seeded requests' rows
         noise.exponential_()
-    for a, (c, gen) in seeded.items():
-        noise[a : a + c].exponential_(generator=gen)
+    row_noise = lambda gen: torch.empty_like(noise[0]).exponential_(generator=gen)  # noqa: E731  (vLLM's q[i])
+    for a, s in seeded.items():
+        noise[a : a + s.rows] = _seeded_draws(s.generator, s.draws, row_noise, s.states).index_select(0, s.draw_of_row)
     return sample_tokens(probs, noise)
 
 

@@ -27,7 +27,7 @@ from vllm_ddtree.tree import CHAIN, TreeBatch, schedule_rows, verify_trees
 
 from vllm_ddtree.compaction import CacheStacks, context_order
 from vllm_ddtree.proposer import DDTreeProposer
-from vllm_ddtree.sampling import draw_options, path_logprobs, sample_rows
+from vllm_ddtree.sampling import SeededDraws, draw_options, path_logprobs, sample_rows
 
 
 @dataclass
@@ -149,8 +149,9 @@ def prepare_tree_step(runner, spec_decode_metadata, total_tokens: int) -> TreeSt
                     node_scores=scheduled.node_scores, sequential_positions=sequential, step_size=step_size)
 
 
-def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadata):
-    """The tree walk in place of the rejection sampler, then KV compaction and drafter-input order."""
+def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadata, seeds: SeededDraws | None = None):
+    """The tree walk in place of the rejection sampler, then KV compaction and drafter-input order.
+    seeds: where the seeded requests' generators stood (their draws are kept there, for `settle`)."""
     from vllm.v1.outputs import SamplerOutput
 
     from vllm_ddtree.attention.tree_mask import set_step_tree_masks
@@ -162,7 +163,7 @@ def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadat
     counts = (torch.tensor(spec_decode_metadata.num_draft_tokens) + 1).tolist()  # host counts: ragged chunks, no device read
     budgets = getattr(runner, "_ddtree_thinking", None)  # thinking_token_budget's forced tokens, at root rows
     forced = budgets.forced_rows(runner.input_batch.req_ids) if budgets is not None and budgets.budgeted else ()
-    row_tokens = sample_rows(logits, rows, md, batch, counts, forced=forced, **draw_options(runner.sampler))
+    row_tokens = sample_rows(logits, rows, md, batch, counts, forced=forced, seeds=seeds, **draw_options(runner.sampler))
     proposer: DDTreeProposer = runner.drafter
     # The walk, the statistics and the drafter's calibration: one device function, captured like the
     # drafting step's where the proposer captures (`tree.verify_trees`; graphs of their own, so a

@@ -91,6 +91,12 @@ P12 ``GPUModelRunner._sample`` (:3437) — for ddtree steps, the tree walk repla
     tells the proposer the order that puts each request's accepted path first). A step in which no
     request has drafts (Dynamic SD's K = 0, the speculation gate closed) goes to vLLM's plain
     sampler, as without speculation: the rejection sampler fails on it under top-k.
+    ``GPUModelRunner._bookkeeping_sync`` (:3468) — for ddtree, a seeded request's generator is left
+    one draw on per token the request emitted (:class:`vllm_ddtree.sampling.SeededDraws`: a tree row
+    at depth d takes the draw the target alone takes d steps later, so seeded requests sample the
+    target alone's tokens). That includes vLLM's rewind of the draw of a prefill chunk whose sample it
+    discards, which vLLM makes with ``set_offset``: a CPU generator has none, and vLLM 0.32.0 on a
+    CPU stops with "CPU Generator does not use offset" when a seeded prompt is prefilled in chunks.
 P13 ``GPUModelRunner._input_fits_in_drafter`` (:4288) — for ddtree, the drafter's query is 1 + W
     block rows, not 1 + ``num_speculative_tokens`` (the verify width): vLLM's count would stop drafting
     for the whole batch once its longest request came within the tree budget of the drafter's
@@ -893,17 +899,45 @@ def _patch_model_runner() -> None:
 
     @functools.wraps(sample)
     def _sample(self, logits, spec_decode_metadata):
-        step = getattr(self, "_ddtree_step", None)
-        if step is None or spec_decode_metadata is None or not _is_ddtree(self.vllm_config):
+        if not _is_ddtree(self.vllm_config):
             return sample(self, logits, spec_decode_metadata)
+        from vllm_ddtree.sampling import SeededDraws
         from vllm_ddtree.verify import UNDRAFTED, sample_tree_step
 
-        self._ddtree_step = None
-        if step is UNDRAFTED:  # no drafts in the step: vLLM's own sampler, as without speculation
-            return sample(self, logits, None)
-        return sample_tree_step(self, step, logits, spec_decode_metadata)
+        step, self._ddtree_step = getattr(self, "_ddtree_step", None), None
+        generators = self.input_batch.generators
+        seeds = self._ddtree_seeds = SeededDraws.before_sampling(generators) if generators else None
+        if step is None or spec_decode_metadata is None or step is UNDRAFTED:
+            # no drafts in the step: vLLM's own sampler, as without speculation
+            out = sample(self, logits, None if step is UNDRAFTED else spec_decode_metadata)
+            if seeds is not None:
+                seeds.drawn_once()
+            return out
+        return sample_tree_step(self, step, logits, spec_decode_metadata, seeds)
 
     _set(GPUModelRunner, "_sample", _sample)
+
+    bookkeeping = GPUModelRunner._bookkeeping_sync
+
+    @functools.wraps(bookkeeping)
+    def _bookkeeping_sync(self, *args, **kwargs):
+        seeds = getattr(self, "_ddtree_seeds", None)
+        if seeds is None or not _is_ddtree(self.vllm_config):
+            return bookkeeping(self, *args, **kwargs)
+        self._ddtree_seeds = None
+        # vLLM rewinds the generator of a request whose sample it discards (a prefill chunk) with
+        # set_offset, which a CPU generator does not have; `settle` puts every seeded generator where
+        # the request's emitted tokens leave it, that rewind included.
+        generators = self.input_batch.generators
+        held = {i: generators.pop(i) for i in seeds.states if i in generators}
+        try:
+            out = bookkeeping(self, *args, **kwargs)
+        finally:
+            generators.update(held)
+        seeds.settle(out[3])  # valid_sampled_token_ids: per batch index, the step's tokens
+        return out
+
+    _set(GPUModelRunner, "_bookkeeping_sync", _bookkeeping_sync)
 
     fits = GPUModelRunner._input_fits_in_drafter
 
