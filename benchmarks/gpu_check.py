@@ -24,6 +24,9 @@ run in the order of `PARTS`):
              CUDA kernels and kernel time, per stage (top-k, build, lookup, budget, compile, walk,
              compaction); the step's kernels by device time; where the variant keeps n-gram tables,
              the same for counting a step's tokens into them (`observe`). Any device.
+  b.seeded   A seeded request's tree rows: the row at depth d draws the noise vLLM's exponential race
+             (`random_sample`: a row of noise from the request's generator per step) gives the target
+             alone d steps later, float32 and float64; the generator's states after each draw. Any device.
   c.compaction `move_slots_` over 36 layers of a paged cache in vLLM's FlashInfer layout, one allocation
              as vLLM makes it (moved as one stack), against a per-slot reference, timed. Any device.
   d.verify_cost The verify forward of a Qwen3-8B-shaped transformers decoder (random bf16 weights) for
@@ -93,6 +96,7 @@ from vllm_ddtree.attention.tree_mask import (  # noqa: E402
     prebuild_tree_kernels,
 )
 from vllm_ddtree.compaction import accepted_path_moves, layer_stacks, move_slots_  # noqa: E402
+from vllm_ddtree.sampling import SeededDraws, SeededRows, draw  # noqa: E402
 from vllm_ddtree.tree.lookup import LOOKUP_WINDOW  # noqa: E402
 from vllm_ddtree.tree import (  # noqa: E402
     CHAIN,
@@ -1670,6 +1674,59 @@ def part_c_compaction(ctx: "Check") -> dict:
             "summary": "equal to the per-slot reference" if not bad else f"FAILED at batch {bad}"}
 
 
+def race_as_vllm(probs: torch.Tensor, gen: torch.Generator, fp64: bool) -> int:
+    """One request's token as vLLM's `random_sample` draws it on a GPU (and in its native sampler):
+    a [B, V] noise tensor whose seeded request's row (here row 1 of 2) takes `exponential_` from
+    the request's generator, then argmax(probs / noise) (`sample_with_exponential_noise`)."""
+    q = torch.empty((2, probs.shape[-1]), dtype=torch.float64 if fp64 else probs.dtype, device=probs.device)
+    q[1].exponential_(generator=gen)
+    scores = probs.div(q[1]) if q.dtype == probs.dtype else q[1].reciprocal().mul_(probs)
+    return int(scores.argmax())
+
+
+def part_b_seeded(ctx: "Check") -> dict:
+    """A seeded request's tree rows draw, at depth d, what vLLM's race draws for the target alone d
+    steps later (`sampling.draw`); the generator's state after each draw is kept for `settle`."""
+    dev, vocab = ctx.device, ctx.sizes.vocab
+    depths = [0, 1, 1, 2, 2, 2, 3, 4, 4, 5]  # one seeded request's rows: siblings share depths
+    cases, bad = [], []
+    for fp64 in (False, True):
+        g = torch.Generator(device=dev).manual_seed(3)
+        logits = torch.randn(3 + len(depths), vocab, generator=g, device=dev) * 2  # an unseeded request's 3 rows first
+        probs = torch.softmax(logits, -1)
+        mine = torch.Generator(device=dev).manual_seed(1234)
+        seeds = SeededDraws.before_sampling({1: mine})
+        rows = SeededRows(len(depths), mine, torch.tensor(depths, device=dev), max(depths) + 1, seeds.states[1])
+        got = draw(logits.clone(), {3: rows}, fp64_noise=fp64, cpu_op=False)[3:].tolist()
+        alone = torch.Generator(device=dev).manual_seed(1234)
+        states = [alone.get_state()]
+        for _ in range(len(depths)):  # the target alone's steps: one draw each
+            race_as_vllm(probs[3], alone, fp64)
+            states.append(alone.get_state())
+
+        def drawn_at(step: int, row: int) -> int:
+            at = torch.Generator(device=dev)
+            at.set_state(states[step])
+            return race_as_vllm(probs[3 + row], at, fp64)
+
+        want = [drawn_at(d, j) for j, d in enumerate(depths)]
+        per_row = [drawn_at(j, j) for j in range(len(depths))]  # one draw per row: what the check must tell apart
+        drawn = max(depths) + 2  # the state before the step and after each of its draws
+        states_equal = len(seeds.states[1]) == drawn and all(torch.equal(a, b) for a, b in zip(seeds.states[1], states))
+        seeds.settle([[], [0, 0, 0]])
+        settled = torch.equal(mine.get_state(), states[3])
+        case = {"noise": "float64" if fp64 else "float32", "rows": len(depths), "draws": max(depths) + 1,
+                "equal": got == want, "states_equal": states_equal, "settled": settled,
+                "one_draw_per_row_differs": per_row != want}
+        cases.append(case)
+        if not all(v for k, v in case.items() if k not in ("noise", "rows", "draws")):
+            bad.append(case["noise"])
+        log(f"  b.seeded {case['noise']}: rows {'equal' if case['equal'] else 'DIFFERENT'} to the target alone's "
+            f"draws, states {'equal' if states_equal else 'DIFFERENT'}")
+    return {"passed": not bad, "cases": cases,
+            "summary": "the target alone's draws per depth" if not bad else f"FAILED with {bad} noise"}
+
+
 # ---------------------------------------------------------------------------------------------------
 # d. The verify-cost curve
 # ---------------------------------------------------------------------------------------------------
@@ -1914,6 +1971,7 @@ PARTS: list[tuple[str, Callable[[Check], dict], bool]] = [
     ("b.pipeline", part_b_pipeline, False),
     ("b.sync", part_b_sync, True),
     ("b.profile", part_b_profile, False),
+    ("b.seeded", part_b_seeded, False),
     ("c.compaction", part_c_compaction, False),
     ("d.verify_cost", part_d_verify_cost, False),
     ("b.topk", part_b_topk, False),

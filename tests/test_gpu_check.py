@@ -16,7 +16,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 FLASHINFER_DIR = Path(sys.prefix) / "flashinfer"
-CPU_PARTS = {"a.plan", "b.pipeline", "b.profile", "c.compaction", "d.verify_cost", "b.topk"}
+CPU_PARTS = {"a.plan", "b.pipeline", "b.profile", "b.seeded", "c.compaction", "d.verify_cost", "b.topk"}
 CUDA_PARTS = {"a.kernel", "b.sync", "b.graphs"}
 
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -67,6 +67,9 @@ def test_cpu_parts_checked_what_they_claim(report):
     assert {s["variant"] for s in steps} == set(gpu_check.VARIANTS) and all(not s["problems"] for s in steps)
     assert all(b["equal"] and b["real_moves"] > 0 and b["layers"] == 36 and b["stacks"] == 1
                for b in parts["c.compaction"]["batches"])
+    seeded = parts["b.seeded"]["cases"]  # imported without vLLM: the bare image has none
+    assert [c["noise"] for c in seeded] == ["float32", "float64"]
+    assert all(c["equal"] and c["states_equal"] and c["settled"] and c["one_draw_per_row_differs"] for c in seeded)
     profiles = parts["b.profile"]["profiles"]
     assert {(p["batch"], p["variant"]) for p in profiles} == {(b, v) for b in (1, 4) for v in gpu_check.VARIANTS}
     for p in profiles:  # every stage dispatched work, the lookup stage only with the lookup branch

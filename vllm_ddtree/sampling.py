@@ -24,8 +24,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
-
 from vllm_ddtree.thinking import force_rows
 from vllm_ddtree.tree import TreeBatch, sample_tokens, to_device
 
@@ -216,6 +214,8 @@ def _sample_chunk(x: Tensor, md, ragged: RaggedRows, chunk: tuple[int, int, int,
     row_depths [T]: every row's depth (needed where the chunk has seeded requests); max_depth: the
     deepest row there can be, which bounds a seeded request's draws.
     """
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p  # (here: `draw` imports without vLLM)
+
     req_lo, req_hi, lo, hi = chunk
     req = ragged.request[lo:hi]
     greedy = x.argmax(-1)
