@@ -540,7 +540,8 @@ def seeded_tokens(drafts: list[int], seeded: int, seed: int, logits: Tensor, chu
                   draw: dict) -> list[list[int]]:
     gen = torch.Generator().manual_seed(11)
     # the seeded request's tree is the same in every batch (seed 99); the others' vary with the batch
-    batch = random_trees(gen, drafts, VOCAB, [99 if i == seeded else 11 + i + 7 * len(drafts) for i in range(len(drafts))])
+    tree_seeds = [99 if i == seeded else 11 + i + 7 * len(drafts) for i in range(len(drafts))]
+    batch = random_trees(gen, drafts, VOCAB, tree_seeds)
     rows = verify_rows(drafts, max(drafts) + 1)
     r = len(drafts)
     md = metadata(r, VOCAB, temperature=[1.0] * r, top_p=[0.95] * r,

@@ -163,7 +163,8 @@ def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadat
     counts = (torch.tensor(spec_decode_metadata.num_draft_tokens) + 1).tolist()  # host counts: ragged chunks, no device read
     budgets = getattr(runner, "_ddtree_thinking", None)  # thinking_token_budget's forced tokens, at root rows
     forced = budgets.forced_rows(runner.input_batch.req_ids) if budgets is not None and budgets.budgeted else ()
-    row_tokens = sample_rows(logits, rows, md, batch, counts, forced=forced, seeds=seeds, **draw_options(runner.sampler))
+    row_tokens = sample_rows(logits, rows, md, batch, counts, forced=forced, seeds=seeds,
+                             **draw_options(runner.sampler))
     proposer: DDTreeProposer = runner.drafter
     # The walk, the statistics and the drafter's calibration: one device function, captured like the
     # drafting step's where the proposer captures (`tree.verify_trees`; graphs of their own, so a
