@@ -554,7 +554,7 @@ def test_seeded_requests_sample_the_target_alone_s_tokens_through_trees_chunks_a
     # lacks). ddtree runs with 48-token steps and 8 KV blocks of 32 tokens, where every prompt (73-97
     # tokens) is prefilled in chunks and requests are preempted and recomputed.
     path, trained = drafter
-    sampling = {"temperature": 0.8, "top_p": 0.95, "presence_penalty": 0.3, "seed": 7, "max_tokens": 64,
+    sampling = {"temperature": 0.8, "top_p": 0.95, "presence_penalty": 0.3, "seed": 7, "max_tokens": 40,
                 "ignore_eos": True}
     whole = run(tmp_path / "whole.json", [None], "--engine", json.dumps({"max_num_batched_tokens": 2048}),
                 "--sampling", json.dumps(sampling), "--prefix", PREAMBLE, helper=INSTRUMENTED)
