@@ -249,9 +249,10 @@ def test_the_tree_step_replayed_from_captures_drafts_the_same_trees(tmp_path, dr
 def test_requests_that_run_into_max_model_len_end_like_the_target_alone(tmp_path, drafter):
     # Every request decodes until its sequence fills max_model_len (no max_tokens, EOS ignored): the
     # last steps have trees whose rows would run past the limit (vLLM trims them; P13 decides when
-    # drafting stops). Same tokens and finish as the target alone, no error at the limit.
+    # drafting stops). Same tokens and finish as the target alone, no error at the limit. The engines log
+    # no stats, LLM's default (the README's offline example): the proposer's own count shows the trees.
     path, _ = drafter
-    engine = {"max_model_len": 96, "block_size": 32}
+    engine = {"max_model_len": 96, "block_size": 32, "disable_log_stats": True}
     sampling = {"temperature": 0, "max_tokens": None, "ignore_eos": True}
     specs = [None, {"method": "ddtree", "model": str(path), "tree_budget": 16}]
     res = run(tmp_path / "out.json", specs, "--engine", json.dumps(engine), "--sampling", json.dumps(sampling))
@@ -259,7 +260,7 @@ def test_requests_that_run_into_max_model_len_end_like_the_target_alone(tmp_path
     assert all(f[0] == "length" for f in res["finish"][0])
     assert len({len(o) for o in base}) > 1  # prompts differ in length: so do the outputs that fill the rest
     assert res["outputs"][1] == base and res["finish"][1] == res["finish"][0]
-    assert res["metrics"][1].get("vllm:spec_decode_num_drafts", 0) > 0
+    assert res["metrics"] == [{}, {}] and res["ddtree"][1]["tree_verifications"] > 0
 
 
 def test_stop_strings_eos_and_max_tokens_end_requests_at_the_same_token(tmp_path, drafter):

@@ -14,7 +14,7 @@ as on a GPU, where vLLM turns it on by default),
 --gate-closed I makes the automatic budget's speculation gate of spec I (min_tree_budget 0) find the
 target alone far faster than any tree, at every batch size, and probe every 3 steps, --vllm-k0 I makes
 spec I's undrafted steps run vLLM's own K = 0 drafter pass (DDTreeProposer.vllm_k0_pass). Writes
-{"outputs": [[token ids per prompt] per spec], "metrics": [spec-decode counters per spec], "ddtree":
+{"outputs": [[token ids per prompt] per spec], "metrics": [spec-decode counters per spec, {} where stats are off], "ddtree":
 [the tree proposer's summary per spec, or null], "finish": [per spec: per prompt [finish_reason,
 stop_reason, text]], "logprobs": [per spec: per prompt, per token {token id: logprob}] (null without
 logprobs in --sampling; null for a prompt whose request has none; a whole-vocabulary position as in
@@ -45,6 +45,10 @@ PROMPTS = [
 
 
 def counters(llm) -> dict:
+    """The engine's spec-decode and preemption counters; {} for an engine that logs no stats
+    (`disable_log_stats`, LLM's default)."""
+    if not llm.llm_engine.log_stats:
+        return {}
     out = {}
     for m in llm.get_metrics():
         if m.name.startswith("vllm:spec_decode") or "preempt" in m.name:
