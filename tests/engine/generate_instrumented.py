@@ -177,8 +177,7 @@ if __name__ == "__main__":
         result["config"].append({"max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
                                  "enable_chunked_prefill": cfg.scheduler_config.enable_chunked_prefill,
                                  "block_size": cfg.cache_config.block_size,
-                                 "enable_prefix_caching": cfg.cache_config.enable_prefix_caching,
-                                 "scheduling_policy": str(cfg.scheduler_config.policy)})
+                                 "enable_prefix_caching": cfg.cache_config.enable_prefix_caching})
         del llm, drafter, auto, cfg, outs, spec_counts  # nothing may keep this engine (its KV cache) alive into the next
         gc.collect()
     with open(args.out, "w") as f:
