@@ -14,8 +14,8 @@ as on a GPU, where vLLM turns it on by default),
 --gate-closed I makes the automatic budget's speculation gate of spec I (min_tree_budget 0) find the
 target alone far faster than any tree, at every batch size, and probe every 3 steps, --vllm-k0 I makes
 spec I's undrafted steps run vLLM's own K = 0 drafter pass (DDTreeProposer.vllm_k0_pass). Writes
-{"outputs": [[token ids per prompt] per spec], "metrics": [spec-decode counters per spec, {} where stats are off], "ddtree":
-[the tree proposer's summary per spec, or null], "finish": [per spec: per prompt [finish_reason,
+{"outputs": [[token ids per prompt] per spec], "metrics": [spec-decode counters per spec, {} where stats
+are off], "ddtree": [the tree proposer's summary per spec, or null], "finish": [per spec: per prompt [finish_reason,
 stop_reason, text]], "logprobs": [per spec: per prompt, per token {token id: logprob}] (null without
 logprobs in --sampling; null for a prompt whose request has none; a whole-vocabulary position as in
 logprob_entry), "prompt_logprobs": the same per prompt token (null for the first; null without
