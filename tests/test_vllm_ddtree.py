@@ -670,8 +670,11 @@ def test_prefix_cache_hits_hand_the_drafter_the_kv_it_wrote(tmp_path, drafter, v
     assert res["outputs"][1] == res["outputs"][2]
     if variant != "trees":
         assert res["undrafted"] > 40
+    # each request's first draft reads only the turn's blocks and comes at the same position in both
+    # passes; later positions coincide only while the two passes accept alike (not under the noise)
+    firsts = [min(r2, key=int) for r2 in res["draft_logp"][0]]
+    assert all(first in r3 for first, r3 in zip(firsts, res["draft_logp"][1]))
     diffs = [max(abs(a - b) for a, b in zip(r2[p], r3[p])) for r2, r3 in zip(*res["draft_logp"]) for p in set(r2) & set(r3)]
-    assert len(diffs) >= 8
     if variant.startswith("corrupted"):
         assert max(diffs) > 1e-2, diffs
     else:

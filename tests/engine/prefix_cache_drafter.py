@@ -17,8 +17,8 @@ so passes 2 and 3 must agree at every position both drafted from.
 cached blocks pass 2 reads then hold noise). `--gate-closed` makes the speculation gate (spec with
 `"min_tree_budget": 0`) find the target alone far faster than any tree and probe every third step,
 from the same state for every request: most of the answer's tokens reach the drafter through
-undrafted steps' context pass, and passes 2 and 3 draft at the same steps (a draft depends on
-which earlier steps drafted, not only on the committed context).
+undrafted steps' context pass, and passes 2 and 3 draft at the same steps while they accept alike
+(a draft depends on which earlier steps drafted, not only on the committed context).
 
 Writes {"cached": [prompt tokens read from the cache per request, per pass], "outputs": [per pass],
 "draft_logp": [pass 2, pass 3: per request {position: [log-probability per depth]}], "undrafted":
