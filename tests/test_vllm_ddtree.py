@@ -107,20 +107,25 @@ PREAMBLE = ("You are a careful assistant. Below is the start of a text written b
             "exactly as the user wrote them.\n\n")
 
 
-def test_ddtree_keeps_outputs_under_preemption_chunked_prefill_and_prefix_caching(tmp_path, drafter):
+def test_ddtree_keeps_outputs_under_priority_preemption_chunked_prefill_and_prefix_caching(tmp_path, drafter):
     # 8 KV blocks of 32 tokens for 9 requests that each need 6-7: requests are preempted and
     # recomputed. The prompts (73-97 tokens) share a preamble of two blocks and more: a request
     # scheduled after another reads it from the prefix cache (with speculation from the target's
     # hidden states, ddtree's as EAGLE's and DFlash's, vLLM drops the last matched block, so a
     # one-block preamble would never hit). A 48-token step budget chunks the prefills and truncates trees.
+    # vLLM's priority policy: three requests start, six of higher priority join 4 steps later. A request
+    # that finds no free block then preempts the lowest priority, which may be one the step has already
+    # scheduled, with its tree: the scheduler takes it back out of the step (FCFS never does).
     path, _ = drafter
     engine = {"num_gpu_blocks_override": 8, "block_size": 32, "max_num_batched_tokens": 48, "max_model_len": 224,
-              "enable_prefix_caching": True, "max_num_seqs": 9}
+              "enable_prefix_caching": True, "max_num_seqs": 9, "scheduling_policy": "priority"}
+    arrivals = [[0, 1]] * 3 + [[4, 0]] * 6
     specs = [None, {"method": "ddtree", "model": str(path), "tree_budget": 16}]
     sampling = {"temperature": 0, "max_tokens": 96, "ignore_eos": True}
     res = run(tmp_path / "out.json", specs, "--engine", json.dumps(engine), "--sampling", json.dumps(sampling),
-              "--prefix", PREAMBLE, helper=INSTRUMENTED)
+              "--prefix", PREAMBLE, "--arrivals", json.dumps(arrivals), helper=INSTRUMENTED)
     assert res["outputs"][1] == res["outputs"][0]
+    assert res["taken_back"][1] > 0, res["taken_back"]  # ddtree's step really lost a scheduled request
     assert res["metrics"][1].get("vllm:spec_decode_num_drafts", 0) > 0  # steps of up to 3 requests draft
     for m, cfg, cached, prompt in zip(res["metrics"], res["config"], res["cached_tokens"], res["prompt_tokens"]):
         assert cfg["block_size"] == 32 and cfg["enable_prefix_caching"], cfg

@@ -3,14 +3,16 @@ of `generate_spec.py`'s output cannot see: every engine counter, the prefix cach
 budget's acceptance fit, and an optional deliberately wrong tree sampler (a negative control).
 
     python generate_instrumented.py OUT.json [--engine JSON] [--sampling JSON] [--repeat N | --prompts JSON]
-                                    [--prefix TEXT] [--distort I:T] SPEC_JSON [SPEC_JSON ...]
+                                    [--prefix TEXT] [--distort I:T] [--arrivals JSON] SPEC_JSON [SPEC_JSON ...]
 
 SPEC_JSON "none" runs without speculation. --engine adds LLM(...) keyword arguments, --sampling
 SamplingParams keyword arguments (default greedy, 40 tokens), --repeat N sends `generate_spec.PROMPTS[0]`
 N times, --prompts JSON sends these strings instead of `generate_spec.PROMPTS`, --prefix TEXT puts
 TEXT before every prompt. --distort I:T makes spec I's tree walk draw each verify row from its
 distribution sharpened as by temperature T (p ** (1 / T), renormalised) where a correct sampler
-draws from p itself. Writes {"outputs": [[token ids per prompt] per spec], "prompt_tokens": [per
+draws from p itself. --arrivals JSON ([[engine step, priority] per prompt]) adds each prompt at that
+step of the engine's own loop with that priority (for `"scheduling_policy": "priority"` in --engine)
+instead of all at once through `LLM.generate`. Writes {"outputs": [[token ids per prompt] per spec], "prompt_tokens": [per
 spec: prompt length per prompt], "cached_tokens": [per spec: prompt tokens read from the prefix
 cache per prompt], "metrics": [per spec: {name: value} of every engine counter and gauge, labelled
 series summed, histograms as {"count", "sum"}], "split_steps": [per spec: CPU verify steps whose requests
@@ -19,7 +21,8 @@ KV compaction moves them as] once a compaction ran, else null], "ddtree": [per s
 (with the automatic budget: its acceptance fit, "acceptance_fit"), or null], "config": [per spec:
 the scheduler and cache settings the engine resolved], "dflash_input_writes": [per spec: calls of DFlash's
 input kernel and the most query and context rows one wrote, against its buffers' rows; a call that
-would write past them fails the run]}.
+would write past them fails the run], "taken_back": [per spec: how often vLLM's scheduler took a
+request it had already scheduled in a step back out of it, to preempt it for a higher priority]}.
 """
 
 import gc
@@ -96,6 +99,54 @@ def record_dflash_input_writes() -> dict:
     return totals
 
 
+def count_taken_back() -> dict:
+    """Counts, by tracing that one statement, how often `Scheduler.schedule` takes a request it has
+    already scheduled in the step back out of it (`scheduled_running_reqs.remove(preempted_req)`: the
+    priority policy preempting a request the step's loop passed before one that found no KV blocks).
+    No output shows it: the request is then preempted like any other. Returns the running count."""
+    import inspect
+    import sys
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    schedule = Scheduler.schedule
+    lines, first = inspect.getsourcelines(schedule)
+    (line,) = [first + i for i, text in enumerate(lines) if "scheduled_running_reqs.remove(preempted_req)" in text]
+    counts = {"taken_back": 0}
+
+    def in_schedule(frame, event, arg):
+        if event == "line" and frame.f_lineno == line:
+            counts["taken_back"] += 1
+        return in_schedule
+
+    def on_call(frame, event, arg):
+        return in_schedule if frame.f_code is schedule.__code__ else None
+
+    def traced(self, *args, **kwargs):
+        sys.settrace(on_call)  # only while the scheduler schedules: tracing costs every call it sees
+        try:
+            return schedule(self, *args, **kwargs)
+        finally:
+            sys.settrace(None)
+
+    Scheduler.schedule = traced
+    return counts
+
+
+def generate_arriving(llm, prompts: list[str], sampling, arrivals: list) -> list:
+    """Runs the engine's loop, adding prompt j at step arrivals[j][0] with priority arrivals[j][1];
+    returns the finished RequestOutputs in prompt order, as `LLM.generate` would."""
+    engine, finished, step = llm.llm_engine, {}, 0
+    pending = sorted(range(len(prompts)), key=lambda j: arrivals[j][0])
+    while pending or engine.has_unfinished_requests():
+        while pending and arrivals[pending[0]][0] <= step:
+            j = pending.pop(0)
+            engine.add_request(str(j), prompts[j], sampling, priority=arrivals[j][1])
+        finished |= {int(o.request_id): o for o in engine.step() if o.finished}
+        step += 1
+    return [finished[j] for j in range(len(prompts))]
+
+
 def distort_tree_sampler(temperature: float):
     """Replaces the tree sampler's draw with one from p ** (1 / temperature): the draw a sampler would
     make that applied the wrong temperature to the verify rows. Returns an undo."""
@@ -119,6 +170,7 @@ if __name__ == "__main__":
     ap.add_argument("--prompts", default=None)
     ap.add_argument("--prefix", default="")
     ap.add_argument("--distort", default=None)
+    ap.add_argument("--arrivals", default=None)
     args = ap.parse_args()
     target = str(prepare_target())
     prompts = generate_spec.PROMPTS
@@ -138,8 +190,9 @@ if __name__ == "__main__":
     from vllm_ddtree.demo import SpecCounts
 
     result = {k: [] for k in ("outputs", "prompt_tokens", "cached_tokens", "metrics", "ddtree", "config", "split_steps",
-                              "target_layer_stacks", "dflash_input_writes", "spec_counts")}
+                              "target_layer_stacks", "dflash_input_writes", "spec_counts", "taken_back")}
     writes = record_dflash_input_writes()
+    scheduling = count_taken_back()
     for i, arg in enumerate(args.specs):
         spec = None if arg == "none" else json.loads(arg)
         undo = distort_tree_sampler(distort_t) if i == distort_index else None
@@ -151,7 +204,12 @@ if __name__ == "__main__":
         split_before = TreeAttentionMetadataBuilder.split_steps
         writes.clear()
         writes.update(calls=0, max_query_rows=0, max_context_rows=0)
-        outs = llm.generate(prompts, sampling)
+        scheduling["taken_back"] = 0
+        if args.arrivals:
+            outs = generate_arriving(llm, prompts, sampling, json.loads(args.arrivals))
+        else:
+            outs = llm.generate(prompts, sampling)
+        result["taken_back"].append(scheduling["taken_back"])
         result["split_steps"].append(TreeAttentionMetadataBuilder.split_steps - split_before)
         result["dflash_input_writes"].append(dict(writes))
         runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
