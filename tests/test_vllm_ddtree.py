@@ -431,7 +431,9 @@ def test_min_tokens_bad_words_and_allowed_token_ids_apply_per_tree_path(tmp_path
     # tokens) are applied to each tree node for its own root-to-node path. Each constrained request
     # sits next to the same prompt unconstrained, in one mixed batch (two requests sample). logit_bias
     # and min_p, which vLLM refuses with its own speculative methods, are applied on every row too
-    # (and, on steps without drafts, by vLLM's processors, which a ddtree engine keeps).
+    # (and, on steps without drafts, by vLLM's processors, which a ddtree engine keeps). A seeded
+    # request for 3 completions (n): vLLM runs each as a request of its own, seeded alike, and each
+    # samples the target alone's tokens.
     from transformers import AutoTokenizer
 
     from vllm_ddtree.models.target import prepare_target
@@ -449,6 +451,7 @@ def test_min_tokens_bad_words_and_allowed_token_ids_apply_per_tree_path(tmp_path
         [3, {"temperature": 1.0, "max_tokens": 24, "allowed_token_ids": allowed}],
         [4, plain], [4, plain | {"logit_bias": bias}],
         [6, {"temperature": 1.0, "max_tokens": 24, "min_p": 0.2, "seed": 5}],
+        [5, {"temperature": 0.9, "top_p": 0.95, "presence_penalty": 0.5, "seed": 11, "n": 3, "max_tokens": 32}],
     ]
     specs = [None, {"method": "ddtree", "model": str(path), "tree_budget": 8},
              {"method": "ddtree", "model": str(path), "tree_budget": 64, "ngram_weight": 0}]
@@ -462,8 +465,10 @@ def test_min_tokens_bad_words_and_allowed_token_ids_apply_per_tree_path(tmp_path
     assert "fibonacci(n" in finish[4][2] and "fibonacci(n" not in finish[5][2] and "print" not in finish[5][2]
     assert set(base[7]) <= set(allowed) and set(base[8]) <= set(allowed) | {tok.eos_token_id}
     assert not set(base[10]) & {t for t, b in bias.items() if b < 0}
-    for spec, outs, fin in zip(specs[1:], res["outputs"][1:], res["finish"][1:]):
+    assert len({tuple(c) for c in res["completions"][0][12]}) == 3  # three different samples
+    for spec, outs, fin, completions in zip(specs[1:], res["outputs"][1:], res["finish"][1:], res["completions"][1:]):
         assert outs[:8] == base[:8] and outs[9:11] == base[9:11], spec  # greedy: token-identical to the target alone
+        assert completions[12] == res["completions"][0][12], spec
         assert set(outs[8]) <= set(allowed) | {tok.eos_token_id}, spec
         assert len(outs[11]) > 0 and fin[11][0] in ("stop", "length"), spec  # min_p: sampled (its rule: unit tests)
 

@@ -14,7 +14,8 @@ as on a GPU, where vLLM turns it on by default),
 --gate-closed I makes the automatic budget's speculation gate of spec I (min_tree_budget 0) find the
 target alone far faster than any tree, at every batch size, and probe every 3 steps, --vllm-k0 I makes
 spec I's undrafted steps run vLLM's own K = 0 drafter pass (DDTreeProposer.vllm_k0_pass). Writes
-{"outputs": [[token ids per prompt] per spec], "metrics": [spec-decode counters per spec, {} where stats
+{"outputs": [[token ids per prompt] per spec], "completions": [per spec: per prompt, the token ids of
+each of its n completions (SamplingParams.n)], "metrics": [spec-decode counters per spec, {} where stats
 are off], "ddtree": [the tree proposer's summary per spec, or null], "finish": [per spec: per prompt [finish_reason,
 stop_reason, text]], "logprobs": [per spec: per prompt, per token {token id: logprob}] (null without
 logprobs in --sampling; null for a prompt whose request has none; a whole-vocabulary position as in
@@ -155,7 +156,7 @@ if __name__ == "__main__":
         from vllm.config import ReasoningConfig
 
         engine["reasoning_config"] = ReasoningConfig(**engine["reasoning_config"])
-    result = {"outputs": [], "metrics": [], "logprobs": [], "prompt_logprobs": [], "ddtree": [], "finish": [],
+    result = {"outputs": [], "completions": [], "metrics": [], "logprobs": [], "prompt_logprobs": [], "ddtree": [], "finish": [],
               "spec_decode": [], "scheduler": []}
     for i, arg in enumerate(args.specs):
         spec = None if arg == "none" else json.loads(arg)
@@ -182,6 +183,7 @@ if __name__ == "__main__":
                 result["outputs_without_lora"] = [o.outputs[0].token_ids for o in llm.generate(prompts, sampling)]
         outs = llm.generate(prompts, sampling, lora_request=lora)
         result["outputs"].append([o.outputs[0].token_ids for o in outs])
+        result["completions"].append([[c.token_ids for c in o.outputs] for o in outs])
         result["metrics"].append(counters(llm))
         result["scheduler"].append(type(llm.llm_engine.engine_core.engine_core.scheduler).__name__)
         result["ddtree"].append(ddtree_summary(llm))
