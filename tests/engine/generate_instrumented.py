@@ -22,7 +22,8 @@ KV compaction moves them as] once a compaction ran, else null], "ddtree": [per s
 the scheduler and cache settings the engine resolved], "dflash_input_writes": [per spec: calls of DFlash's
 input kernel and the most query and context rows one wrote, against its buffers' rows; a call that
 would write past them fails the run], "taken_back": [per spec: how often vLLM's scheduler took a
-request it had already scheduled in a step back out of it, to preempt it for a higher priority]}.
+request it had already scheduled in a step back out of it, to preempt it for a higher priority (with
+--arrivals; else null: the tracing slows the scheduler)]}.
 """
 
 import gc
@@ -192,7 +193,7 @@ if __name__ == "__main__":
     result = {k: [] for k in ("outputs", "prompt_tokens", "cached_tokens", "metrics", "ddtree", "config", "split_steps",
                               "target_layer_stacks", "dflash_input_writes", "spec_counts", "taken_back")}
     writes = record_dflash_input_writes()
-    scheduling = count_taken_back()
+    scheduling = count_taken_back() if args.arrivals else None
     for i, arg in enumerate(args.specs):
         spec = None if arg == "none" else json.loads(arg)
         undo = distort_tree_sampler(distort_t) if i == distort_index else None
@@ -204,12 +205,12 @@ if __name__ == "__main__":
         split_before = TreeAttentionMetadataBuilder.split_steps
         writes.clear()
         writes.update(calls=0, max_query_rows=0, max_context_rows=0)
-        scheduling["taken_back"] = 0
         if args.arrivals:
+            scheduling["taken_back"] = 0
             outs = generate_arriving(llm, prompts, sampling, json.loads(args.arrivals))
         else:
             outs = llm.generate(prompts, sampling)
-        result["taken_back"].append(scheduling["taken_back"])
+        result["taken_back"].append(None if scheduling is None else scheduling["taken_back"])
         result["split_steps"].append(TreeAttentionMetadataBuilder.split_steps - split_before)
         result["dflash_input_writes"].append(dict(writes))
         runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
