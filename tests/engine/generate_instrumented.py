@@ -12,8 +12,8 @@ TEXT before every prompt. --distort I:T makes spec I's tree walk draw each verif
 distribution sharpened as by temperature T (p ** (1 / T), renormalised) where a correct sampler
 draws from p itself. --arrivals JSON ([[engine step, priority] per prompt]) adds each prompt at that
 step of the engine's own loop with that priority (for `"scheduling_policy": "priority"` in --engine)
-instead of all at once through `LLM.generate`. Writes {"outputs": [[token ids per prompt] per spec], "prompt_tokens": [per
-spec: prompt length per prompt], "cached_tokens": [per spec: prompt tokens read from the prefix
+instead of all at once through `LLM.generate`. Writes {"outputs": [[token ids per prompt] per spec],
+"prompt_tokens": [per spec: prompt length per prompt], "cached_tokens": [per spec: prompt tokens read from the prefix
 cache per prompt], "metrics": [per spec: {name: value} of every engine counter and gauge, labelled
 series summed, histograms as {"count", "sum"}], "split_steps": [per spec: CPU verify steps whose requests
 without a tree ran CPU_ATTN's kernel], "target_layer_stacks": [per spec: [target layers, strided stacks

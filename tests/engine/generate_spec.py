@@ -156,8 +156,8 @@ if __name__ == "__main__":
         from vllm.config import ReasoningConfig
 
         engine["reasoning_config"] = ReasoningConfig(**engine["reasoning_config"])
-    result = {"outputs": [], "completions": [], "metrics": [], "logprobs": [], "prompt_logprobs": [], "ddtree": [], "finish": [],
-              "spec_decode": [], "scheduler": []}
+    result = {"outputs": [], "completions": [], "metrics": [], "logprobs": [], "prompt_logprobs": [], "ddtree": [],
+              "finish": [], "spec_decode": [], "scheduler": []}
     for i, arg in enumerate(args.specs):
         spec = None if arg == "none" else json.loads(arg)
         # (vLLM refuses per-request spec-decode metrics without speculation)
