@@ -451,7 +451,7 @@ def test_min_tokens_bad_words_and_allowed_token_ids_apply_per_tree_path(tmp_path
         [3, {"temperature": 1.0, "max_tokens": 24, "allowed_token_ids": allowed}],
         [4, plain], [4, plain | {"logit_bias": bias}],
         [6, {"temperature": 1.0, "max_tokens": 24, "min_p": 0.2, "seed": 5}],
-        [5, {"temperature": 0.9, "top_p": 0.95, "presence_penalty": 0.5, "seed": 11, "n": 3, "max_tokens": 32}],
+        [5, {"temperature": 0.9, "presence_penalty": 0.5, "seed": 11, "n": 3, "max_tokens": 24}],
     ]
     specs = [None, {"method": "ddtree", "model": str(path), "tree_budget": 8},
              {"method": "ddtree", "model": str(path), "tree_budget": 64, "ngram_weight": 0}]
