@@ -268,18 +268,24 @@ def test_requests_that_run_into_max_model_len_end_like_the_target_alone(tmp_path
     assert res["metrics"] == [{}, {}] and res["ddtree"][1]["tree_verifications"] > 0
 
 
-def test_stop_strings_eos_and_max_tokens_end_requests_at_the_same_token(tmp_path, drafter):
-    # A tree step emits several tokens at once: a stop string, EOS or the max_tokens limit met inside
-    # the accepted path must end the request exactly where the target alone ends it.
+def test_stop_strings_stop_ids_eos_and_max_tokens_end_requests_at_the_same_token(tmp_path, drafter):
+    # A tree step emits several tokens at once: a stop string, a stop token id, EOS or the max_tokens
+    # limit met inside the accepted path must end the request exactly where the target alone ends it,
+    # with the same text (stop strings kept in it). The stop ids are tokens the target alone writes
+    # mid-way through three of the prompts.
     path, _ = drafter
-    sampling = {"temperature": 0, "max_tokens": 37, "stop": ["\n\n", " 7,", "return"]}
+    stop_ids = [5476, 4389, 1620]
+    sampling = {"temperature": 0, "max_tokens": 37, "stop": ["\n\n", " 7,", "return"], "stop_token_ids": stop_ids,
+                "include_stop_str_in_output": True}
     specs = [None, {"method": "ddtree", "model": str(path), "tree_budget": 8},
              {"method": "ddtree", "model": str(path), "tree_budget": "auto"}]
     res = run(tmp_path / "out.json", specs, "--sampling", json.dumps(sampling))
     base = res["finish"][0]
     reasons = {f[0] for f in base}
     assert "stop" in reasons and "length" in reasons, base  # both endings really occur
-    assert any(f[1] != "None" for f in base)  # at least one request stopped on a stop string
+    assert any(f[1] in sampling["stop"] for f in base)  # requests stopped on a stop string,
+    assert any(f[1] in map(str, stop_ids) for f in base)  # on a stop token id,
+    assert any(f[:2] == ["stop", "None"] for f in base)  # and on EOS
     for spec, finish, outs in zip(specs[1:], res["finish"][1:], res["outputs"][1:]):
         assert finish == base, spec
         assert outs == res["outputs"][0], spec
