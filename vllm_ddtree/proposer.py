@@ -123,6 +123,9 @@ NO_TREES = ProposedTrees({}, *(torch.zeros(0, 0, dtype=torch.int64) for _ in ran
 _COUNTED_ON_DEVICE = -1
 _NOT_MET = -2
 
+#: Weight dtypes of an LM head whose rows the draft vocabulary can gather (`_gather_vocab_head`).
+PLAIN_HEAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 
 @dataclass
 class DepthCap:
@@ -575,7 +578,8 @@ class DDTreeProposer(DFlashProposer):
         shard = getattr(head, "shard_indices", None)
         start, end = ((shard.org_vocab_start_index, shard.org_vocab_end_index) if group is not None and shard is not None
                       else (0, None if weight is None else weight.shape[0]))
-        if (weight is None or not weight.is_floating_point() or not hasattr(method, "apply")
+        # plain rows only: an FP8 weight is floating point too, but its rows mean nothing without its scales
+        if (weight is None or weight.dtype not in PLAIN_HEAD_DTYPES or not hasattr(method, "apply")
                 or (group is not None and shard is None) or (group is None and end < int(ids[-1]) + 1)):
             raise ValueError(VOCAB_SUBSET_NEEDS_PLAIN_HEAD)
         ids = ids.to(weight.device)
