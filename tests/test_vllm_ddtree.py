@@ -107,6 +107,36 @@ PREAMBLE = ("You are a careful assistant. Below is the start of a text written b
             "exactly as the user wrote them.\n\n")
 
 
+def test_bfloat16_trees_leave_the_target_alone_s_greedy_output_only_at_near_ties(tmp_path, drafter):
+    # bfloat16, the dtype vLLM picks on a GPU for the drafters' targets: the tree paths (masks, K/V
+    # moves, sampling, the drafter's inputs) run in it here too. A verify forward over tree rows and
+    # the target's one-row decode round differently, so greedy outputs may part where the target's
+    # two best tokens (nearly) tie. The logprobs here lie on bf16's grid of 0.125 (logits of
+    # magnitude 16-32): a divergence must be at a position where the target alone ranks ddtree's
+    # token within 4 grid steps of its own; a wrong mask, move or cast parts far from any tie (checked
+    # ad hoc: the target alone's output for another prompt, compared with each prompt's, fails there).
+    path, trained = drafter
+    sampling = {"temperature": 0, "max_tokens": 40, "ignore_eos": True, "logprobs": 5}
+    specs = [None, {"method": "ddtree", "model": str(path), "tree_budget": 8},
+             {"method": "ddtree", "model": str(path), "tree_budget": 64}]
+    res = run(tmp_path / "out.json", specs, "--engine", json.dumps({"dtype": "bfloat16"}),
+              "--sampling", json.dumps(sampling))
+    base, base_logprobs = res["outputs"][0], res["logprobs"][0]
+    near_tie = 4 * 0.125
+    for spec, outs, metrics in zip(specs[1:], res["outputs"][1:], res["metrics"][1:]):
+        assert metrics.get("vllm:spec_decode_num_drafts", 0) > 0, spec
+        if trained:
+            assert (metrics.get("vllm:spec_decode_num_accepted_tokens") or 0) > 0, spec
+        for p, (out, alone) in enumerate(zip(outs, base)):
+            assert len(out) == len(alone) == sampling["max_tokens"], (spec, p)
+            k = next((i for i, (a, b) in enumerate(zip(out, alone)) if a != b), None)
+            if k is None:
+                continue
+            ranked = base_logprobs[p][k]  # the target alone's 5 best (and its own) at the first difference
+            assert str(out[k]) in ranked, (spec, p, k, out[k], ranked)
+            assert ranked[str(alone[k])] - ranked[str(out[k])] <= near_tie, (spec, p, k, ranked)
+
+
 def test_ddtree_keeps_outputs_under_priority_preemption_chunked_prefill_and_prefix_caching(tmp_path, drafter):
     # 8 KV blocks of 32 tokens for 9 requests that each need 6-7: requests are preempted and
     # recomputed. The prompts (73-97 tokens) share a preamble of two blocks and more: a request
