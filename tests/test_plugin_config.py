@@ -545,6 +545,40 @@ def test_targets_a_tree_cannot_verify_are_refused_at_startup(dirs, tmp_path):
         assert model.is_hybrid or model.use_mla or model.attention_chunk_size == 256
 
 
+def test_an_ngram_order_whose_keys_wrap_is_refused_at_startup_with_the_order_that_fits(dirs):
+    # A request's online n-gram counts are keyed by its slot (< max_num_seqs) in mixed radix (vocab + 1):
+    # past 63 bits a finished request's counts could not be dropped (the release raised mid-serving).
+    # The toy target's 49152 tokens: order 4 fits one request's keys (49153^4 < 2^63), not two.
+    from vllm.engine.arg_utils import EngineArgs
+
+    def config(order: int, seqs: int, **spec):
+        return EngineArgs(model=str(dirs["target"]), dtype="float32", max_model_len=1024, max_num_seqs=seqs,
+                          speculative_config={"method": "ddtree", "model": str(dirs["drafter"]), "tree_budget": 8,
+                                              "ngram_order": order, **spec}).create_engine_config()
+
+    with pytest.raises(ValueError, match="ngram_order=5 with the target's vocabulary of 49152 tokens and "
+                                         "max_num_seqs=8 packs n-gram keys past 63 bits.*set ngram_order to at "
+                                         "most 3 or ngram_weight to 0"):
+        config(5, 8, ngram_weight=0.2)
+    with pytest.raises(ValueError, match="ngram_order=4 .*max_num_seqs=2 .*at most 3"):
+        config(4, 2, ngram_weight=0.2)
+    assert config(4, 1, ngram_weight=0.2).speculative_config.ddtree.ngram_order == 4
+    # without rescoring there are no online tables (ngram_order then sets the lookup branch's key)
+    assert config(5, 8, ngram_weight=0).speculative_config.ddtree.ngram_order == 5
+
+
+def test_releasing_a_namespace_whose_keys_wrap_is_refused_not_an_overflow():
+    from vllm_ddtree.tree import NGramModel
+
+    fits, wraps = NGramModel(49152, order=4), NGramModel(49152, order=5)
+    for model in (fits, wraps):
+        model.observe(0, [1, 2, 3, 4, 5])
+    fits.release(0)
+    assert fits.online.real_entries("ngram", 3)[0].numel() == 0
+    with pytest.raises(ValueError, match="wrap past 63 bits"):
+        wraps.release(0)
+
+
 def test_a_quantized_kv_cache_is_refused_at_startup_naming_the_setting(dirs):
     # Tree masks run FlashInfer's custom-mask (FA2) kernels, which take no FP8 queries (vLLM asks for
     # them with an FP8 cache on H100/H200/B200): refused when the config is built, not at the first

@@ -44,7 +44,9 @@ DEFAULT_NGRAM_WEIGHT = 0.2
 DEFAULT_MAX_TREE_BUDGET = 64
 
 #: Largest ``ngram_order``: each order is one count lookup per draft step, and keys of long contexts
-#: already wrap past 63 bits (they act as hashes), so longer contexts only add lookups.
+#: already wrap past 63 bits (a corpus table's act as hashes), so longer contexts only add lookups. The
+#: online tables' keys must not wrap (a finished request's counts are dropped by their namespace): with
+#: n-gram rescoring on, orders whose keys would are refused at start-up against the target's vocabulary.
 MAX_NGRAM_ORDER = 16
 
 #: What a speculative config must change when the checkpoint's draft vocabulary meets a head whose rows

@@ -1140,6 +1140,32 @@ def _check_kv_cache_dtype(vllm_config: Any) -> None:
         )
 
 
+def _check_ngram_keys(vllm_config: Any) -> None:
+    """n-gram rescoring's online tables must pack their keys within 63 bits, refused at start-up otherwise.
+
+    A request's counts live under its slot (< max_num_seqs) as the namespace of mixed-radix keys
+    (`tree.ngram`): the largest is max_num_seqs x (vocab + 1)^ngram_order - 1. Past 2^63 keys wrap
+    (lookups still work, as hashes), but a finished request's counts can no longer be told from
+    another's and dropped: the release would fail, or keep stale counts growing the tables."""
+    if not _is_ddtree(vllm_config):
+        return
+    ddtree = vllm_config.speculative_config.ddtree
+    if not ddtree.ngram_enabled:
+        return
+    radix = vllm_config.model_config.get_vocab_size() + 1
+    slots = vllm_config.scheduler_config.max_num_seqs
+    if slots * radix**ddtree.ngram_order < 1 << 63:
+        return
+    largest = max((m for m in range(2, ddtree.ngram_order) if slots * radix**m < 1 << 63), default=None)
+    fix = (f"set ngram_order to at most {largest}" if largest is not None
+           else "lower max_num_seqs") + " or ngram_weight to 0"
+    raise ValueError(
+        f"speculative_config: ngram_order={ddtree.ngram_order} with the target's vocabulary of {radix - 1} tokens "
+        f"and max_num_seqs={slots} packs n-gram keys past 63 bits, where a finished request's counts can no "
+        f"longer be dropped; {fix}"
+    )
+
+
 def _patch_engine_args() -> None:
     from vllm.engine.arg_utils import EngineArgs
 
@@ -1169,6 +1195,7 @@ def _patch_engine_args() -> None:
                     "is off by default") from e
             raise
         _check_kv_cache_dtype(config)
+        _check_ngram_keys(config)
         return config
 
     _set(EngineArgs, "create_speculative_config", create_speculative_config)

@@ -248,12 +248,17 @@ class NGramCounts:
         return keys[m][:n], counts[m][:n]
 
     def drop_namespace(self, namespace: int) -> None:
-        """Forget every count of one namespace (a finished request's slot). Exact while keys don't wrap."""
+        """Forget every count of one namespace (a finished request's slot); ``ValueError`` where its keys
+        wrap (`drop_namespaces`)."""
         self.drop_namespaces([namespace])
 
     def drop_namespaces(self, namespaces: Sequence[int]) -> None:
         """Forget every count of these namespaces, in one pass over each table (no host read: their
         keys become `KEY_PAD` and the table is sorted again)."""
+        if namespaces and (max(namespaces) + 1) * self.radix**self.order >= 1 << 63:
+            raise ValueError(
+                f"n-gram keys of order {self.order} over {self.vocab_size} tokens wrap past 63 bits for namespace "
+                f"{max(namespaces)}: its counts cannot be told from another's; use a lower order")
         self._trim()
         drop = to_device(torch.tensor(sorted(set(namespaces)), dtype=torch.int64), self.device)
         changed = []
