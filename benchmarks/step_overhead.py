@@ -238,12 +238,13 @@ def product() -> SimpleNamespace:
 @contextlib.contextmanager
 def gpu_code_paths():
     """Within: the GPU's code path where the product picks one by device (the ancestor mask, the
-    build's best-score selection, the n-gram orders' search), so
+    build's best-score selection, the n-gram orders' search and merge), so
     that it is what is counted and timed, and the n-gram tables' queued length copies read as a GPU
     reads them (not a wait); restored on exit (a test process goes on with the CPU's)."""
     swaps = [("vllm_ddtree.tree.compile", "ancestor_mask", "ancestors_by_squaring"),
              ("vllm_ddtree.tree.build", "_top_scores", "_top_scores_by_sort"),
              ("vllm_ddtree.tree.ngram", "_search_orders_at_once", None),
+             ("vllm_ddtree.tree.ngram", "_merge_orders_at_once", None),
              ("vllm_ddtree.tree.ngram", "_context_heads", "_context_heads_by_search"),
              ("vllm_ddtree.tree.ngram", "to_host_later", "queued")]
     saved = []

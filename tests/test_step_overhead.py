@@ -63,14 +63,17 @@ def test_counting_the_gpu_code_paths_leaves_the_cpu_s_in_place():
     import vllm_ddtree.tree.compile as compile_mod
     import vllm_ddtree.tree.ngram as ngram
 
-    before = (compile_mod.ancestor_mask, build._top_scores, ngram._search_orders_at_once)
+    before = (compile_mod.ancestor_mask, build._top_scores, ngram._search_orders_at_once, ngram._merge_orders_at_once)
     with step_overhead.gpu_code_paths():
         assert compile_mod.ancestor_mask is compile_mod.ancestors_by_squaring
         assert build._top_scores is build._top_scores_by_sort
         assert ngram._search_orders_at_once(torch.device("cpu"))
+        assert ngram._merge_orders_at_once(torch.device("cpu"))
     count(1, 8, False, 0)
-    assert (compile_mod.ancestor_mask, build._top_scores, ngram._search_orders_at_once) == before
+    assert (compile_mod.ancestor_mask, build._top_scores, ngram._search_orders_at_once,
+            ngram._merge_orders_at_once) == before
     assert not ngram._search_orders_at_once(torch.device("cpu"))
+    assert not ngram._merge_orders_at_once(torch.device("cpu"))
 
 
 def test_the_n_gram_tables_ops_are_device_ops():

@@ -995,3 +995,43 @@ def test_fixed_shape_tables_count_the_same_in_place_and_grow_by_generations(monk
                          fixed.online.lookup_orders(torch.tensor([0]), hist, toks, order)):
         assert torch.equal(want, got)
     assert fixed.online._stacked(order)[0].data_ptr() == fixed.online.ngram_keys[0].data_ptr()
+
+
+@pytest.mark.parametrize("order, vocab", [(2, 7), (3, 7), (4, 7), (4, 200_003)])
+def test_the_gpu_s_merge_of_all_tables_at_once_counts_as_the_merges_table_by_table(monkeypatch, order, vocab):
+    """On a GPU a step's windows go into every order's n-gram and context table in one batched merge
+    (the tables padded to one length); on a CPU table by table. Prompts (contexts before the start:
+    PAD), padded rows (windows that count nothing), releases and keys past 63 bits (order 4 of a
+    200K vocabulary: wrapped, a corpus table's case, never released) included, the real keys and
+    counts must be the same, and so the scores."""
+    import vllm_ddtree.tree.ngram as ngram_mod
+    from vllm_ddtree.tree.ngram import HostTokens
+
+    g = torch.Generator().manual_seed(order)
+    wraps = 4 * (vocab + 1) ** order >= 1 << 63
+    models = {False: NGramModel(vocab, order=order), True: NGramModel(vocab, order=order)}
+    prompts = HostTokens.from_lists([([], torch.randint(0, 5, (n,), generator=g).tolist()) for n in (1, 6, 0, 9)])
+
+    def observe(*args) -> None:
+        for at_once, model in models.items():
+            monkeypatch.setattr(ngram_mod, "_merge_orders_at_once", lambda device, at_once=at_once: at_once)
+            model.observe_step(*args)
+
+    observe([0, 1, 2, 3], torch.full((4, 0), -1), prompts)
+    for step in range(6):
+        if step == 3 and not wraps:
+            for model in models.values():
+                model.release_batch([1])
+        new = torch.randint(0, 5, (4, 3), generator=g)
+        new[step % 4, 1 + step % 2 :] = -1
+        observe([0, 1, 2, 3], new)
+        for kind in ("ngram", "context"):
+            for m in range(order):
+                want, got = models[False].online.real_entries(kind, m), models[True].online.real_entries(kind, m)
+                assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1]), (step, kind, m)
+    assert all(models[True].online.real_entries(kind, m)[0].numel() > 0 for kind in ("ngram", "context")
+               for m in range(order))
+    hist = torch.randint(-1, 5, (2, 3, order - 1), generator=g)
+    toks = torch.randint(0, 5, (2, 3, 4), generator=g)
+    assert torch.equal(models[False].log_rho(torch.tensor([0, 3]), hist, toks),
+                       models[True].log_rho(torch.tensor([0, 3]), hist, toks))

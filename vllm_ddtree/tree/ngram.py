@@ -57,6 +57,30 @@ def _search_orders_at_once(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def _merge_orders_at_once(device: torch.device) -> bool:
+    """Two exact ways to count a step's windows into the tables, chosen by device (as
+    `_search_orders_at_once`): on a GPU, every order's n-gram and context table in one batched
+    merge (`_add_orders_at_once`: a fixed op count, the tables padded to one length); elsewhere table
+    by table (`_merge`, about as many ops per table), which sorts no padding. Tables of fixed shape
+    (one capacity: nothing to pad) always take the batched merge."""
+    return device.type == "cuda"
+
+
+@functools.cache  # never evicted: a captured step reads these by address (tree/constants.py)
+def _window_weights(radix: int, order: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The digit weights of `_pack` over a whole window of `order` tokens: [2 * order, order], row m
+    the n-gram key of context length m (its last m + 1 tokens, radix^(order-1-j) at position j),
+    row order + m its context key (the m tokens before the last, radix^(order-2-j)), 0 elsewhere;
+    and [2 * order] the namespace's weights, radix^(m+1) and radix^m. int64, wrapped as _pack wraps."""
+    rows = [[_wrap(radix ** (order - 1 - j)) if j >= order - 1 - m else 0 for j in range(order)]
+            for m in range(order)]
+    rows += [[_wrap(radix ** (order - 2 - j)) if order - 1 - m <= j <= order - 2 else 0 for j in range(order)]
+             for m in range(order)]
+    namespace = [_wrap(radix ** (m + 1)) for m in range(order)] + [_wrap(radix**m) for m in range(order)]
+    return (device_ints(tuple(v for row in rows for v in row), device).view(2 * order, order),
+            device_ints(tuple(namespace), device))
+
+
 @functools.cache  # never evicted: a captured step reads these by address (tree/constants.py)
 def _context_powers(radix: int, orders: int, history: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """The digit weights of `_pack` for contexts of 0..orders-1 tokens taken from the end of a
@@ -102,7 +126,8 @@ class NGramCounts:
     _stack: tuple | None = field(default=None, repr=False, compare=False)
     # (table, order) -> its count of real keys on the way to the host (`_trim`)
     _lengths: dict = field(default_factory=dict, repr=False, compare=False)
-    # fixed_shape: kind -> (keys [order, capacity], counts [order, capacity]), whose rows the lists view
+    # fixed_shape: kind -> (keys [order, capacity], counts [order, capacity]), whose rows the lists view;
+    # "all": both kinds' rows as one [2 * order, capacity] pair (`_new_buffers`)
     _buffers: dict = field(default_factory=dict, repr=False, compare=False)
     generation: int = field(default=0, compare=False)  # fixed_shape: how many times the capacity grew
     # fixed_shape: windows added in all (host), and the largest real length last reported with the
@@ -127,7 +152,7 @@ class NGramCounts:
             capacity = self.FIRST_CAPACITY
             while capacity < 2 * longest:
                 capacity *= 2
-            self._buffers = {kind: self._new_buffers(kind, capacity) for kind in ("ngram", "context")}
+            self._buffers = self._new_buffers(capacity)
 
     #: fixed_shape: the first capacity of every table (keys; it grows by doubling)
     FIRST_CAPACITY = 1024
@@ -141,17 +166,20 @@ class NGramCounts:
         """fixed_shape: every table's length (real keys, then `KEY_PAD`); None otherwise."""
         return self._buffers["ngram"][0].shape[1] if self._buffers else None
 
-    def _new_buffers(self, kind: str, capacity: int) -> tuple[Tensor, Tensor]:
-        """fixed_shape: [order, capacity] keys and counts holding the tables of `kind` (padded), whose
-        rows the table lists become."""
-        keys, counts = self._tables(kind)
-        kbuf = torch.full((self.order, capacity), KEY_PAD, dtype=torch.int64, device=self.device)
-        cbuf = torch.zeros((self.order, capacity), dtype=torch.int64, device=self.device)
-        for m in range(self.order):
-            n = keys[m].numel()  # (<= capacity: real keys first, and `_make_room` keeps them within it)
-            kbuf[m, :n], cbuf[m, :n] = keys[m], counts[m]
-            keys[m], counts[m] = kbuf[m], cbuf[m]
-        return kbuf, cbuf
+    def _new_buffers(self, capacity: int) -> dict[str, tuple[Tensor, Tensor]]:
+        """fixed_shape: [2 * order, capacity] keys and counts holding every table (padded), the n-gram
+        tables' rows then the context tables'; the table lists' entries become its rows. Returns
+        kind -> (keys, counts) [order, capacity] for "ngram" and "context", and both as "all"."""
+        kbuf = torch.full((2 * self.order, capacity), KEY_PAD, dtype=torch.int64, device=self.device)
+        cbuf = torch.zeros((2 * self.order, capacity), dtype=torch.int64, device=self.device)
+        for first, kind in ((0, "ngram"), (self.order, "context")):
+            keys, counts = self._tables(kind)
+            for m in range(self.order):
+                n = keys[m].numel()  # (<= capacity: real keys first, and `_make_room` keeps them within it)
+                kbuf[first + m, :n], cbuf[first + m, :n] = keys[m], counts[m]
+                keys[m], counts[m] = kbuf[first + m], cbuf[first + m]
+        return {"ngram": (kbuf[: self.order], cbuf[: self.order]),
+                "context": (kbuf[self.order :], cbuf[self.order :]), "all": (kbuf, cbuf)}
 
     def _make_room(self, new: int) -> None:
         """fixed_shape: grow every table's capacity (a new generation) if `new` more keys could pass it."""
@@ -162,7 +190,7 @@ class NGramCounts:
         capacity = self.capacity
         while capacity < 2 * bound:
             capacity *= 2
-        self._buffers = {kind: self._new_buffers(kind, capacity) for kind in ("ngram", "context")}
+        self._buffers = self._new_buffers(capacity)
         self._stack = None
         self.generation += 1
 
@@ -182,8 +210,8 @@ class NGramCounts:
         (default all): the rows that are windows (the others count nothing, e.g. past a request's
         last token).
 
-        No host synchronisation: a merge sorts the table with the new keys (`_merge`), so this can
-        run on every engine step.
+        No host synchronisation: a merge sorts the table with the new keys (`_merge`; on a GPU all
+        tables at once, `_add_orders_at_once`), so this can run on every engine step.
         """
         if windows.dim() != 2 or windows.shape[1] != self.order:
             raise ValueError(f"windows must be [N, order={self.order}], got {tuple(windows.shape)}")
@@ -194,6 +222,9 @@ class NGramCounts:
             self._added += windows.shape[0]
         namespace = to_device(namespace, self.device).long().expand(windows.shape[0])
         ok = torch.ones_like(namespace, dtype=torch.bool) if valid is None else to_device(valid, self.device)
+        if self.fixed_shape or _merge_orders_at_once(self.device):
+            self._add_orders_at_once(namespace, windows, ok)
+            return
         changed = []
         for m in range(self.order):  # m = context length
             ctx = windows[:, self.order - 1 - m : self.order - 1]
@@ -207,20 +238,55 @@ class NGramCounts:
             changed.append(("context", m))
         self._changed(changed)
 
+    def _add_orders_at_once(self, namespace: Tensor, windows: Tensor, ok: Tensor) -> None:
+        """`add` of windows [N, n] (namespace [N], ok [N]) with every table merged in one batched merge:
+        the same tables, key for key and count for count, as the merges table by table."""
+        n = self.order
+        weights, ns_weights = _window_weights(self.radix, n, self.device)
+        # [2n, N] every table's key of each window (the same mixed-radix sums as _pack, wrapping alike)
+        keys = ((windows[None] + 1) * weights[:, None, :]).sum(dim=2) + namespace[None] * ns_weights[:, None]
+        # context length m is real where none of the m tokens before the last is PAD: [N, n-1] for m = 1..n-1
+        ctx_real = windows[:, : n - 1].flip(1).cummin(dim=1).values >= 0
+        real = torch.cat([ok[:, None], ctx_real & ok[:, None]], dim=1).T  # [n, N], m = 0..n-1
+        new_keys = torch.where(real[None], keys.view(2, n, -1), KEY_PAD).reshape(2 * n, -1)
+        new_counts = real[None].expand(2, n, real.shape[1]).reshape(2 * n, -1).long()
+        tables = [("ngram", m) for m in range(n)] + [("context", m) for m in range(n)]
+        if self.fixed_shape:  # one capacity: merged in place, its real keys first (`_make_room`)
+            kbuf, cbuf = self._buffers["all"]
+            merged, counts = _merge_rows(kbuf, cbuf, new_keys, new_counts)
+            kbuf.copy_(merged[:, : kbuf.shape[1]])
+            cbuf.copy_(counts[:, : cbuf.shape[1]])
+            self._changed(tables, stacked=kbuf)
+            return
+        old_keys = [self._tables(kind)[0][m] for kind, m in tables]
+        old_counts = [self._tables(kind)[1][m] for kind, m in tables]
+        width = max(t.numel() for t in old_keys)  # padded by cat: the same ops whatever the sizes
+        merged, counts = _merge_rows(
+            torch.stack([torch.cat([t, t.new_full((width - t.numel(),), KEY_PAD)]) for t in old_keys]),
+            torch.stack([torch.cat([c, c.new_zeros(width - c.numel())]) for c in old_counts]), new_keys, new_counts)
+        for row, (kind, m) in enumerate(tables):
+            self._tables(kind)[0][m], self._tables(kind)[1][m] = merged[row], counts[row]
+        self._changed(tables, stacked=merged)
+
     def _tables(self, kind: str) -> tuple[list[Tensor], list[Tensor]]:
         return (self.ngram_keys, self.ngram_counts) if kind == "ngram" else (self.context_keys, self.context_counts)
 
-    def _changed(self, tables: list[tuple[str, int]]) -> None:
+    def _changed(self, tables: list[tuple[str, int]], stacked: Tensor | None = None) -> None:
         """After a change of `tables` ((kind, order) pairs): drop what was derived from the tables, and
-        queue each one's count of real keys (the first `KEY_PAD`) for the host. (fixed_shape: the
+        queue each one's count of real keys (the first `KEY_PAD`) for the host. `stacked`: the tables'
+        keys as the rows of one tensor, in that order (one search for all). (fixed_shape: the
         stacked tables are the buffers themselves, changed in place.)"""
         if not self.fixed_shape:
             self._stack = None
         if not tables:
             return
-        pad = device_ints((KEY_PAD,), self.device)
-        found = [torch.searchsorted(self._tables(kind)[0][m], pad) for kind, m in tables]
-        lengths = found[0] if len(found) == 1 else torch.cat(found)
+        if stacked is not None:
+            rows = stacked.shape[0]
+            lengths = torch.searchsorted(stacked, device_ints((KEY_PAD,) * rows, self.device).view(rows, 1)).view(-1)
+        else:
+            pad = device_ints((KEY_PAD,), self.device)
+            found = [torch.searchsorted(self._tables(kind)[0][m], pad) for kind, m in tables]
+            lengths = found[0] if len(found) == 1 else torch.cat(found)
         self._lengths = {"tables": tables, "lengths": to_host_later(lengths), "added": self._added}
 
     def _trim(self) -> None:
@@ -378,6 +444,19 @@ def _merge(keys: Tensor, counts: Tensor, new_keys: Tensor, new_valid: Tensor) ->
     group = torch.cat([device_ints((0,), keys.device), all_keys[1:] != all_keys[:-1]]).cumsum(0)
     merged = torch.full_like(all_keys, KEY_PAD).scatter_(0, group, all_keys)
     return merged, torch.zeros_like(all_counts).scatter_add_(0, group, all_counts)
+
+
+def _merge_rows(keys: Tensor, counts: Tensor, new_keys: Tensor, new_counts: Tensor) -> tuple[Tensor, Tensor]:
+    """`_merge` of T tables at once: sorted rows keys/counts [T, L] with new_keys/new_counts [T, N]
+    (count 0 for a key that counts nothing) -> [T, L + N], each row's keys once, sorted, `KEY_PAD`
+    (count 0) after its last."""
+    all_keys, order = torch.sort(torch.cat([keys, new_keys], dim=1), dim=1)
+    all_counts = torch.cat([counts, new_counts], dim=1).gather(1, order)
+    # [T, L + N] each key's rank among its row's distinct keys: how many times the key changed before it
+    changes = all_keys[:, 1:] != all_keys[:, :-1]
+    group = torch.cat([torch.zeros_like(changes[:, :1]), changes], dim=1).cumsum(dim=1)
+    merged = torch.full_like(all_keys, KEY_PAD).scatter_(1, group, all_keys)
+    return merged, torch.zeros_like(all_counts).scatter_add_(1, group, all_counts)
 
 
 def _drop(keys: Tensor, counts: Tensor, namespaces: Tensor, span: int) -> tuple[Tensor, Tensor]:
