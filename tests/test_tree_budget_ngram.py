@@ -1035,3 +1035,31 @@ def test_the_gpu_s_merge_of_all_tables_at_once_counts_as_the_merges_table_by_tab
     toks = torch.randint(0, 5, (2, 3, 4), generator=g)
     assert torch.equal(models[False].log_rho(torch.tensor([0, 3]), hist, toks),
                        models[True].log_rho(torch.tensor([0, 3]), hist, toks))
+
+
+@pytest.mark.parametrize("order", [2, 3, 4])
+def test_the_gpu_s_backoff_over_all_orders_at_once_scores_bit_for_bit_as_order_by_order(monkeypatch, order):
+    """On a GPU the orders' counts come from one stacked search and the longest context with a count
+    is picked in one gather; on a CPU order by order, a longer hit overwriting a shorter. Over blocks
+    with hits at every order, none, and contexts before the sequence start, with a corpus table mixed
+    in, log rho must be the same floats."""
+    import vllm_ddtree.tree.ngram as ngram_mod
+    from vllm_ddtree.tree.ngram import NGramCounts, windows_of
+
+    g = torch.Generator().manual_seed(10 + order)
+    vocab = 8  # (tokens 5-7 never occur: no count at any order)
+    corpus = NGramCounts(order + 1, vocab)
+    text = torch.randint(0, 5, (60,), generator=g)
+    corpus.add(torch.zeros(1, dtype=torch.int64), windows_of(text, order + 1))
+    model = NGramModel(vocab, order=order, backoff=0.3, corpus=corpus, corpus_weight=0.25)
+    for slot in (0, 1, 2):
+        model.observe(slot, torch.randint(0, 3, (30,), generator=g))
+    hist = torch.randint(-1, vocab, (3, 6, order - 1), generator=g)
+    toks = torch.randint(0, vocab, (3, 6, 7), generator=g)
+    scores = {}
+    for at_once in (False, True):
+        monkeypatch.setattr(ngram_mod, "_search_orders_at_once", lambda device, at_once=at_once: at_once)
+        scores[at_once] = model.log_rho(torch.tensor([2, 0, 1]), hist, toks)
+    assert torch.equal(scores[False], scores[True])
+    floor = math.log(model.floor)
+    assert (scores[True] == floor).any() and scores[True].unique().numel() >= 8  # misses, and hits of many kinds

@@ -82,6 +82,16 @@ def _window_weights(radix: int, order: int, device: torch.device) -> tuple[Tenso
 
 
 @functools.cache  # never evicted: a captured step reads these by address (tree/constants.py)
+def _backoff_factors(backoff: float, order: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """[order, 1, 1, 1] each context length m (int64) and backoff^(order-1-m) (float32, as a float32
+    tensor times the Python float rounds it), shaped against the [order, R, F, K] counts."""
+    factors = torch.empty(order, dtype=torch.float32, device=device)
+    for m in range(order):
+        factors[m : m + 1].fill_(backoff ** (order - 1 - m))
+    return device_ints(tuple(range(order)), device).view(order, 1, 1, 1), factors.view(order, 1, 1, 1)
+
+
+@functools.cache  # never evicted: a captured step reads these by address (tree/constants.py)
 def _context_powers(radix: int, orders: int, history: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """The digit weights of `_pack` for contexts of 0..orders-1 tokens taken from the end of a
     `history`-token window: [orders, history] (radix^(m-1-i) on order m's i-th context token, 0 on
@@ -698,19 +708,23 @@ class NGramModel:
 
     def _backoff(self, counts: NGramCounts, slots: Tensor, history: Tensor, tokens: Tensor) -> Tensor:
         # The longest context with count(c, t) > 0 decides; each step down costs a factor `backoff`.
-        # Shortest context first, so a longer context's hit overwrites (few ops: this runs per depth).
-        rho = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+        # Order by order (CPU): shortest context first, so a longer context's hit overwrites; all orders at
+        # once (GPU): the same products, the longest hit picked in one gather (few ops: this runs per depth).
         if not _search_orders_at_once(tokens.device):
+            rho = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
             for m in range(self.order):
                 ng, cx = counts.lookup(slots, history, tokens, m)
                 ratio = ng.float() / cx.clamp(min=1).float()[:, :, None]
                 rho = torch.where(ng > 0, ratio * self.backoff ** (self.order - 1 - m), rho)
             return rho
         ng, cx = counts.lookup_orders(slots, history, tokens, self.order)  # [order, R, F, K], [order, R, F]
-        ratio = ng.float() / cx.clamp(min=1).float()[..., None]
-        for m in range(self.order):
-            rho = torch.where(ng[m] > 0, ratio[m] * self.backoff ** (self.order - 1 - m), rho)
-        return rho
+        lengths, factors = _backoff_factors(self.backoff, self.order, ng.device)
+        # each order's backed-off ratio (0 where count(c_m, t) = 0), and the longest context with a count:
+        # the largest m with one (none: 0, whose ratio is 0 there; a max, which unlike an argmax over the
+        # leading dimension is fast on a CPU too)
+        scored = ng.float() / cx.clamp(min=1).float()[..., None] * factors
+        longest = ((ng > 0) * lengths).amax(dim=0, keepdim=True)
+        return scored.gather(0, longest)[0]
 
     def scorer(self, slots: Sequence[int] | Tensor) -> "NGramScorer":
         """The `PrefixScorer` for a build over the requests in `slots` (row r = slots[r])."""
