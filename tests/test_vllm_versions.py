@@ -78,11 +78,13 @@ def test_command_line_report(tmp_path):
     assert bad.returncode != 0 and "not a vLLM wheel" in bad.stderr
 
 
-def test_committed_0_33_0_report_refuses_it():
-    # patches/compat-vllm-0.33.0.json is this command's output for the vLLM 0.33.0 wheel.
-    data = json.loads((Path(__file__).parents[1] / "patches" / "compat-vllm-0.33.0.json").read_text())
-    assert data["vllm"] == "0.33.0" and not data["compatible"]
+@pytest.mark.parametrize("version", ["0.33.0", "0.34.0"])
+def test_committed_reports_refuse_later_releases(version):
+    # patches/compat-vllm-<version>.json is this command's output for that release's vLLM wheel.
+    data = json.loads((Path(__file__).parents[1] / "patches" / f"compat-vllm-{version}.json").read_text())
+    assert data["vllm"] == version and not data["compatible"]
     assert {t["patch"] for t in data["targets"]} == {t.patch for t in compat.TARGETS}
+    assert [t["name"] for t in data["targets"]] == [t.name for t in compat.TARGETS]  # not a stale report
 
 
 def test_version_check_accepts_0_32_0_and_reads_others():
