@@ -43,8 +43,13 @@ run in the order of `PARTS`):
              without n-gram rescoring (its tables moved in place between capture and replay), and the
              verify side's (`schedule_rows`: the verify rows before the forward; `verify_trees`:
              walk, statistics, calibration) over steps that pad to one capture, smaller ones after
-             larger. CUDA only; last, so a failed capture cannot
-             disturb the other parts.
+             larger. CUDA only; after the others, so a failed capture cannot disturb them.
+  a.xqa      Tree verify through FlashInfer's XQA speculative decode, the kernel vLLM's FlashInfer backend
+             runs for ragged speculative batches on SM90: the trees as its packed per-row mask
+             (`xqa_spec_plan`), the a.kernel cases against float32 SDPA, bf16 and fp16, within the same
+             kernel's error on the causal mask, the mask changing every tree's output; one step captured in
+             a CUDA graph with its plan in persistent buffers, replayed on the next step's trees, contexts
+             and queries; XQA vs the custom-mask FA2 path, timed on the same steps. SM90/SM12x only; last.
 
     python benchmarks/gpu_check.py --device cuda --json-dir benchmarks/results/gpu   # <device>.json/.png
     python benchmarks/gpu_check.py --device cpu --quick --json /tmp/check.json       # what runs without CUDA
@@ -88,12 +93,14 @@ from vllm_ddtree.attention.tree_mask import (  # noqa: E402
     FlashInferPagedPlan,
     TreeStepMasks,
     FlashInferSplitPlan,
+    XQASpecPlan,
     flashinfer_paged_plan,
     flashinfer_split_plan,
     flashinfer_tree_wrapper,
     plan_flashinfer_causal_step,
     plan_flashinfer_tree_step,
     prebuild_tree_kernels,
+    xqa_spec_plan,
 )
 from vllm_ddtree.compaction import accepted_path_moves, layer_stacks, move_slots_  # noqa: E402
 from vllm_ddtree.sampling import SeededDraws, SeededRows, draw  # noqa: E402
@@ -428,6 +435,43 @@ def split_read_like_flashinfer(step: PagedStep, split: FlashInferSplitPlan) -> t
     return torch.cat(parts)
 
 
+def step_xqa_plan(step: PagedStep, tree: bool = True, num_tokens: int | None = None) -> XQASpecPlan:
+    """The step as XQA's speculative decode takes it (every request a ragged draft), tree masks or causal.
+    Block-table columns past a request's pages are zeroed (a valid page, as in vLLM's tables): XQA, unlike
+    FlashInfer's prefill, is handed the whole table."""
+    dev = step.block_table.device
+    pages = (step.seq_lens + PAGE - 1) // PAGE
+    cols = torch.arange(step.block_table.shape[1])
+    table = torch.where((cols[None, :] < pages[:, None]).to(dev), step.block_table, 0)
+    masks = step.masks
+    on_dev = TreeStepMasks(masks.has_tree.to(dev), masks.num_rows.to(dev), masks.ancestors.to(dev))
+    causal = torch.ones(len(step.reqs), dtype=torch.bool)
+    return xqa_spec_plan(step.qsl, step.seq_lens, table, causal, max(r.q for r in step.reqs),
+                         on_dev if tree else None, num_tokens)
+
+
+def xqa_read_like(step: PagedStep, plan: XQASpecPlan, q: torch.Tensor | None = None) -> torch.Tensor:
+    """FlashInfer's XQA speculative decode as `flashinfer.xqa.xqa` documents it, in float32 torch: request
+    r's queries are rows q_cu_seq_lens[r]..[r + 1]; its KV the first seq_lens[r] tokens of its pages in
+    block_tables[r] order; a query row sees every position before the request's new tokens and new token
+    j where bit j of its mask row is set (32-bit words, least-significant bit first, little-endian uint16
+    halves)."""
+    q = step.q if q is None else q
+    cu, seq = plan.q_cu_seq_lens.long().cpu(), plan.seq_lens.long().cpu()
+    halves = plan.mask.to(torch.int32) & 0xFFFF
+    j = torch.arange(plan.mask.shape[1] * 16, device=halves.device)
+    bits = ((halves[:, j // 16] >> (j % 16)) & 1).bool()  # [T, 32 W]
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    for r in range(len(seq)):
+        kv, n = int(seq[r]), int(cu[r + 1] - cu[r])
+        pages = plan.block_tables[r, : (kv + PAGE - 1) // PAGE].long()
+        tokens = step.cache[pages].transpose(1, 2).reshape(-1, HKV, 2 * HD)[:kv].float()
+        mask = torch.ones(n, kv, dtype=torch.bool, device=q.device)
+        mask[:, kv - n :] = bits[cu[r] : cu[r + 1], :n]
+        out[cu[r] : cu[r + 1]] = sdpa(q[cu[r] : cu[r + 1]], tokens[..., :HD], tokens[..., HD:], mask, HD ** -0.5)
+    return out
+
+
 def flashinfer_module():
     """flashinfer, or None where it is not importable (the reason is reported by the caller)."""
     try:
@@ -478,8 +522,9 @@ def part_a_plan(ctx: "Check") -> dict:
         split_ok = (split.num_tree_reqs == last_tree + 1 and rec["split_mask_elements"]
                     == sum(r.q * (r.ctx + r.q) for r in reqs[: last_tree + 1]))
         rec["split_read_max_abs_err"] = float((split_read_like_flashinfer(step, split) - want).abs().max())
+        rec["xqa_read_max_abs_err"] = float((xqa_read_like(step, step_xqa_plan(step)) - want).abs().max())
         ok = (mask_ok and split_ok and rec["paged_read_max_abs_err"] < 1e-4 and rec["tree_mask_effect"] > 1e-2
-              and rec["split_read_max_abs_err"] < 1e-4
+              and rec["split_read_max_abs_err"] < 1e-4 and rec["xqa_read_max_abs_err"] < 1e-4
               and rec.get("flashinfer_mask_offsets_match", True) and rec.get("plan_signature_binds", True))
         if not ok:
             bad.append(name)
@@ -591,6 +636,169 @@ def part_a_kernel(ctx: "Check") -> dict:
             "flashinfer": fi.__version__,
             "summary": f"{n - len(bad)}/{n} cases within the causal control" + (f"; FAILED {', '.join(bad)}" if bad else "")
                        + f"; JIT {results['jit'].get('seconds')} s"}
+
+
+def run_xqa(step: PagedStep, plan: XQASpecPlan, workspace: torch.Tensor, q: torch.Tensor | None = None,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """FlashInfer's XQA speculative decode as vLLM 0.32.0's FlashInfer backend calls it on SM90 (ragged
+    queries, a packed per-row mask), on vLLM's layer view split into K and V; `q`/`out` default to the
+    step's queries and a new tensor."""
+    from flashinfer.decode import xqa_batch_decode_with_kv_cache
+
+    kv = step.cache.permute(0, 2, 1, 3).split(HD, dim=-1)  # as FlashInferImpl.forward: physical order, K/V
+    return xqa_batch_decode_with_kv_cache(query=step.q if q is None else q, kv_cache=tuple(kv),
+                                          workspace_buffer=workspace, bmm1_scale=HD ** -0.5, bmm2_scale=1.0,
+                                          kv_layout="NHD", out=out, **plan.run_kwargs(PAGE))
+
+
+def restep(step: PagedStep, seed: int) -> PagedStep:
+    """The next step of the same shape on the same cache: every request's context halved, new trees of the
+    same sizes (other tokens, other shapes), new queries. What a CUDA graph replays on."""
+    reqs = [tree_request(r.q - 1, r.ctx // 2, seed + i) if r.tree is not None else Request(r.kind, r.q, r.ctx // 2)
+            for i, r in enumerate(step.reqs)]
+    assert [r.q for r in reqs] == [r.q for r in step.reqs]
+    seq = torch.tensor([r.ctx + r.q for r in reqs])
+    gd = torch.Generator(device=step.q.device).manual_seed(seed)
+    q = torch.randn(step.q.shape, generator=gd, device=step.q.device).to(step.q.dtype)
+    return PagedStep(reqs, q, [k[:kv] for k, kv in zip(step.keys, seq.tolist())],
+                     [v[:kv] for v, kv in zip(step.values, seq.tolist())], step.cache, step.block_table, step.qsl,
+                     seq, step_masks(reqs))
+
+
+def part_a_xqa(ctx: "Check") -> dict:
+    """Tree verify through FlashInfer's XQA speculative decode (SM90/SM12x): the step's trees as its packed
+    per-row mask (`xqa_spec_plan`), against the float32 oracle, bf16 and fp16, the tolerance the same
+    kernel's error with the causal mask; the mask must change the tree rows' output. Then one step
+    captured in a CUDA graph with its plan in persistent buffers and replayed on the next step (other
+    trees, contexts and queries copied in), against the oracle. Timing against the custom-mask FA2 path
+    (mask build + plan + run)."""
+    fi = flashinfer_module()
+    if fi is None:
+        return {"passed": False, "error": "flashinfer is not importable (make gpu-wheels, then --site)"}
+    major, minor = torch.cuda.get_device_capability(ctx.device)
+    if major not in (9, 12):
+        return {"passed": None, "not_run": f"XQA speculative decode runs on SM90/SM12x, this GPU is SM{major}{minor}"}
+    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=ctx.device)  # zeroed: XQA's semaphores
+    results, bad, jit = {}, [], {}
+    for dtype in (torch.bfloat16, torch.float16):
+        dn = str(dtype).replace("torch.", "")
+        if dtype == torch.float16 and ctx.deadline.left() < 120:
+            results[f"{dn}/skipped"] = "wall-clock budget"
+            continue
+        for name, reqs in attention_cases(ctx.sizes.context_scale).items():
+            log(f"  a.xqa {dn} {name}")
+            t0 = time.perf_counter()
+            step = paged_step(reqs, dtype, ctx.device, seed=len(name))
+            rec: dict = {"max_q": max(r.q for r in reqs), "tokens": int(step.qsl[-1])}
+            try:
+                got = run_xqa(step, step_xqa_plan(step), workspace).float()
+                causal_out = run_xqa(step, step_xqa_plan(step, tree=False), workspace).float()
+                sync(ctx.device)
+            except Exception as exc:  # noqa: BLE001 - a shape XQA refuses is this case's result
+                rec.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[:300]}")
+                results[f"{dn}/{name}"] = rec
+                bad.append(f"{dn}/{name}")
+                continue
+            jit.setdefault(dn, round(time.perf_counter() - t0, 1))  # the first case includes the JIT build
+            want = oracle_attention(step)
+            rec["max_abs_err"] = float((got - want).abs().max())
+            rec["causal_control_err"] = float((causal_out - oracle_attention(step, tree_masks=False)).abs().max())
+            rec["tolerance"] = 2 * rec["causal_control_err"] + 1e-4
+            tree_rows = torch.cat([torch.arange(int(step.qsl[i]), int(step.qsl[i + 1]))
+                                   for i, r in enumerate(reqs) if r.tree is not None and r.q > 2])
+            rec["tree_mask_effect"] = float((got[tree_rows] - causal_out[tree_rows]).abs().max())
+            rec["ok"] = (math.isfinite(rec["max_abs_err"]) and rec["max_abs_err"] <= rec["tolerance"]
+                         and rec["tree_mask_effect"] > 1e-2)
+            results[f"{dn}/{name}"] = rec
+            if not rec["ok"]:
+                bad.append(f"{dn}/{name}")
+    graph = xqa_graph(ctx, workspace)
+    if not graph.get("ok"):
+        bad.append("graph")
+    timing = time_xqa(ctx, workspace)
+    n = sum(isinstance(v, dict) and "ok" in v for v in results.values())
+    return {"passed": not bad, "cases": results, "failed_cases": bad, "jit_first_case_seconds": jit, "graph": graph,
+            "timing": timing, "flashinfer": fi.__version__,
+            "summary": f"{n - len([b for b in bad if b != 'graph'])}/{n} cases within the causal control; graph "
+                       f"replay {'equal to the oracle' if graph.get('ok') else 'FAILED'}"
+                       + (f"; FAILED {', '.join(bad)}" if bad else "")}
+
+
+def xqa_graph(ctx: "Check", workspace: torch.Tensor) -> dict:
+    """One tree step's XQA call captured with its plan and queries in persistent buffers; the next step's
+    plan and queries copied in and replayed, against its oracle and its eager run; eager vs replay time."""
+    if ctx.deadline.left() < 30:
+        return {"skipped": "wall-clock budget", "ok": False}
+    try:
+        step = paged_step(attention_cases(ctx.sizes.context_scale)["trees_across_pages"], torch.bfloat16,
+                          ctx.device, seed=7)
+        plan = step_xqa_plan(step)
+        buffers = XQASpecPlan(plan.q_cu_seq_lens.clone(), plan.seq_lens.clone(), plan.block_tables.clone(),
+                              plan.mask.clone(), plan.max_q)
+        q = step.q.clone()
+        out = torch.empty_like(q)
+        run_xqa(step, buffers, workspace, q=q, out=out)  # warm-up outside the capture
+        sync(ctx.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run_xqa(step, buffers, workspace, q=q, out=out)
+        nxt = restep(step, seed=70)
+        new = step_xqa_plan(nxt)
+        for dst, src in ((buffers.q_cu_seq_lens, new.q_cu_seq_lens), (buffers.seq_lens, new.seq_lens),
+                         (buffers.block_tables, new.block_tables), (buffers.mask, new.mask), (q, nxt.q)):
+            dst.copy_(src)
+        graph.replay()
+        sync(ctx.device)
+        want = oracle_attention(nxt)
+        eager = run_xqa(nxt, new, workspace).float()
+        rec = {"replay_max_abs_err": float((out.float() - want).abs().max()),
+               "eager_max_abs_err": float((eager - want).abs().max()),
+               "replay_vs_eager_max_abs_diff": float((out.float() - eager).abs().max()),
+               "stale_would_differ": float((out.float() - oracle_attention(step)[: out.shape[0]]).abs().max())}
+        rec["ok"] = (math.isfinite(rec["replay_max_abs_err"])
+                     and rec["replay_max_abs_err"] <= 2 * rec["eager_max_abs_err"] + 1e-4)
+        rec["eager_ms"] = timed_ms(lambda: run_xqa(nxt, step_xqa_plan(nxt), workspace), ctx.device, ctx.sizes.reps)
+        rec["replay_ms"] = timed_ms(graph.replay, ctx.device, ctx.sizes.reps)
+        log(f"  a.xqa graph: replay err {rec['replay_max_abs_err']:.2e} (eager {rec['eager_max_abs_err']:.2e}); "
+            f"eager plan + run {rec['eager_ms']:.3f} ms, replay {rec['replay_ms']:.3f} ms")
+        return rec
+    except Exception as exc:  # noqa: BLE001 - a failed capture is this sub-check's result
+        return {"ok": False, **failure(exc)}
+
+
+def time_xqa(ctx: "Check", workspace: torch.Tensor) -> list[dict]:
+    """bf16, every request a tree of 1 + 64 rows: XQA (plan inputs `xqa_spec_plan`, run) against the
+    custom-mask FA2 path vLLM's builder takes today (mask build `flashinfer_paged_plan`, plan(), run()),
+    on the same step; the host syncs of the XQA plan."""
+    rows = []
+    fa2_workspace = torch.empty(128 << 20, dtype=torch.uint8, device=ctx.device)  # not XQA's: its semaphores stay 0
+    for b in ctx.sizes.timing_batches:
+        for c in ctx.sizes.timing_contexts:
+            if ctx.deadline.left() < 30:
+                rows.append({"batch": b, "context": c, "skipped": "wall-clock budget"})
+                continue
+            step = paged_step([tree_request(64, c, 100 + i) for i in range(b)], torch.bfloat16, ctx.device, seed=b,
+                              with_oracle=False)
+            dt = torch.bfloat16
+            xplan = step_xqa_plan(step)
+            plan = step_plan(step)
+            tree_w = flashinfer_tree_wrapper(fa2_workspace, "NHD")
+            kv = step.cache.permute(0, 2, 1, 3).split(HD, dim=-1)
+            row = {"batch": b, "context": c, "rows": 65,
+                   "xqa_plan_ms": timed_ms(lambda: step_xqa_plan(step), ctx.device, ctx.sizes.reps),
+                   "xqa_run_ms": timed_ms(lambda: run_xqa(step, xplan, workspace), ctx.device,
+                                          ctx.sizes.reps),
+                   "fa2_mask_build_ms": timed_ms(lambda: step_plan(step), ctx.device, ctx.sizes.reps),
+                   "fa2_plan_ms": timed_ms(lambda: plan_flashinfer_tree_step(tree_w, plan, **plan_constants(dt)),
+                                           ctx.device, ctx.sizes.reps)}
+            row["fa2_run_ms"] = timed_ms(lambda: tree_w.run(step.q, kv, k_scale=1.0, v_scale=1.0), ctx.device,
+                                         ctx.sizes.reps)
+            row["xqa_plan_syncs"] = sum(site["count"] for site in sync_sites(lambda: step_xqa_plan(step)))
+            rows.append(row)
+            log(f"  a.xqa timing batch {b} ctx {c}: XQA plan {row['xqa_plan_ms']:.3f} + run {row['xqa_run_ms']:.3f} ms"
+                f" ({row['xqa_plan_syncs']} host syncs); FA2 mask {row['fa2_mask_build_ms']:.3f} + plan "
+                f"{row['fa2_plan_ms']:.3f} + run {row['fa2_run_ms']:.3f} ms")
+    return rows
 
 
 def build_kernels(ctx: "Check") -> dict:
@@ -1977,6 +2185,7 @@ PARTS: list[tuple[str, Callable[[Check], dict], bool]] = [
     ("b.topk", part_b_topk, False),
     ("a.kernel", part_a_kernel, True),
     ("b.graphs", part_b_graphs, True),
+    ("a.xqa", part_a_xqa, True),
 ]
 
 
@@ -2090,8 +2299,12 @@ def plot_report(report: dict, png: str) -> None:
     t = [r for r in parts.get("a.kernel", {}).get("timing", []) if "tree_run_ms" in r]
     labels = [f"b{r['batch']} ctx{r['context']}" for r in t]
     x = range(len(t))
-    ax.bar([i - 0.2 for i in x], [r["tree_plan_ms"] + r["tree_run_ms"] for r in t], 0.4, label="custom mask")
-    ax.bar([i + 0.2 for i in x], [r["causal_plan_ms"] + r["causal_run_ms"] for r in t], 0.4, label="causal")
+    xqa = {(r["batch"], r["context"]): r for r in parts.get("a.xqa", {}).get("timing", []) if "xqa_run_ms" in r}
+    ax.bar([i - 0.27 for i in x], [r["tree_plan_ms"] + r["tree_run_ms"] for r in t], 0.27, label="custom mask (FA2)")
+    ax.bar(list(x), [r["causal_plan_ms"] + r["causal_run_ms"] for r in t], 0.27, label="causal")
+    if xqa:
+        ax.bar([i + 0.27 for i in x], [xqa[k]["xqa_plan_ms"] + xqa[k]["xqa_run_ms"] if k in xqa else 0
+                                       for k in ((r["batch"], r["context"]) for r in t)], 0.27, label="tree mask (XQA)")
     ax.set_xticks(list(x), labels, fontsize=7)
     ax.set(ylabel="plan + run ms", title="a. FlashInfer, 1 + 64 rows per request")
     if t:

@@ -24,7 +24,13 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from vllm_ddtree.attention.flashinfer_tree import TreeFlashInferBackend, TreeFlashInferMetadataBuilder
-from vllm_ddtree.attention.tree_mask import TreeStepMasks, flashinfer_paged_plan, set_step_tree_masks
+from vllm_ddtree.attention.tree_mask import (
+    TreeStepMasks,
+    flashinfer_paged_plan,
+    set_step_tree_masks,
+    xqa_spec_mask,
+    xqa_spec_plan,
+)
 from vllm_ddtree.models.target import prepare_target
 from vllm_ddtree.reference.pair import drafter_dir
 from vllm_ddtree.tree import build_tree, compile_tree, dense_attention_mask, topk_per_depth
@@ -70,6 +76,7 @@ def main() -> None:
         check_reorder_threshold(cfg)
         check_start_up_build(cfg)
         check_cudagraph_modes(cfg)
+    check_xqa_layout()
     print("shim ok", flashinfer.__version__)
 
 
@@ -349,5 +356,31 @@ def check_cudagraph_modes(cfg) -> None:
         assert resolve(stock, 1 + width) == CUDAGraphMode.FULL_AND_PIECEWISE
 
 
+
+def check_xqa_layout() -> None:
+    """`xqa_spec_mask` without trees is vLLM's own XQA draft mask (what its FlashInfer backend packs for
+    a chain's ragged or uniform speculative decode), bit for bit; the plan's keywords bind to FlashInfer's
+    `xqa_batch_decode_with_kv_cache`."""
+    from flashinfer.decode import xqa_batch_decode_with_kv_cache
+    from vllm.v1.attention.backends.flashinfer import _make_xqa_draft_block_mask, _make_xqa_ragged_draft_block_mask
+
+    for q_lens in ([3, 1, 7, 2], [33, 5], [65, 1, 64], [4, 4, 4]):
+        qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
+        seq_lens = torch.tensor(q_lens) + torch.arange(len(q_lens)) * 37  # any context before the new tokens
+        for causal in (True, False):
+            flags = torch.full((len(q_lens),), causal)
+            ours = xqa_spec_mask(qsl, seq_lens, flags, max(q_lens), sum(q_lens))
+            theirs = _make_xqa_ragged_draft_block_mask(q_lens, max(q_lens), causal, torch.device("cpu"))
+            assert torch.equal(ours.view(torch.int16), theirs.view(torch.int16)), (q_lens, causal)
+            if len(set(q_lens)) == 1:
+                uniform = _make_xqa_draft_block_mask(q_lens[0], causal, torch.device("cpu"))
+                assert torch.equal(ours.view(torch.int16), uniform.repeat(len(q_lens), 1).view(torch.int16))
+    plan = xqa_spec_plan(qsl, seq_lens, torch.zeros(3, 5, dtype=torch.int32), torch.ones(3, dtype=torch.bool), 4)
+    inspect.signature(xqa_batch_decode_with_kv_cache).bind(
+        query=None, kv_cache=None, workspace_buffer=None, bmm1_scale=1.0, bmm2_scale=1.0, kv_layout="NHD",
+        **plan.run_kwargs(16))
+
+
 if __name__ == "__main__":
     main()
+

@@ -17,7 +17,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 FLASHINFER_DIR = Path(sys.prefix) / "flashinfer"
 CPU_PARTS = {"a.plan", "b.pipeline", "b.profile", "b.seeded", "c.compaction", "d.verify_cost", "b.topk"}
-CUDA_PARTS = {"a.kernel", "b.sync", "b.graphs"}
+CUDA_PARTS = {"a.kernel", "b.sync", "b.graphs", "a.xqa"}
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import gpu_check  # noqa: E402
@@ -63,6 +63,7 @@ def test_cpu_parts_checked_what_they_claim(report):
     for case in plan["cases"].values():
         assert case["mask_equals_tree_core"] and case["flashinfer_mask_offsets_match"] and case["plan_signature_binds"]
         assert case["tree_mask_effect"] > 1e-2  # the oracle's tree masks differ from causal ones
+        assert case["xqa_read_max_abs_err"] < 1e-4  # the XQA plan, read as XQA documents it
     steps = parts["b.pipeline"]["steps"]
     assert {s["variant"] for s in steps} == set(gpu_check.VARIANTS) and all(not s["problems"] for s in steps)
     assert all(b["equal"] and b["real_moves"] > 0 and b["layers"] == 36 and b["stacks"] == 1
@@ -192,6 +193,25 @@ def test_the_checks_catch_a_wrong_mask_and_a_wrong_walk():
     out["built_parents"] = out["built_parents"].clone()
     out["built_parents"][0, 3] = -1 if int(out["built_parents"][0, 3]) != -1 else 0
     assert "build_tree != build_tree_reference" in gpu_check.reference_mismatches(x, out, "plain", 512)
+
+
+def test_the_xqa_plan_reads_as_the_oracle_on_this_step_and_the_next_and_a_wrong_bit_shows():
+    # a.xqa's inputs on the CPU: the plan XQA is handed, read as its documentation says, is the oracle's
+    # attention, on the step and on `restep`'s next step (what the captured graph replays); a flipped
+    # mask bit, or the stale step's plan, is not.
+    step = gpu_check.paged_step(gpu_check.attention_cases(0.1)["trees_across_pages"], torch.float32,
+                                torch.device("cpu"), seed=7)
+    plan = gpu_check.step_xqa_plan(step)
+    assert float((gpu_check.xqa_read_like(step, plan) - gpu_check.oracle_attention(step)).abs().max()) < 1e-4
+    nxt = gpu_check.restep(step, seed=70)
+    want = gpu_check.oracle_attention(nxt)
+    assert nxt.seq_lens.tolist() != step.seq_lens.tolist() and not torch.equal(nxt.masks.ancestors, step.masks.ancestors)
+    assert float((gpu_check.xqa_read_like(nxt, gpu_check.step_xqa_plan(nxt)) - want).abs().max()) < 1e-4
+    assert float((gpu_check.xqa_read_like(nxt, plan) - want).abs().max()) > 1e-3
+    big = max(range(len(step.reqs)), key=lambda i: step.reqs[i].q)
+    row = int(step.qsl[big]) + 5
+    plan.mask[row, 0] ^= 1 << 3  # row 5 of the biggest tree: new token 3's bit flipped
+    assert float((gpu_check.xqa_read_like(step, plan) - gpu_check.oracle_attention(step)).abs().max()) > 1e-3
 
 
 def test_the_state_moved_on_between_capture_and_replay_is_what_a_capture_reads():

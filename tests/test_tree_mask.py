@@ -12,7 +12,8 @@ from vllm_ddtree.attention.tree_mask import (
     TreeStepMasks,
     build_attention_mask,
     flashinfer_custom_mask,
-    pack_tree_spec_mask,
+    xqa_spec_mask,
+    xqa_spec_plan,
 )
 from vllm_ddtree.tree import build_tree, compile_tree, dense_attention_mask, topk_per_depth
 
@@ -84,20 +85,43 @@ def test_flashinfer_mask_gives_the_same_attention_as_the_dense_mask():
         torch.testing.assert_close(got[0], ref[rr, :, :ql], atol=1e-5, rtol=1e-5)
 
 
-def test_packed_spec_mask_holds_each_rows_ancestors_bit_by_bit():
-    trees, query_lens, _, _, masks = _step()
-    max_q = int(query_lens.max())
-    packed = pack_tree_spec_mask(masks, max_q)
-    words = (max_q + 31) // 32
-    assert packed.dtype == torch.uint16 and packed.shape == (49, 2 * words)
+def _unpack_u16(packed: torch.Tensor) -> torch.Tensor:
+    """[T, 2W] uint16 -> [T, 32W] bool, bit j of the little-endian 32-bit words."""
     halves = packed.to(torch.int32) & 0xFFFF
-    j = torch.arange(words * 32)
-    bits = ((halves[:, j // 16] >> (j % 16)) & 1).bool()  # bit j of the little-endian 32-bit words
-    start = 0
-    for tree in trees:
+    j = torch.arange(packed.shape[1] * 16)
+    return ((halves[:, j // 16] >> (j % 16)) & 1).bool()
+
+
+def test_xqa_spec_mask_holds_each_rows_new_tokens_bit_by_bit():
+    trees, query_lens, seq_lens, causal, masks = _step()
+    qsl = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(query_lens, 0)])
+    max_q, total = int(query_lens.max()), int(query_lens.sum())
+    packed = xqa_spec_mask(qsl, seq_lens, causal, max_q, total + 3, masks)  # 3 rows of graph padding
+    words = (max_q + 31) // 32
+    assert packed.dtype == torch.uint16 and packed.shape == (total + 3, 2 * words)
+    bits = _unpack_u16(packed)
+    want = torch.zeros(total + 3, words * 32, dtype=torch.bool)
+    rows = lambda r: slice(int(qsl[r]), int(qsl[r + 1]))  # noqa: E731
+    want[rows(0), :5] = torch.ones(5, 5, dtype=torch.bool).tril()  # the causal prefill chunk
+    want[rows(1), 0] = True  # a single-token decode sees itself
+    want[rows(2), :4] = True  # the drafter's non-causal block
+    for r, tree in zip((3, 4), trees):
         n = int(tree.num_rows[0])
-        want = torch.zeros(n, words * 32, dtype=torch.bool)
-        want[:, :n] = tree.ancestors[0, :n, :n]
-        assert torch.equal(bits[start : start + n], want)
-        assert bits[start : start + n, 0].all()  # every row sees the root
-        start += n
+        want[rows(r), :n] = tree.ancestors[0, :n, :n]  # the tree core's ancestors
+    assert torch.equal(bits, want)
+    assert bits[int(qsl[3]) : int(qsl[5]), 0].all()  # every tree row sees its root
+    # Without tree masks the same rows are causal: the trees' bits are what the masks changed.
+    plain = _unpack_u16(xqa_spec_mask(qsl, seq_lens, causal, max_q, total, None))
+    assert not torch.equal(plain[rows(3)], want[rows(3)]) and torch.equal(plain[rows(0)], want[rows(0)])
+
+
+def test_xqa_spec_plan_is_built_without_a_host_read():
+    # On the meta device any read of a value raises: the plan of a given size is capturable.
+    trees, query_lens, seq_lens, causal, masks = _step()
+    qsl = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(query_lens, 0)])
+    meta = lambda t: torch.empty_like(t, device="meta")  # noqa: E731
+    tree = TreeStepMasks(meta(masks.has_tree), meta(masks.num_rows), meta(masks.ancestors))
+    plan = xqa_spec_plan(meta(qsl), meta(seq_lens), torch.empty(5, 9, dtype=torch.int32, device="meta"),
+                         meta(causal), 48, tree, num_tokens=64)
+    assert plan.mask.shape == (64, 4) and plan.q_cu_seq_lens.shape == (6,) and plan.max_q == 48
+    assert plan.run_kwargs(16)["max_seq_len"] == 9 * 16

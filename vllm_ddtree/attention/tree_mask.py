@@ -24,10 +24,11 @@ Layouts:
   causal plan, so a long chunk beside trees neither builds a mask nor runs the masked kernel;
 - :func:`plan_flashinfer_tree_step` — that plan handed to a FlashInfer wrapper
   (:func:`flashinfer_tree_wrapper`), as vLLM's builder and the GPU check (``benchmarks/gpu_check.py``) do;
-- :func:`pack_tree_spec_mask` — the packed per-row bitmask over a request's new tokens that vLLM's
-  XQA speculative-decode path takes (``_pack_draft_block_bool_mask``, flashinfer.py:148 in 0.32):
-  bit j of row a set = row a may see new token j; 32-bit words least-significant bit first, stored
-  as little-endian uint16 pairs. The committed context is implicitly visible in that layout.
+- :func:`xqa_spec_plan` — a step as FlashInfer's XQA speculative decode takes it, which vLLM's
+  FlashInfer backend runs for ragged speculative batches on SM90 (flashinfer.py:1746 in 0.32): query
+  offsets, KV lengths, pages and the packed per-row bitmask over a request's new tokens
+  (``_pack_draft_block_bool_mask``, flashinfer.py:148): bit j of row a set = row a may see new token
+  j. The committed context is implicitly visible in that layout. Static shapes, no host read.
 """
 
 from __future__ import annotations
@@ -412,23 +413,78 @@ def prebuild_tree_kernels(wrapper, *, kv_layout: str, device: torch.device | str
         causal_wrapper.run(q, (k, torch.zeros_like(k)))
 
 
-def pack_tree_spec_mask(tree: TreeStepMasks, max_q: int) -> Tensor:
-    """[sum(num_rows of tree requests), 2 * ceil(max_q / 32)] uint16: each tree row's bitmask over its
-    request's new tokens (the tree rows), in the XQA speculative-decode layout (see module docstring).
+@dataclass
+class XQASpecPlan:
+    """A verify step as FlashInfer's XQA speculative decode takes it: every request's new tokens as
+    one ragged "draft" with a packed per-row mask, the context before them implicitly visible
+    (``flashinfer.decode.xqa_batch_decode_with_kv_cache(..., q_len_per_req=max_q,
+    q_cu_seq_lens=..., mask=...)``, as vLLM 0.32.0's FlashInfer backend calls it for ragged
+    speculative batches on SM90). Every tensor is on the step's device and sized by (requests,
+    step tokens, max_q) alone, so a CUDA graph can hold them as persistent buffers.
 
-    Every request in ``tree.has_tree`` contributes its ``num_rows`` rows, in batch order.
+    q_cu_seq_lens [R + 1] int32   query offsets (vLLM's query_start_loc)
+    seq_lens      [R] int32       KV length of each request after this step's tokens
+    block_tables  [R, P] int32    each request's pages
+    mask          [T, 2 * ceil(max_q / 32)] uint16  each query row's bits over its request's new tokens
+    max_q         int             the longest request's new tokens (XQA's ``q_len_per_req``)
     """
+
+    q_cu_seq_lens: Tensor
+    seq_lens: Tensor
+    block_tables: Tensor
+    mask: Tensor
+    max_q: int
+
+    def run_kwargs(self, page_size: int) -> dict:
+        """The step-dependent keywords of ``xqa_batch_decode_with_kv_cache`` (query, cache, workspace
+        and scales come from the attention layer)."""
+        return dict(block_tables=self.block_tables, seq_lens=self.seq_lens,
+                    max_seq_len=self.block_tables.shape[1] * page_size, q_len_per_req=self.max_q,
+                    q_cu_seq_lens=self.q_cu_seq_lens, mask=self.mask)
+
+
+def xqa_spec_mask(query_start_loc: Tensor, seq_lens: Tensor, causal: Tensor, max_q: int, num_tokens: int,
+                  tree: TreeStepMasks | None = None) -> Tensor:
+    """[num_tokens, 2 * ceil(max_q / 32)] uint16: query row t's bits over its request's new tokens,
+    bit j set iff :func:`may_attend` lets it see new token j (KV position kv - q + j) — a tree row's
+    ancestors, a causal row's earlier tokens and itself, a non-causal row all of them. 32-bit words
+    least-significant bit first, stored as little-endian uint16 pairs (XQA's layout; vLLM's
+    ``_pack_draft_block_bool_mask``). Rows past the step's tokens (graph padding) have no bits.
+
+    A fixed number of ops for a given (num_tokens, max_q) and no host read: capturable."""
+    dev = query_start_loc.device
+    qsl = query_start_loc.long()
+    query_lens, seq_lens = qsl[1:] - qsl[:-1], seq_lens.long()
     words = (max_q + 31) // 32
-    n = tree.ancestors.shape[1]
-    width = words * 32
-    anc = torch.zeros(tree.ancestors.shape[0], n, width, dtype=torch.bool, device=tree.ancestors.device)
-    anc[:, :, :n] = tree.ancestors
-    b = torch.arange(width, device=anc.device)
-    anc &= (b < tree.num_rows.view(-1, 1, 1))  # no bits for padding rows
-    keep = tree.has_tree.view(-1, 1) & (torch.arange(n, device=anc.device) < tree.num_rows.view(-1, 1))
-    rows = anc[keep]  # [sum rows, width]
-    bits = torch.ones(32, dtype=torch.int64, device=anc.device) << torch.arange(32, device=anc.device)
-    u32 = (rows.view(-1, words, 32).long() * bits).sum(-1)  # [rows, words], values < 2**32
-    lo, hi = u32 & 0xFFFF, u32 >> 16
-    u16 = torch.stack([lo, hi], -1).view(-1, words * 2)  # little-endian halves of each 32-bit word
+    t = torch.arange(num_tokens, device=dev)
+    req = (torch.searchsorted(qsl[1:], t, right=True)).clamp_(max=query_lens.shape[0] - 1)  # [T]
+    i = (t - qsl[req]).view(-1, 1)
+    j = torch.arange(words * 32, device=dev).view(1, -1)
+    p = (seq_lens[req] - query_lens[req]).view(-1, 1) + j
+    bits = may_attend(req.view(-1, 1), i, p, query_lens, seq_lens, causal, tree)  # [T, words * 32]
+    return _pack_u16(bits)
+
+
+def _pack_u16(bits: Tensor) -> Tensor:
+    """[T, 32 * W] bool -> [T, 2 * W] uint16: 32-bit words, least-significant bit first, as
+    little-endian uint16 halves."""
+    words = bits.shape[1] // 32
+    weights = torch.ones(32, dtype=torch.int64, device=bits.device) << torch.arange(32, device=bits.device)
+    u32 = (bits.view(-1, words, 32).long() * weights).sum(-1)  # [T, W], values < 2**32
+    u16 = torch.stack([u32 & 0xFFFF, u32 >> 16], -1).view(-1, words * 2)
     return u16.to(torch.int32).to(torch.uint16)
+
+
+def xqa_spec_plan(query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor, causal: Tensor, max_q: int,
+                  tree: TreeStepMasks | None = None, num_tokens: int | None = None) -> XQASpecPlan:
+    """:class:`XQASpecPlan` of a step whose requests all go to XQA (trees, single-token decodes, short
+    causal or non-causal blocks), on block_table's device. ``max_q`` must be at least every request's
+    query length (more only widens the mask); ``num_tokens`` (default: the step's, read back from
+    the device when query_start_loc is there) may be larger, for a graph's padded rows. The tree
+    masks, if any, must be on block_table's device."""
+    dev = block_table.device
+    qsl, seq, causal = (to_device(x, dev) for x in (query_start_loc, seq_lens, causal))
+    if num_tokens is None:
+        num_tokens = int(query_start_loc[-1])
+    return XQASpecPlan(qsl.to(torch.int32), seq.to(torch.int32), block_table.to(torch.int32),
+                       xqa_spec_mask(qsl, seq, causal, max_q, num_tokens, tree), max_q)
