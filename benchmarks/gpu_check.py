@@ -46,7 +46,8 @@ run in the order of `PARTS`):
              larger. CUDA only; after the others, so a failed capture cannot disturb them.
   a.xqa      Tree verify through FlashInfer's XQA speculative decode, the kernel vLLM's FlashInfer backend
              runs for ragged speculative batches on SM90: the trees as its packed per-row mask
-             (`xqa_spec_plan`), the a.kernel cases against float32 SDPA, bf16 and fp16, within the same
+             (`xqa_spec_plan`), the a.kernel cases without prefill chunks and with trees of at most 73 rows
+             (what a verify step hands XQA) against float32 SDPA, bf16 and fp16, within the same
              kernel's error on the causal mask, the mask changing every tree's output; one step captured in
              a CUDA graph with its plan in persistent buffers, replayed on the next step's trees, contexts
              and queries; XQA vs the custom-mask FA2 path, timed on the same steps. SM90/SM12x only; last.
@@ -446,8 +447,21 @@ def step_xqa_plan(step: PagedStep, tree: bool = True, num_tokens: int | None = N
     masks = step.masks
     on_dev = TreeStepMasks(masks.has_tree.to(dev), masks.num_rows.to(dev), masks.ancestors.to(dev))
     causal = torch.ones(len(step.reqs), dtype=torch.bool)
-    return xqa_spec_plan(step.qsl, step.seq_lens, table, causal, max(r.q for r in step.reqs),
-                         on_dev if tree else None, num_tokens)
+    # One query width for every step, as an engine would pass its verify width: XQA builds a kernel per width.
+    max_q = max(TOKEN_WIDTH, *(r.q for r in step.reqs))
+    return xqa_spec_plan(step.qsl, step.seq_lens, table, causal, max_q, on_dev if tree else None, num_tokens)
+
+
+def xqa_cases(scale: float) -> dict[str, list[Request]]:
+    """`attention_cases` as XQA would get them in a verify step: the prefill chunks left out (they take the
+    causal prefill path) and every tree at most TOKEN_WIDTH rows, the most a verify step gives a request
+    (the largest tree plus the lookup branch and the root); contexts as they were."""
+    cases = {}
+    for name, reqs in attention_cases(scale).items():
+        kept = [tree_request(TOKEN_WIDTH - 1, r.ctx, 200 + i) if r.tree is not None and r.q > TOKEN_WIDTH else r
+                for i, r in enumerate(reqs) if r.kind != "prefill"]
+        cases[name] = kept
+    return cases
 
 
 def xqa_read_like(step: PagedStep, plan: XQASpecPlan, q: torch.Tensor | None = None) -> torch.Tensor:
@@ -667,7 +681,8 @@ def restep(step: PagedStep, seed: int) -> PagedStep:
 
 def part_a_xqa(ctx: "Check") -> dict:
     """Tree verify through FlashInfer's XQA speculative decode (SM90/SM12x): the step's trees as its packed
-    per-row mask (`xqa_spec_plan`), against the float32 oracle, bf16 and fp16, the tolerance the same
+    per-row mask (`xqa_spec_plan`, one query width: XQA builds a kernel per width), on `xqa_cases`
+    against the float32 oracle, bf16 and fp16, the tolerance the same
     kernel's error with the causal mask; the mask must change the tree rows' output. Then one step
     captured in a CUDA graph with its plan in persistent buffers and replayed on the next step (other
     trees, contexts and queries copied in), against the oracle. Timing against the custom-mask FA2 path
@@ -685,7 +700,7 @@ def part_a_xqa(ctx: "Check") -> dict:
         if dtype == torch.float16 and ctx.deadline.left() < 120:
             results[f"{dn}/skipped"] = "wall-clock budget"
             continue
-        for name, reqs in attention_cases(ctx.sizes.context_scale).items():
+        for name, reqs in xqa_cases(ctx.sizes.context_scale).items():
             log(f"  a.xqa {dn} {name}")
             t0 = time.perf_counter()
             step = paged_step(reqs, dtype, ctx.device, seed=len(name))
@@ -730,8 +745,8 @@ def xqa_graph(ctx: "Check", workspace: torch.Tensor) -> dict:
     if ctx.deadline.left() < 30:
         return {"skipped": "wall-clock budget", "ok": False}
     try:
-        step = paged_step(attention_cases(ctx.sizes.context_scale)["trees_across_pages"], torch.bfloat16,
-                          ctx.device, seed=7)
+        step = paged_step(xqa_cases(ctx.sizes.context_scale)["trees_across_pages"], torch.bfloat16, ctx.device,
+                          seed=7)
         plan = step_xqa_plan(step)
         buffers = XQASpecPlan(plan.q_cu_seq_lens.clone(), plan.seq_lens.clone(), plan.block_tables.clone(),
                               plan.mask.clone(), plan.max_q)

@@ -199,8 +199,10 @@ def test_the_xqa_plan_reads_as_the_oracle_on_this_step_and_the_next_and_a_wrong_
     # a.xqa's inputs on the CPU: the plan XQA is handed, read as its documentation says, is the oracle's
     # attention, on the step and on `restep`'s next step (what the captured graph replays); a flipped
     # mask bit, or the stale step's plan, is not.
-    step = gpu_check.paged_step(gpu_check.attention_cases(0.1)["trees_across_pages"], torch.float32,
-                                torch.device("cpu"), seed=7)
+    cases = gpu_check.xqa_cases(0.1)
+    assert all(r.kind != "prefill" and r.q <= gpu_check.TOKEN_WIDTH for reqs in cases.values() for r in reqs)
+    assert max(r.q for r in cases["trees_across_pages"]) == gpu_check.TOKEN_WIDTH  # the 128-node tree, cut
+    step = gpu_check.paged_step(cases["trees_across_pages"], torch.float32, torch.device("cpu"), seed=7)
     plan = gpu_check.step_xqa_plan(step)
     assert float((gpu_check.xqa_read_like(step, plan) - gpu_check.oracle_attention(step)).abs().max()) < 1e-4
     nxt = gpu_check.restep(step, seed=70)
