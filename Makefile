@@ -57,8 +57,10 @@ clean:
 # manylinux wheels in gpu-wheels/; then the same versions built for the local Python are imported by the
 # check's CPU part in a bare-image environment (benchmarks/gpu_image.py: no vLLM, nothing of this venv
 # beyond PyTorch and transformers). `make gpu-check` runs on the CUDA machine, with its plain python3:
-# no venv, no network.
+# no venv, no network. GPU_CHECK_ARGS passes more options (e.g. '--only a.xqa --update': one part into the
+# committed report of the same device and versions).
 GPU_PY        ?= python3
+GPU_CHECK_ARGS ?=
 GPU_WHEELS    := gpu-wheels
 GPU_SITE      := .gpu-site
 GPU_PACKAGES  := flashinfer-python==$(FLASHINFER_VERSION) apache-tvm-ffi==0.1.15.post2 nvidia-ml-py==13.615.71 \
@@ -86,4 +88,4 @@ gpu-check:
 	mkdir -p benchmarks/results/gpu
 	set -o pipefail; PYTHONUNBUFFERED=1 MAX_JOBS=$${MAX_JOBS:-16} $(GPU_PY) benchmarks/gpu_check.py --device cuda \
 		$(if $(wildcard $(GPU_WHEELS)/*.whl),--site $(GPU_SITE)) --json-dir benchmarks/results/gpu \
-		$(if $(OUT),--json-dir $(OUT)) 2>&1 | tee $(if $(OUT),$(OUT)/gpu-check.log,/dev/null)
+		$(if $(OUT),--json-dir $(OUT)) $(GPU_CHECK_ARGS) 2>&1 | tee $(if $(OUT),$(OUT)/gpu-check.log,/dev/null)
