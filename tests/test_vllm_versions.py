@@ -76,6 +76,9 @@ def test_command_line_report(tmp_path):
     assert "Verdict: accepted" in out_md.read_text()
     bad = subprocess.run([sys.executable, "-m", "vllm_ddtree.compat", str(tmp_path)], capture_output=True, text=True)
     assert bad.returncode != 0 and "not a vLLM wheel" in bad.stderr
+    # Without a location it checks the vLLM this Python imports (what the plugin's warning tells a user to run).
+    here = subprocess.run([sys.executable, "-m", "vllm_ddtree.compat"], capture_output=True, text=True, timeout=120)
+    assert here.returncode == 0 and f"vLLM {data['vllm']}" in here.stdout, here.stdout[-500:] + here.stderr[-500:]
 
 
 @pytest.mark.parametrize("version", ["0.33.0", "0.34.0"])

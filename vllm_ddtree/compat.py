@@ -416,7 +416,8 @@ def check_installed() -> CompatReport:
 def main(argv: list[str] | None = None) -> int:
     """``python -m vllm_ddtree.compat``: print (and optionally save) a release's report."""
     parser = argparse.ArgumentParser(prog="python -m vllm_ddtree.compat", description=__doc__.split("\n\n")[0])
-    parser.add_argument("vllm", help="a vLLM wheel (.whl), a site-packages folder with vllm/, or a vllm/ folder")
+    parser.add_argument("vllm", nargs="?", help="a vLLM wheel (.whl), a site-packages folder with vllm/, or a "
+                                                "vllm/ folder (default: the vLLM this Python imports)")
     parser.add_argument("--reference", help="compare against this vLLM tree or wheel (adds diffs) instead of "
                                             "the committed 0.32.0 fingerprints")
     parser.add_argument("--json", help="write the report as JSON here")
@@ -425,8 +426,17 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"regenerate {REFERENCE_FILE.name} from this vLLM {REFERENCE_VERSION} tree")
     args = parser.parse_args(argv)
     if args.write_reference:
+        if args.vllm is None:
+            parser.error("--write-reference needs the vLLM 0.32.0 tree to read")
         print(write_reference(args.vllm))
         return 0
+    if args.vllm is None:
+        import importlib.util
+
+        spec = importlib.util.find_spec("vllm")
+        if spec is None or spec.origin is None:
+            parser.error("vLLM is not installed here: name a wheel or site-packages folder to check")
+        args.vllm = str(Path(spec.origin).parent)
     report = check(args.vllm, args.reference)
     width = max(len(f"{t.file} {t.name}") for t in report.targets)
     for t in report.targets:

