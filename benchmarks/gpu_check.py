@@ -464,18 +464,19 @@ def xqa_cases(scale: float) -> dict[str, list[Request]]:
     return cases
 
 
-def xqa_read_like(step: PagedStep, plan: XQASpecPlan, q: torch.Tensor | None = None) -> torch.Tensor:
+def xqa_read_like(step: PagedStep, plan: XQASpecPlan, q: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """FlashInfer's XQA speculative decode as `flashinfer.xqa.xqa` documents it, in float32 torch: request
     r's queries are rows q_cu_seq_lens[r]..[r + 1]; its KV the first seq_lens[r] tokens of its pages in
     block_tables[r] order; a query row sees every position before the request's new tokens and new token
     j where bit j of its mask row is set (32-bit words, least-significant bit first, little-endian uint16
-    halves)."""
+    halves). Written into `out` when given (in its dtype), as the kernel writes its output."""
     q = step.q if q is None else q
     cu, seq = plan.q_cu_seq_lens.long().cpu(), plan.seq_lens.long().cpu()
     halves = plan.mask.to(torch.int32) & 0xFFFF
     j = torch.arange(plan.mask.shape[1] * 16, device=halves.device)
     bits = ((halves[:, j // 16] >> (j % 16)) & 1).bool()  # [T, 32 W]
-    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device) if out is None else out
     for r in range(len(seq)):
         kv, n = int(seq[r]), int(cu[r + 1] - cu[r])
         pages = plan.block_tables[r, : (kv + PAGE - 1) // PAGE].long()

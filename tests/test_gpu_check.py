@@ -216,6 +216,58 @@ def test_the_xqa_plan_reads_as_the_oracle_on_this_step_and_the_next_and_a_wrong_
     assert float((gpu_check.xqa_read_like(step, plan) - gpu_check.oracle_attention(step)).abs().max()) > 1e-3
 
 
+class _RecordingGraph:
+    """A CUDA graph's contract without CUDA: the XQA call made while capturing is replayed with the same
+    tensors, read afresh (what a real graph does with device memory); `stale` replays nothing."""
+
+    captured: list = []
+    stale = False
+
+    def replay(self) -> None:
+        if not self.stale:
+            for args, kwargs in self.captured:
+                gpu_check.xqa_read_like(args[0], args[1], kwargs["q"], out=kwargs["out"])
+
+
+@pytest.mark.parametrize("stale", [False, True])
+def test_the_xqa_part_runs_through_with_a_reference_kernel_and_catches_a_graph_that_does_not_replay(
+        monkeypatch, stale):
+    # a.xqa's own code, end to end on the CPU, so a lent GPU's run is not spent on a slip in it: the kernel
+    # is the reference reader, the graph the recording one above. With a graph that replays nothing
+    # (the stale output of the capture step) the part must fail.
+    import contextlib
+    import types
+
+    capturing = []
+
+    def kernel(step, plan, workspace, q=None, out=None):
+        if capturing:
+            _RecordingGraph.captured.append(((step, plan), {"q": q, "out": out}))
+        got = gpu_check.xqa_read_like(step, plan, q, out=out)
+        return got if out is not None else got.to(step.q.dtype)  # the kernel's output dtype is the query's
+
+    @contextlib.contextmanager
+    def graph(_):
+        capturing.append(True)
+        yield
+        capturing.clear()
+
+    monkeypatch.setattr(_RecordingGraph, "captured", [])
+    monkeypatch.setattr(_RecordingGraph, "stale", stale)
+    monkeypatch.setattr(gpu_check, "run_xqa", kernel)
+    monkeypatch.setattr(gpu_check, "flashinfer_module", lambda: types.SimpleNamespace(__version__="reference"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _RecordingGraph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    check = gpu_check.Check(torch.device("cpu"), gpu_check.sizes_for("cpu", True), gpu_check.Deadline(600), [])
+    got = gpu_check.part_a_xqa(check)
+    cases = {k: v for k, v in got["cases"].items() if isinstance(v, dict)}
+    assert len(cases) == 8 and all(c["ok"] and c["max_q"] <= gpu_check.TOKEN_WIDTH for c in cases.values()), cases
+    assert got["graph"]["ok"] is not stale and got["passed"] is not stale, got["graph"]
+    if not stale:
+        assert got["graph"]["replay_vs_eager_max_abs_diff"] < 1e-5
+
+
 def test_the_state_moved_on_between_capture_and_replay_is_what_a_capture_reads():
     """`b.graphs` replays a captured step after `advance_state`: the state it moves (the drafter's
     confidence exponent, the lookup path's acceptance, the cost model's refit, the token history the
