@@ -77,6 +77,8 @@ def main() -> None:
         check_start_up_build(cfg)
         check_cudagraph_modes(cfg)
     check_xqa_layout()
+    with set_current_vllm_config(cfg):
+        check_xqa_verify_step(cfg)
     print("shim ok", flashinfer.__version__)
 
 
@@ -379,6 +381,124 @@ def check_xqa_layout() -> None:
     inspect.signature(xqa_batch_decode_with_kv_cache).bind(
         query=None, kv_cache=None, workspace_buffer=None, bmm1_scale=1.0, bmm2_scale=1.0, kv_layout="NHD",
         **plan.run_kwargs(16))
+
+
+def check_xqa_verify_step(cfg) -> None:
+    """VLLM_DDTREE_XQA=1 where vLLM's builder decodes through XQA (forced here: no SM90): vLLM's own build of
+    an all-decode verify step (two trees between single-token decodes: XQA's ragged path), its decode mask
+    replaced by the trees', through vLLM's real FlashInferImpl.forward with the XQA call answered by a
+    reader of XQA's documented contract; every query's output is its oracle attention. Without the
+    variable the same step takes the custom-mask plan."""
+    import os
+
+    import vllm.v1.attention.backends.flashinfer as fi_backend
+    from vllm.v1.attention.backends.flashinfer import FlashInferDecodeKernel, FlashInferTrtllmAPIDecode
+
+    from vllm_ddtree.attention.flashinfer_tree import XQA_ENV
+
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=3, head_size=64, dtype=torch.bfloat16)
+    name = "model.layers.0.self_attn.attn"
+    builder = TreeFlashInferMetadataBuilder(spec, [name], cfg, torch.device("cpu"))
+    width = cfg.speculative_config.num_speculative_tokens
+    # What vLLM's builder sets on SM90 with XQA decode (no such GPU here).
+    builder.use_xqa = builder.use_trtllm_decode_attention = True
+    builder.flashinfer_trtllm_api_decode_kernel = FlashInferDecodeKernel.XQA
+    builder.reorder_batch_threshold = 1 + width
+    impl = cfg.compilation_config.static_forward_context[name].impl
+    g = torch.Generator().manual_seed(5)
+    trees = []
+    for nodes, ctx in ((width, 21), (5, 40)):
+        lp, ids = topk_per_depth(torch.randn(1, 8, 12, generator=g) * 2, 6)
+        trees.append(compile_tree(build_tree(lp, ids, nodes), torch.tensor([5]), torch.tensor([ctx])))
+    rows = [int(t.num_rows[0]) for t in trees]
+    # 0 decode (1 after 30), 1 tree (after 21), 2 decode (1 after 16), 3 tree (after 40)
+    query_lens = torch.tensor([1, rows[0], 1, rows[1]])
+    seq_lens = torch.tensor([30, 21, 16, 40]) + query_lens
+    r, t = len(query_lens), int(query_lens.sum())
+    qsl = torch.zeros(r + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(query_lens, 0)
+    pages = [(int(x) + 15) // 16 for x in seq_lens]
+    pool = torch.randperm(sum(pages) + 3, generator=g)
+    block_table = torch.zeros(r, max(pages) + 1, dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(pages):
+        block_table[i, :n] = pool[start : start + n].int()
+        start += n
+    phys = torch.randn(len(pool), 16, 3, 128, generator=g).to(torch.bfloat16)  # [P, page, HKV, 2 * D]
+    kv_cache = phys.permute(0, 2, 1, 3)
+    n = max(rows)
+    anc = torch.zeros(r, n, n, dtype=torch.bool)
+    anc[1, : rows[0], : rows[0]] = trees[0].ancestors[0]
+    anc[3, : rows[1], : rows[1]] = trees[1].ancestors[0]
+    has_tree = torch.tensor([False, True, False, True])
+    masks = TreeStepMasks(has_tree=has_tree, num_rows=torch.where(has_tree, query_lens, 0), ancestors=anc,
+                          has_tree_cpu=has_tree)
+    cm = CommonAttentionMetadata(query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq_lens.int(),
+                                 num_reqs=r, num_actual_tokens=t, max_query_len=int(query_lens.max()),
+                                 max_seq_len=int(seq_lens.max()), block_table_tensor=block_table,
+                                 slot_mapping=torch.arange(t), causal=True, seq_lens_cpu_upper_bound=seq_lens.int())
+    calls = []
+
+    def xqa_reference(query, kv_cache, workspace_buffer, block_tables, seq_lens, out, q_len_per_req, mask,
+                      q_cu_seq_lens, bmm1_scale, **_):
+        """XQA's documented contract (flashinfer.xqa.xqa): request b's queries at q_cu_seq_lens[b]..[b + 1], its
+        KV the first seq_lens[b] tokens of its pages; a row sees the context before the request's new tokens
+        and new token j where bit j of its mask row (2 * ceil(q_len_per_req / 32) uint16 halves) is set."""
+        calls.append(mask)
+        k_cache, v_cache = kv_cache
+        halves = mask.to(torch.int32) & 0xFFFF
+        j = torch.arange(mask.shape[-1] * 16)
+        bits = ((halves[..., j // 16] >> (j % 16)) & 1).bool()
+        for b in range(len(seq_lens)):
+            kv, lo, hi = int(seq_lens[b]), int(q_cu_seq_lens[b]), int(q_cu_seq_lens[b + 1])
+            pos = torch.arange(kv)
+            k = k_cache[block_tables[b, pos // 16].long(), pos % 16].float()
+            v = v_cache[block_tables[b, pos // 16].long(), pos % 16].float()
+            m = torch.ones(hi - lo, kv, dtype=torch.bool)
+            m[:, kv - (hi - lo) :] = bits[lo:hi, : hi - lo]
+            out[lo:hi] = attend(query[lo:hi].float(), k, v, m, bmm1_scale).to(out.dtype)
+        return out
+
+    os.environ[XQA_ENV] = "1"
+    real = fi_backend.flashinfer_xqa_batch_decode_with_kv_cache
+    fi_backend.flashinfer_xqa_batch_decode_with_kv_cache = xqa_reference
+    workspace = fi_backend.trtllm_workspace_buffer
+    fi_backend.trtllm_workspace_buffer = torch.zeros(16, dtype=torch.uint8)  # vLLM allocates it on CUDA
+    set_step_tree_masks(masks)
+    try:
+        md = builder.build(0, cm)
+        assert isinstance(md.decode, FlashInferTrtllmAPIDecode) and md.decode.kernel == FlashInferDecodeKernel.XQA
+        assert (md.num_decodes, md.num_decode_tokens, md.num_prefills) == (r, t, 0)
+        assert md.decode.q_cu_seq_lens is not None and md.decode.q_len_per_req == max(rows)
+        assert torch.equal(md.decode.mask, xqa_spec_mask(qsl, seq_lens, torch.ones(r, dtype=torch.bool), max(rows), t,
+                                                          masks))
+        q = torch.randn(t, 9, 64, generator=g).to(torch.bfloat16)
+        out = torch.full((t, 9, 64), float("nan"), dtype=torch.bfloat16)
+        impl.forward(cfg.compilation_config.static_forward_context[name], q, None, None, kv_cache, md, out)
+        assert len(calls) == 1 and calls[0] is md.decode.mask  # vLLM's impl handed XQA the trees' mask
+        del os.environ[XQA_ENV]
+        builder._ddtree_wrapper, builder._prefill_wrapper = PlanRecorder(), PlanRecorder()
+        plain = builder.build(0, cm)  # without the variable: the custom-mask plan, as before
+        assert builder._ddtree_wrapper.planned["custom_mask"] is not None and not isinstance(
+            plain.decode, FlashInferTrtllmAPIDecode)
+    finally:
+        os.environ.pop(XQA_ENV, None)
+        fi_backend.flashinfer_xqa_batch_decode_with_kv_cache = real
+        fi_backend.trtllm_workspace_buffer = workspace
+        set_step_tree_masks(None)
+    for i in range(r):
+        kv = int(seq_lens[i])
+        pos = torch.arange(kv)
+        tokens = phys[block_table[i, pos // 16].long(), pos % 16].float()
+        nq = int(query_lens[i])
+        causal = pos[None, :] <= kv - nq + torch.arange(nq)[:, None]
+        mask = dense_attention_mask(trees[(i - 1) // 2], kv)[0] if i in (1, 3) else causal
+        want = attend(q[qsl[i] : qsl[i + 1]].float(), tokens[..., :64], tokens[..., 64:], mask, 0.125)
+        err = float((out[qsl[i] : qsl[i + 1]].float() - want).abs().max())
+        assert err < 2e-2, (i, err)
+        if i in (1, 3):  # the tree mask matters for these rows
+            control = attend(q[qsl[i] : qsl[i + 1]].float(), tokens[..., :64], tokens[..., 64:], causal, 0.125)
+            assert float((control - want).abs().max()) > 0.1
 
 
 if __name__ == "__main__":

@@ -27,10 +27,19 @@ What it replaces, and why (vLLM 0.32, v1/attention/backends/flashinfer.py):
   (its native decode: what vLLM 0.32 reports for this config), vLLM's DFlash chain resolves the same.
 - Start-up (``prebuild_tree_kernels``, called after vLLM's warm-up by P14): one dummy verify step is
   planned and run, masked and causal, so FlashInfer's JIT builds of both kernels happen before serving.
+- Opt-in, ``VLLM_DDTREE_XQA=1`` where vLLM's builder runs its spec decodes through FlashInfer's XQA
+  (SM90/SM12x): the stock build is kept whole — tree requests are decodes at its reorder threshold of
+  1 + verify width, XQA's ragged path, the causal plan for longer chunks — and only the packed mask of
+  its decode rows is replaced by the trees' (:func:`vllm_ddtree.attention.tree_mask.xqa_spec_mask`,
+  causal rows as vLLM packs them): no ``plan()``, no host read. Off by default until the GPU check's
+  ``a.xqa`` has shown the kernel honours a tree mask; CUDA graphs stay capped as above.
 """
 
 from __future__ import annotations
 
+import os
+
+import torch
 from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata
 from vllm.v1.attention.backends.flashinfer import (
@@ -39,19 +48,25 @@ from vllm.v1.attention.backends.flashinfer import (
     FlashInferBackend,
     FlashInferMetadata,
     FlashInferMetadataBuilder,
+    FlashInferTrtllmAPIDecode,
 )
 from vllm.v1.attention.backends.utils import get_flashinfer_layout_string
 
 from vllm_ddtree.attention.tree_mask import (
+    TreeStepMasks,
     flashinfer_split_plan,
     flashinfer_tree_wrapper,
     plan_flashinfer_causal_step,
     plan_flashinfer_tree_step,
     prebuild_tree_kernels,
     step_tree_masks_for,
+    xqa_spec_mask,
 )
 
-__all__ = ["TreeFlashInferBackend", "TreeFlashInferMetadataBuilder"]
+__all__ = ["TreeFlashInferBackend", "TreeFlashInferMetadataBuilder", "XQA_ENV"]
+
+#: Set to 1 to verify trees through vLLM's XQA speculative decode where its builder uses XQA (see above).
+XQA_ENV = "VLLM_DDTREE_XQA"
 
 
 class TreeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
@@ -71,6 +86,10 @@ class TreeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
         if tree is None:
             return super().build(common_prefix_len, common_attn_metadata, fast_build)
         self._check_tree_support()
+        if os.environ.get(XQA_ENV) == "1" and self.use_xqa and tree.has_tree_cpu is not None:
+            md = self._build_xqa(common_prefix_len, cm, tree, fast_build)
+            if md is not None:
+                return md
         # plan() needs seq_lens on the host. The runner's host copy is exact here: ddtree never runs
         # with async scheduling, the one case where it is only an upper bound. (The stock builder
         # reads the device copy under gpu_sync_allowed when speculating; so do we without it.)
@@ -114,6 +133,28 @@ class TreeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
             prefill=causal_part,
             decode=tree_part,
         )
+
+    def _build_xqa(self, common_prefix_len: int, cm: CommonAttentionMetadata, tree: TreeStepMasks,
+                   fast_build: bool) -> FlashInferMetadata | None:
+        """vLLM's own build of the step (its tree requests XQA decodes), with the decode rows' packed
+        mask replaced by the trees'; None where a tree fell outside the decodes (then the custom-mask path)."""
+        md = super().build(common_prefix_len, cm, fast_build)
+        nd = md.num_decodes
+        if bool(tree.has_tree_cpu[nd:].any()):
+            return None
+        decode = md.decode
+        if not isinstance(decode, FlashInferTrtllmAPIDecode):
+            return None
+        if decode.mask is None:  # one query per request: every tree is its root alone, causal is exact
+            return md
+        dev = cm.query_start_loc.device
+        sub = TreeStepMasks(tree.has_tree[:nd], tree.num_rows[:nd], tree.ancestors[:nd])
+        mask = xqa_spec_mask(cm.query_start_loc[: nd + 1], cm.seq_lens[:nd], torch.ones(nd, dtype=torch.bool, device=dev),
+                             decode.q_len_per_req, md.num_decode_tokens, sub)
+        # A ragged batch's mask is packed by query offsets; a uniform one is [requests, q_len, words]. A new
+        # tensor either way: the uniform buffer vLLM caches stays causal for the steps it captures.
+        decode.mask = mask if decode.q_cu_seq_lens is not None else mask.view(nd, decode.q_len_per_req, -1)
+        return md
 
     def _check_tree_support(self) -> None:
         """Refuse what FlashInfer's custom-mask prefill cannot run here, at start-up (`prebuild_tree_kernels`)
