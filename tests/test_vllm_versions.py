@@ -138,3 +138,40 @@ def test_a_patch_that_fails_midway_leaves_vllm_as_it_was(tmp_path, drafter):
     (line,) = [m for m in got["log"] if "disabled" in m]
     assert "model runner patch failed" in line
     assert len(got["token_ids"]) == 2 and all(len(ids) == 12 for ids in got["token_ids"])
+
+
+def test_a_refused_vllm_with_a_method_registry_gets_ddtree_as_a_method_that_refuses_with_the_reason(monkeypatch):
+    # vLLM 0.34 added a public registry of custom speculative methods
+    # (vllm/v1/worker/gpu/spec_decode/speculator_config.py: SpeculatorConfig, register_speculative_method);
+    # vLLM 0.32 has none. A module with those two names stands in for it here. Run against 0.34.0's own
+    # sources, {"method": "ddtree"} then fails with the reason instead of "Unknown speculative method".
+    import types
+
+    from vllm_ddtree import plugin
+
+    registered = {}
+
+    class SpeculatorConfig:
+        speculator_class = None
+
+    module = types.ModuleType("vllm.v1.worker.gpu.spec_decode.speculator_config")
+    module.SpeculatorConfig = SpeculatorConfig
+    module.register_speculative_method = lambda name, cls: registered.setdefault(name, cls)
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    import vllm.v1.worker.gpu.spec_decode as package
+
+    monkeypatch.setattr(package, "speculator_config", module, raising=False)
+    plugin._register_refusal("install vLLM 0.32.0")
+    cls = registered["ddtree"]
+    assert issubclass(cls, SpeculatorConfig) and cls.speculator_class
+    for setup in (cls.configure, cls.default_model):
+        with pytest.raises(ValueError, match="install vLLM 0.32.0"):
+            setup(None)
+
+
+def test_vllm_0_32_has_no_method_registry_and_the_refusal_registers_nothing():
+    from vllm_ddtree import plugin
+
+    with pytest.raises(ImportError):
+        from vllm.v1.worker.gpu.spec_decode import speculator_config  # noqa: F401
+    assert plugin._register_refusal("reason") is None
