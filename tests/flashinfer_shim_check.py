@@ -211,17 +211,7 @@ def check_mixed_step_forward(cfg) -> None:
     ctx = torch.tensor([30, 21, 16, 20, 0])
     seq_lens = ctx + query_lens
     r, t = len(query_lens), int(query_lens.sum())
-    qsl = torch.zeros(r + 1, dtype=torch.int32)
-    qsl[1:] = torch.cumsum(query_lens, 0)
-    pages = [(int(s) + 15) // 16 for s in seq_lens]
-    pool = torch.randperm(sum(pages) + 3, generator=g)
-    block_table = torch.zeros(r, max(pages) + 1, dtype=torch.int32)
-    start = 0
-    for i, n in enumerate(pages):
-        block_table[i, :n] = pool[start : start + n].int()
-        start += n
-    phys = torch.randn(len(pool), 16, 3, 128, generator=g).to(torch.bfloat16)  # [P, page, HKV, 2 * D]
-    kv_cache = phys.permute(0, 2, 1, 3)  # the layer's logical view [P, HKV, page, 2 * D] (LBNHC)
+    qsl, block_table, phys, kv_cache = paged_layer(query_lens, seq_lens, g)
     anc = torch.zeros(r, rows, rows, dtype=torch.bool)
     anc[1] = tree.ancestors[0]
     has_tree = torch.tensor([False, True, False, False, False])
@@ -258,6 +248,24 @@ def check_mixed_step_forward(cfg) -> None:
         if i == 1:  # the tree mask matters for these rows
             control = attend(q[qsl[i] : qsl[i + 1]].float(), tokens[..., :64], tokens[..., 64:], causal, 0.125)
             assert float((control - want).abs().max()) > 0.1
+
+
+def paged_layer(query_lens: torch.Tensor, seq_lens: torch.Tensor, g: torch.Generator):
+    """A step's query offsets [R + 1] int32, block table [R, pages + 1] int32 (shuffled pages), and one bf16
+    layer cache of page 16, 3 KV heads, head dim 64: physical [P, page, HKV, 2 * D] and the layer's
+    logical view [P, HKV, page, 2 * D] (LBNHC)."""
+    r = len(query_lens)
+    qsl = torch.zeros(r + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(query_lens, 0)
+    pages = [(int(x) + 15) // 16 for x in seq_lens]
+    pool = torch.randperm(sum(pages) + 3, generator=g)
+    block_table = torch.zeros(r, max(pages) + 1, dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(pages):
+        block_table[i, :n] = pool[start : start + n].int()
+        start += n
+    phys = torch.randn(len(pool), 16, 3, 128, generator=g).to(torch.bfloat16)
+    return qsl, block_table, phys, phys.permute(0, 2, 1, 3)
 
 
 def check_reorder_threshold(cfg) -> None:
@@ -415,17 +423,7 @@ def check_xqa_verify_step(cfg) -> None:
     query_lens = torch.tensor([1, rows[0], 1, rows[1]])
     seq_lens = torch.tensor([30, 21, 16, 40]) + query_lens
     r, t = len(query_lens), int(query_lens.sum())
-    qsl = torch.zeros(r + 1, dtype=torch.int32)
-    qsl[1:] = torch.cumsum(query_lens, 0)
-    pages = [(int(x) + 15) // 16 for x in seq_lens]
-    pool = torch.randperm(sum(pages) + 3, generator=g)
-    block_table = torch.zeros(r, max(pages) + 1, dtype=torch.int32)
-    start = 0
-    for i, n in enumerate(pages):
-        block_table[i, :n] = pool[start : start + n].int()
-        start += n
-    phys = torch.randn(len(pool), 16, 3, 128, generator=g).to(torch.bfloat16)  # [P, page, HKV, 2 * D]
-    kv_cache = phys.permute(0, 2, 1, 3)
+    qsl, block_table, phys, kv_cache = paged_layer(query_lens, seq_lens, g)
     n = max(rows)
     anc = torch.zeros(r, n, n, dtype=torch.bool)
     anc[1, : rows[0], : rows[0]] = trees[0].ancestors[0]
