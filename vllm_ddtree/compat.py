@@ -403,14 +403,19 @@ def check(location: str | Path, reference: str | Path | None = None) -> CompatRe
     return CompatReport(src.version, ref_src.version if ref_src else REFERENCE_VERSION, statuses)
 
 
-def check_installed() -> CompatReport:
-    """The check for the vLLM this process imports (read from its files; nothing of vLLM's runs)."""
+def installed_vllm() -> Path:
+    """The vllm/ folder this process would import (found, not imported)."""
     import importlib.util
 
     spec = importlib.util.find_spec("vllm")
     if spec is None or spec.origin is None:
         raise ImportError("vLLM is not installed")
-    return check(Path(spec.origin).parent)
+    return Path(spec.origin).parent
+
+
+def check_installed() -> CompatReport:
+    """The check for the vLLM this process imports (read from its files; nothing of vLLM's runs)."""
+    return check(installed_vllm())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -431,12 +436,10 @@ def main(argv: list[str] | None = None) -> int:
         print(write_reference(args.vllm))
         return 0
     if args.vllm is None:
-        import importlib.util
-
-        spec = importlib.util.find_spec("vllm")
-        if spec is None or spec.origin is None:
+        try:
+            args.vllm = str(installed_vllm())
+        except ImportError:
             parser.error("vLLM is not installed here: name a wheel or site-packages folder to check")
-        args.vllm = str(Path(spec.origin).parent)
     report = check(args.vllm, args.reference)
     width = max(len(f"{t.file} {t.name}") for t in report.targets)
     for t in report.targets:

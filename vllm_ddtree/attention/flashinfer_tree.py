@@ -147,10 +147,10 @@ class TreeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
             return None
         if decode.mask is None:  # one query per request: every tree is its root alone, causal is exact
             return md
-        dev = cm.query_start_loc.device
+        causal = torch.ones(nd, dtype=torch.bool, device=cm.query_start_loc.device)
         sub = TreeStepMasks(tree.has_tree[:nd], tree.num_rows[:nd], tree.ancestors[:nd])
-        mask = xqa_spec_mask(cm.query_start_loc[: nd + 1], cm.seq_lens[:nd], torch.ones(nd, dtype=torch.bool, device=dev),
-                             decode.q_len_per_req, md.num_decode_tokens, sub)
+        mask = xqa_spec_mask(cm.query_start_loc[: nd + 1], cm.seq_lens[:nd], causal, decode.q_len_per_req,
+                             md.num_decode_tokens, sub)
         # A ragged batch's mask is packed by query offsets; a uniform one is [requests, q_len, words]. A new
         # tensor either way: the uniform buffer vLLM caches stays causal for the steps it captures.
         decode.mask = mask if decode.q_cu_seq_lens is not None else mask.view(nd, decode.q_len_per_req, -1)
