@@ -415,7 +415,7 @@ def check_xqa_verify_step(cfg) -> None:
     impl = cfg.compilation_config.static_forward_context[name].impl
     g = torch.Generator().manual_seed(5)
     trees = []
-    for nodes, ctx in ((width, 21), (5, 40)):
+    for nodes, ctx in ((width - 3, 21), (5, 40)):
         lp, ids = topk_per_depth(torch.randn(1, 8, 12, generator=g) * 2, 6)
         trees.append(compile_tree(build_tree(lp, ids, nodes), torch.tensor([5]), torch.tensor([ctx])))
     rows = [int(t.num_rows[0]) for t in trees]
@@ -467,13 +467,31 @@ def check_xqa_verify_step(cfg) -> None:
         md = builder.build(0, cm)
         assert isinstance(md.decode, FlashInferTrtllmAPIDecode) and md.decode.kernel == FlashInferDecodeKernel.XQA
         assert (md.num_decodes, md.num_decode_tokens, md.num_prefills) == (r, t, 0)
-        assert md.decode.q_cu_seq_lens is not None and md.decode.q_len_per_req == max(rows)
-        assert torch.equal(md.decode.mask, xqa_spec_mask(qsl, seq_lens, torch.ones(r, dtype=torch.bool), max(rows), t,
+        # One query width whatever the trees (FlashInfer builds an XQA kernel per width): the decode bound.
+        assert md.decode.q_cu_seq_lens.tolist() == qsl.tolist() and md.decode.q_len_per_req == 1 + width > max(rows)
+        assert torch.equal(md.decode.mask, xqa_spec_mask(qsl, seq_lens, torch.ones(r, dtype=torch.bool), 1 + width, t,
                                                           masks))
         q = torch.randn(t, 9, 64, generator=g).to(torch.bfloat16)
         out = torch.full((t, 9, 64), float("nan"), dtype=torch.bfloat16)
         impl.forward(cfg.compilation_config.static_forward_context[name], q, None, None, kv_cache, md, out)
         assert len(calls) == 1 and calls[0] is md.decode.mask  # vLLM's impl handed XQA the trees' mask
+        # Two trees of one size are a uniform batch to vLLM (its cached per-shape mask, no offsets): still
+        # the ragged call at the one width, with the trees' mask.
+        two = torch.tensor([0, rows[1], 2 * rows[1]], dtype=torch.int32)
+        same = TreeStepMasks(torch.tensor([True, True]), torch.tensor([rows[1]] * 2), anc[[3, 3]],
+                             has_tree_cpu=torch.tensor([True, True]))
+        cm2 = CommonAttentionMetadata(query_start_loc=two, query_start_loc_cpu=two, seq_lens=seq_lens[[3, 3]].int(),
+                                      num_reqs=2, num_actual_tokens=2 * rows[1], max_query_len=rows[1],
+                                      max_seq_len=int(seq_lens[3]), block_table_tensor=block_table[[3, 3]],
+                                      slot_mapping=torch.arange(2 * rows[1]), causal=True,
+                                      seq_lens_cpu_upper_bound=seq_lens[[3, 3]].int())
+        assert FlashInferMetadataBuilder.build(builder, 0, cm2).decode.q_cu_seq_lens is None  # vLLM's: uniform
+        set_step_tree_masks(same)
+        uniform = builder.build(0, cm2).decode
+        assert uniform.q_len_per_req == 1 + width and uniform.q_cu_seq_lens.tolist() == two.tolist()
+        assert torch.equal(uniform.mask, xqa_spec_mask(two, seq_lens[[3, 3]], torch.ones(2, dtype=torch.bool),
+                                                       1 + width, 2 * rows[1], same))
+        set_step_tree_masks(masks)
         del os.environ[XQA_ENV]
         builder._ddtree_wrapper, builder._prefill_wrapper = PlanRecorder(), PlanRecorder()
         plain = builder.build(0, cm)  # without the variable: the custom-mask plan, as before

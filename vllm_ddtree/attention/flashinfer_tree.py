@@ -31,8 +31,10 @@ What it replaces, and why (vLLM 0.32, v1/attention/backends/flashinfer.py):
   (SM90/SM12x): the stock build is kept whole — tree requests are decodes at its reorder threshold of
   1 + verify width, XQA's ragged path, the causal plan for longer chunks — and only the packed mask of
   its decode rows is replaced by the trees' (:func:`vllm_ddtree.attention.tree_mask.xqa_spec_mask`,
-  causal rows as vLLM packs them): no ``plan()``, no host read. Off by default until the GPU check's
-  ``a.xqa`` has shown the kernel honours a tree mask; CUDA graphs stay capped as above.
+  causal rows as vLLM packs them), always as XQA's ragged call at one query width (the decode bound),
+  so FlashInfer builds one XQA kernel, not one per step's longest tree: no ``plan()``, no host read.
+  Off by default until the GPU check's ``a.xqa`` has shown the kernel honours a tree mask (at a width
+  above the longest request, as here); CUDA graphs stay capped as above.
 """
 
 from __future__ import annotations
@@ -147,13 +149,16 @@ class TreeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
             return None
         if decode.mask is None:  # one query per request: every tree is its root alone, causal is exact
             return md
+        # FlashInfer builds an XQA kernel per query width (q_len_per_req): vLLM passes the step's longest
+        # decode, which for trees changes from step to step, each new width a JIT build while serving. So
+        # always the ragged call at one width, the decode bound (1 + verify width), and a new mask tensor:
+        # vLLM's cached uniform buffer stays causal for the steps it captures.
+        width = max(self.reorder_batch_threshold, decode.q_len_per_req)
         causal = torch.ones(nd, dtype=torch.bool, device=cm.query_start_loc.device)
         sub = TreeStepMasks(tree.has_tree[:nd], tree.num_rows[:nd], tree.ancestors[:nd])
-        mask = xqa_spec_mask(cm.query_start_loc[: nd + 1], cm.seq_lens[:nd], causal, decode.q_len_per_req,
-                             md.num_decode_tokens, sub)
-        # A ragged batch's mask is packed by query offsets; a uniform one is [requests, q_len, words]. A new
-        # tensor either way: the uniform buffer vLLM caches stays causal for the steps it captures.
-        decode.mask = mask if decode.q_cu_seq_lens is not None else mask.view(nd, decode.q_len_per_req, -1)
+        decode.q_len_per_req = width
+        decode.q_cu_seq_lens = cm.query_start_loc[: nd + 1]
+        decode.mask = xqa_spec_mask(decode.q_cu_seq_lens, cm.seq_lens[:nd], causal, width, md.num_decode_tokens, sub)
         return md
 
     def _check_tree_support(self) -> None:
