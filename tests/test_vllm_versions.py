@@ -81,6 +81,37 @@ def test_command_line_report(tmp_path):
     assert here.returncode == 0 and f"vLLM {data['vllm']}" in here.stdout, here.stdout[-500:] + here.stderr[-500:]
 
 
+def test_the_installed_check_is_cached_per_vllm_install(tmp_path, monkeypatch):
+    # The plugin checks a vLLM other than 0.32.0 in every process vLLM starts: only the first reads
+    # the files. A copy of the installed vLLM's target files stands in for an installed release.
+    site = tmp_path / "site" / "vllm"
+    for file in {t.file for t in compat.TARGETS} | {"_version.py"}:
+        if (_installed() / file).is_file():
+            (site / file).parent.mkdir(parents=True, exist_ok=True)
+            (site / file).write_text((_installed() / file).read_text())
+    (site / "__init__.py").write_text("")
+    monkeypatch.setattr(compat, "installed_vllm", lambda: site)
+    cache = tmp_path / "cache"
+    first = compat.check_installed(cache)
+    assert first.compatible and first == compat.check(site)
+    calls = []
+    real_check = compat.check
+    monkeypatch.setattr(compat, "check", lambda *a, **k: calls.append(a) or real_check(*a, **k))
+    assert compat.check_installed(cache) == first and not calls  # the cached report
+    # An edited target file makes a new key: read again, and the edit is seen.
+    spec = site / "config" / "speculative.py"
+    spec.write_text(spec.read_text().replace("def use_dflash(self) -> bool:", "def use_dflash_x(self) -> bool:", 1))
+    edited = compat.check_installed(cache)
+    assert len(calls) == 1 and [t.name for t in edited.blocking] == ["SpeculativeConfig.use_dflash"]
+    assert compat.check_installed(cache) == edited and len(calls) == 1
+    # A damaged cache file is read past; a cache that cannot be written only costs the check.
+    for cached in (cache / "compat").glob("*.json"):
+        cached.write_text("{")
+    assert compat.check_installed(cache) == edited and len(calls) == 2
+    (tmp_path / "not_a_dir").write_text("")
+    assert compat.check_installed(tmp_path / "not_a_dir") == edited and len(calls) == 3
+
+
 @pytest.mark.parametrize("version", ["0.33.0", "0.34.0"])
 def test_committed_reports_refuse_later_releases(version):
     # patches/compat-vllm-<version>.json is this command's output for that release's vLLM wheel.

@@ -16,7 +16,8 @@ comments do not count) with a fingerprint of vLLM 0.32.0's, committed in
 
 The plugin runs the same check at start-up on any vLLM other than 0.32.0 (:func:`check_installed`):
 where every target is unchanged it patches with a warning that the version was checked statically,
-not run; where any changed or is missing it patches nothing and says which.
+not run; where any changed or is missing it patches nothing and says which. Its report is cached per
+installed vLLM, so only the first process after an install pays for reading the files.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import ast
 import difflib
 import hashlib
 import json
+import os
 import re
 import sys
 import zipfile
@@ -350,6 +352,11 @@ class CompatReport:
         return {"vllm": self.vllm, "reference": self.reference, "compatible": self.compatible,
                 "summary": self.summary(), "targets": [asdict(t) for t in self.targets]}
 
+    @classmethod
+    def from_dict(cls, d: dict) -> CompatReport:
+        """The report :meth:`to_dict` wrote."""
+        return cls(d["vllm"], d["reference"], [TargetStatus(**t) for t in d["targets"]])
+
     def to_markdown(self) -> str:
         verdict = ("accepted: every target unchanged (statically checked, not run)" if self.compatible
                    else "refused: the plugin leaves this vLLM untouched")
@@ -413,9 +420,54 @@ def installed_vllm() -> Path:
     return Path(spec.origin).parent
 
 
-def check_installed() -> CompatReport:
-    """The check for the vLLM this process imports (read from its files; nothing of vLLM's runs)."""
-    return check(installed_vllm())
+def check_installed(cache_dir: str | Path | None = None) -> CompatReport:
+    """The check for the vLLM this process imports (read from its files; nothing of vLLM's runs).
+
+    The plugin runs it in every process vLLM starts (API server, engine core, each worker), and
+    parsing the targets' files takes ~0.5-1 s. So the report is kept under
+    ``cache_dir/compat`` (default ``$VLLM_DDTREE_CACHE`` or ``~/.cache/vllm-ddtree``), named by a
+    key of everything the verdict depends on: this module, the committed fingerprints, and the path,
+    size and modification time of each target file. Any edit or reinstall of vLLM (or of this
+    plugin) makes a new key; a cache that cannot be read or written is passed over.
+    """
+    root = installed_vllm()
+    path = None
+    try:
+        path = _cache_dir(cache_dir) / "compat" / f"{_files_key(root)}.json"
+        if path.is_file():
+            return CompatReport.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):  # an unreadable or foreign file: check again
+        pass
+    report = check(root)
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(report.to_dict()))
+            os.replace(tmp, path)  # atomic: a process starting meanwhile reads the whole report or none
+        except OSError:
+            pass
+    return report
+
+
+def _cache_dir(cache_dir: str | Path | None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir)
+    env = os.environ.get("VLLM_DDTREE_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "vllm-ddtree"
+
+
+def _files_key(root: Path) -> str:
+    """A digest of what :func:`check` reads from ``root`` and compares it with (stats, not contents)."""
+    h = hashlib.sha256(Path(__file__).read_bytes() + REFERENCE_FILE.read_bytes())
+    h.update(str(root.resolve()).encode())
+    for file in sorted({t.file for t in TARGETS} | {"_version.py"}):
+        try:
+            st = (root / file).stat()
+            h.update(f"\n{file} {st.st_size} {st.st_mtime_ns}".encode())
+        except FileNotFoundError:
+            h.update(f"\n{file} missing".encode())
+    return h.hexdigest()[:32]
 
 
 def main(argv: list[str] | None = None) -> int:
