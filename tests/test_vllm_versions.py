@@ -110,6 +110,10 @@ def test_the_installed_check_is_cached_per_vllm_install(tmp_path, monkeypatch):
     assert compat.check_installed(cache) == edited and len(calls) == 2
     (tmp_path / "not_a_dir").write_text("")
     assert compat.check_installed(tmp_path / "not_a_dir") == edited and len(calls) == 3
+    # Other fingerprints (what check() compares with) make a new key too.
+    reference = compat.load_reference()
+    monkeypatch.setattr(compat, "load_reference", lambda *a: {k: v | {"sha": "0"} for k, v in reference.items()})
+    assert not any(t.status == "unchanged" for t in compat.check_installed(cache).targets) and len(calls) == 4
 
 
 @pytest.mark.parametrize("version", ["0.33.0", "0.34.0"])
