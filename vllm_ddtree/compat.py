@@ -433,7 +433,9 @@ def check_installed(cache_dir: str | Path | None = None) -> CompatReport:
     root = installed_vllm()
     path = None
     try:
-        path = _cache_dir(cache_dir) / "compat" / f"{_files_key(root)}.json"
+        from vllm_ddtree.models.target import default_cache_dir
+
+        path = Path(cache_dir or default_cache_dir()) / "compat" / f"{_files_key(root)}.json"
         if path.is_file():
             return CompatReport.from_dict(json.loads(path.read_text()))
     except (OSError, ValueError, KeyError, TypeError):  # an unreadable or foreign file: check again
@@ -448,13 +450,6 @@ def check_installed(cache_dir: str | Path | None = None) -> CompatReport:
         except OSError:
             pass
     return report
-
-
-def _cache_dir(cache_dir: str | Path | None) -> Path:
-    if cache_dir is not None:
-        return Path(cache_dir)
-    env = os.environ.get("VLLM_DDTREE_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "vllm-ddtree"
 
 
 def _files_key(root: Path) -> str:
