@@ -110,10 +110,15 @@ def test_the_installed_check_is_cached_per_vllm_install(tmp_path, monkeypatch):
     assert compat.check_installed(cache) == edited and len(calls) == 2
     (tmp_path / "not_a_dir").write_text("")
     assert compat.check_installed(tmp_path / "not_a_dir") == edited and len(calls) == 3
+    # No home directory to hold the cache (a container's arbitrary user): checked, never raised.
+    monkeypatch.delenv("VLLM_DDTREE_CACHE", raising=False)
+    with monkeypatch.context() as m:
+        m.setattr(Path, "home", lambda: (_ for _ in ()).throw(RuntimeError("Could not determine home directory")))
+        assert compat.check_installed() == edited and len(calls) == 4
     # Other fingerprints (what check() compares with) make a new key too.
     reference = compat.load_reference()
     monkeypatch.setattr(compat, "load_reference", lambda *a: {k: v | {"sha": "0"} for k, v in reference.items()})
-    assert not any(t.status == "unchanged" for t in compat.check_installed(cache).targets) and len(calls) == 4
+    assert not any(t.status == "unchanged" for t in compat.check_installed(cache).targets) and len(calls) == 5
 
 
 @pytest.mark.parametrize("version", ["0.33.0", "0.34.0"])

@@ -424,7 +424,7 @@ def check_installed(cache_dir: str | Path | None = None) -> CompatReport:
     """The check for the vLLM this process imports (read from its files; nothing of vLLM's runs).
 
     The plugin runs it in every process vLLM starts (API server, engine core, each worker), and
-    parsing the targets' files takes ~0.5-1 s. So the report is kept under
+    parsing the targets' files takes 0.5-1.3 s. So the report is kept under
     ``cache_dir/compat`` (default ``$VLLM_DDTREE_CACHE`` or ``~/.cache/vllm-ddtree``), named by a
     key of everything the verdict depends on: this module, the committed fingerprints, and the path,
     size and modification time of each target file. Any edit or reinstall of vLLM (or of this
@@ -438,7 +438,7 @@ def check_installed(cache_dir: str | Path | None = None) -> CompatReport:
         path = Path(cache_dir or default_cache_dir()) / "compat" / f"{_files_key(root)}.json"
         if path.is_file():
             return CompatReport.from_dict(json.loads(path.read_text()))
-    except (OSError, ValueError, KeyError, TypeError):  # an unreadable or foreign file: check again
+    except Exception:  # noqa: BLE001 — the cache is optional (no home directory, a foreign file): check
         pass
     report = check(root)
     if path is not None:
@@ -447,7 +447,7 @@ def check_installed(cache_dir: str | Path | None = None) -> CompatReport:
             tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
             tmp.write_text(json.dumps(report.to_dict()))
             os.replace(tmp, path)  # atomic: a process starting meanwhile reads the whole report or none
-        except OSError:
+        except Exception:  # noqa: BLE001 — an unwritable cache only costs the next process the check
             pass
     return report
 
