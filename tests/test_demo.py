@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import vllm_env
+from conftest import threads_per_worker, vllm_env
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -24,7 +24,8 @@ ROW = re.compile(r"^(" + "|".join(re.escape(m) for m in METHODS) + r")" + r"\s+(
 def test_demo_runs_its_engines_side_by_side_and_reports_each_engine_s_tau(drafter):
     _, trained = drafter
     proc = subprocess.run([sys.executable, "-m", "vllm_ddtree.demo", "--prompts", "2", "--max-new-tokens", "24",
-                           "--repeats", "2"], env=vllm_env(), capture_output=True, text=True, timeout=1200)
+                           "--repeats", "2", "--threads", str(threads_per_worker())],
+                          env=vllm_env(), capture_output=True, text=True, timeout=1200)
     out = proc.stdout
     assert proc.returncode == 0, (out[-3000:], proc.stderr[-3000:])
     assert "token-identical to the target alone (every method, both ways, every repeat): yes" in out, out[-3000:]
