@@ -725,7 +725,7 @@ def main(argv: list[str] | None = None) -> None:
             model.load_state_dict(last_sd)
     final = {"event": "final", "step": step, "elapsed": elapsed, "eval": asdict(ev)}
     log.write(json.dumps(final) + "\n")
-    log.flush()
+    log.close()
     print(json.dumps(final), flush=True)
     if args.export:
         export(model, out, args.export, held, t2d, feature_index)
