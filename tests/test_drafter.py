@@ -412,7 +412,7 @@ def test_bf16_autocast_step_keeps_float32_state_and_the_float32_gradient():
         loss = block_loss(logits, batch, w)
         loss.backward()
         g = torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None])
-        return logits, g, float(loss)
+        return logits, g, float(loss.detach())
 
     logits32, g32, loss32 = grads(False)
     logits16, g16, loss16 = grads(True)
