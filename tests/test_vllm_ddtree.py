@@ -366,13 +366,12 @@ def test_thinking_budgets_survive_preemption_as_if_never_preempted(tmp_path, dra
     reasoning = {"reasoning_config": {"reasoning_start_str": ",", "reasoning_end_str": " the end."},
                  "max_model_len": 224, "max_num_seqs": 9}
     tight = reasoning | {"num_gpu_blocks_override": 8, "block_size": 32, "max_num_batched_tokens": 48}
-    alone = run(tmp_path / "alone.json", [None], "--engine", json.dumps(reasoning), "--requests", requests)
-    res = run(tmp_path / "out.json", [{"method": "ddtree", "model": str(path)}], "--engine", json.dumps(tight),
-              "--requests", requests)
-    assert alone["metrics"][0]["vllm:num_preemptions"] == 0
-    assert res["metrics"][0]["vllm:num_preemptions"] > 0  # the scenario really preempts
-    assert res["metrics"][0].get("vllm:spec_decode_num_drafts", 0) > 0
-    assert res["outputs"][0] == alone["outputs"][0]
+    res = run(tmp_path / "out.json", [None, {"method": "ddtree", "model": str(path)}],
+              "--engine-per-spec", json.dumps([reasoning, tight]), "--requests", requests)
+    assert res["metrics"][0]["vllm:num_preemptions"] == 0
+    assert res["metrics"][1]["vllm:num_preemptions"] > 0  # the scenario really preempts
+    assert res["metrics"][1].get("vllm:spec_decode_num_drafts", 0) > 0
+    assert res["outputs"][1] == res["outputs"][0]
 
 
 def test_a_prompt_cached_but_for_its_last_token_decodes_under_a_small_step_budget(tmp_path, drafter):
@@ -603,21 +602,20 @@ def test_seeded_requests_sample_the_target_alone_s_tokens_through_trees_chunks_a
     path, trained = drafter
     sampling = {"temperature": 0.8, "top_p": 0.95, "presence_penalty": 0.3, "seed": 7, "max_tokens": 40,
                 "ignore_eos": True}
-    whole = run(tmp_path / "whole.json", [None], "--engine", json.dumps({"max_num_batched_tokens": 2048}),
-                "--sampling", json.dumps(sampling), "--prefix", PREAMBLE, helper=INSTRUMENTED)
-    engine = {"num_gpu_blocks_override": 8, "block_size": 32, "max_num_batched_tokens": 48, "max_model_len": 224,
-              "max_num_seqs": 9}
-    chunked = run(tmp_path / "chunked.json", [{"method": "ddtree", "model": str(path)}], "--engine",
-                  json.dumps(engine), "--sampling", json.dumps(sampling), "--prefix", PREAMBLE, helper=INSTRUMENTED)
-    alone = whole["outputs"][0]
+    whole = {"max_num_batched_tokens": 2048}
+    chunked = {"num_gpu_blocks_override": 8, "block_size": 32, "max_num_batched_tokens": 48, "max_model_len": 224,
+               "max_num_seqs": 9}
+    res = run(tmp_path / "out.json", [None, {"method": "ddtree", "model": str(path)}], "--engine-per-spec",
+              json.dumps([whole, chunked]), "--sampling", json.dumps(sampling), "--prefix", PREAMBLE, helper=INSTRUMENTED)
+    alone = res["outputs"][0]
     assert len(alone) == 9 and len(set(map(tuple, alone))) == 9
-    assert chunked["outputs"][0] == alone
-    m, cfg = chunked["metrics"][0], chunked["config"][0]
+    assert res["outputs"][1] == alone
+    m, cfg = res["metrics"][1], res["config"][1]
     assert m["vllm:spec_decode_num_drafts"] > 0, m  # trees were verified
     if trained:
         assert m["vllm:spec_decode_num_accepted_tokens"] > 0, m  # and sampled tokens came from them
     assert m["vllm:num_preemptions"] > 0, m
-    assert max(chunked["prompt_tokens"][0]) > cfg["max_num_batched_tokens"], cfg
+    assert max(res["prompt_tokens"][1]) > cfg["max_num_batched_tokens"], cfg
 
 
 def test_aborted_requests_free_their_blocks(tmp_path, drafter):

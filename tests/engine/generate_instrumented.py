@@ -5,7 +5,8 @@ budget's acceptance fit, and an optional deliberately wrong tree sampler (a nega
     python generate_instrumented.py OUT.json [--engine JSON] [--sampling JSON] [--repeat N | --prompts JSON]
                                     [--prefix TEXT] [--distort I:T] [--arrivals JSON] SPEC_JSON [SPEC_JSON ...]
 
-SPEC_JSON "none" runs without speculation. --engine adds LLM(...) keyword arguments, --sampling
+SPEC_JSON "none" runs without speculation. --engine adds LLM(...) keyword arguments (--engine-per-spec:
+one object more per spec), --sampling
 SamplingParams keyword arguments (default greedy, 40 tokens), --repeat N sends `generate_spec.PROMPTS[0]`
 N times, --prompts JSON sends these strings instead of `generate_spec.PROMPTS`, --prefix TEXT puts
 TEXT before every prompt. --distort I:T makes spec I's tree walk draw each verify row from its
@@ -184,7 +185,7 @@ if __name__ == "__main__":
     if args.distort:
         distort_index, distort_t = int(args.distort.split(":")[0]), float(args.distort.split(":")[1])
     sampling = SamplingParams(**json.loads(args.sampling))
-    engine = generate_spec.engine_kwargs(args)
+    engines = generate_spec.engine_kwargs(args)
     from vllm_ddtree.attention.cpu_tree import TreeAttentionMetadataBuilder
 
     from vllm_ddtree.compaction import layer_stacks
@@ -197,7 +198,7 @@ if __name__ == "__main__":
     for i, arg in enumerate(args.specs):
         spec = None if arg == "none" else json.loads(arg)
         undo = distort_tree_sampler(distort_t) if i == distort_index else None
-        llm = LLM(model=target, speculative_config=spec, **engine)
+        llm = LLM(model=target, speculative_config=spec, **engines[i])
         spec_counts = SpecCounts(llm)  # the demo's per-engine counts, to compare with vLLM's metrics
         drafter = getattr(llm.llm_engine.model_executor.driver_worker.worker.model_runner, "drafter", None)
         auto = getattr(drafter, "auto", None)

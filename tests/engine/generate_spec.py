@@ -2,7 +2,8 @@
 
     python generate_spec.py OUT.json [--engine JSON] [--sampling JSON] [--repeat N] SPEC_JSON [SPEC_JSON ...]
 
-SPEC_JSON "none" runs without speculation. --engine adds LLM(...) keyword arguments, --sampling
+SPEC_JSON "none" runs without speculation. --engine adds LLM(...) keyword arguments (--engine-per-spec
+JSON: a list of more, one object per spec, over --engine's), --sampling
 SamplingParams keyword arguments (default greedy, 40 tokens), --repeat N sends only the first prompt, N
 times, --requests JSON sends [[prompt index, SamplingParams keyword arguments], ...] instead (one batch,
 per-request parameters; "structured_outputs" as StructuredOutputsParams keyword arguments),
@@ -85,11 +86,13 @@ def ddtree_summary(llm) -> dict | None:
 
 
 def helper_parser() -> argparse.ArgumentParser:
-    """The arguments every generation helper takes: OUT, SPEC_JSON..., --engine, --sampling, --repeat."""
+    """The arguments every generation helper takes: OUT, SPEC_JSON..., --engine, --engine-per-spec,
+    --sampling, --repeat."""
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("specs", nargs="+")
     ap.add_argument("--engine", default="{}")
+    ap.add_argument("--engine-per-spec", default=None)
     ap.add_argument("--sampling", default='{"temperature": 0, "max_tokens": 40}')
     ap.add_argument("--repeat", type=int, default=0)
     return ap
@@ -111,10 +114,22 @@ def hook_keeping_async_scheduling() -> classmethod:
     return classmethod(check_and_update_config)
 
 
-def engine_kwargs(args) -> dict:
-    """LLM(...) keyword arguments: the helpers' float32 test engine, updated by --engine."""
-    return dict(dtype="float32", max_model_len=1024, enforce_eager=True, seed=0, max_num_batched_tokens=256,
+def engine_kwargs(args) -> list[dict]:
+    """LLM(...) keyword arguments per spec: the helpers' float32 test engine, updated by --engine, then by
+    the spec's own object in --engine-per-spec (engines of several configurations share one process:
+    each process spends seconds importing vLLM)."""
+    base = dict(dtype="float32", max_model_len=1024, enforce_eager=True, seed=0, max_num_batched_tokens=256,
                 disable_log_stats=False) | json.loads(args.engine)
+    per_spec = json.loads(args.engine_per_spec) if args.engine_per_spec else [{}] * len(args.specs)
+    if len(per_spec) != len(args.specs):
+        raise SystemExit(f"--engine-per-spec has {len(per_spec)} objects for {len(args.specs)} specs")
+    engines = [base | extra for extra in per_spec]
+    for engine in engines:
+        if "reasoning_config" in engine:  # {"reasoning_start_str": ..., "reasoning_end_str": ...}
+            from vllm.config import ReasoningConfig
+
+            engine["reasoning_config"] = ReasoningConfig(**engine["reasoning_config"])
+    return engines
 
 
 if __name__ == "__main__":
@@ -151,16 +166,13 @@ if __name__ == "__main__":
         reqs = json.loads(args.requests)
         prompts = [PROMPTS[i] for i, _ in reqs]
         sampling = [sampling_params(kw) for _, kw in reqs]
-    engine = engine_kwargs(args)
-    if "reasoning_config" in engine:  # {"reasoning_start_str": ..., "reasoning_end_str": ...}
-        from vllm.config import ReasoningConfig
-
-        engine["reasoning_config"] = ReasoningConfig(**engine["reasoning_config"])
+    engines = engine_kwargs(args)
     result = {"outputs": [], "completions": [], "metrics": [], "logprobs": [], "prompt_logprobs": [], "ddtree": [],
               "finish": [], "spec_decode": [], "scheduler": []}
     for i, arg in enumerate(args.specs):
         spec = None if arg == "none" else json.loads(arg)
         # (vLLM refuses per-request spec-decode metrics without speculation)
+        engine = engines[i]
         kwargs = engine if spec is not None else {k: v for k, v in engine.items()
                                                   if k != "per_request_spec_decode_metrics"}
         if async_specs:  # (lifted, vLLM's own default would be on for the others too)
