@@ -688,41 +688,43 @@ def test_the_budget_may_choose_no_tree_and_the_undrafted_steps_stay_exact(tmp_pa
 PREFIX_CACHE_HELPER = Path(__file__).parent / "engine" / "prefix_cache_drafter.py"
 
 
-@pytest.mark.parametrize("variant", ["trees", "gate closed", "corrupted (negative control)"])
-def test_prefix_cache_hits_hand_the_drafter_the_kv_it_wrote(tmp_path, drafter, variant):
+def test_prefix_cache_hits_hand_the_drafter_the_kv_it_wrote(tmp_path, drafter):
     """A conversation's next turn reads its blocks, the answer's included, from the prefix cache: the
     drafter must draft from them exactly as from blocks computed afresh. ddtree keeps the trailing
     cached block (DFlash drops it), so every full block of the turn is a hit. With the gate closed
     most of the answer reached the drafter through undrafted steps' context pass. Negative control:
-    noise in the drafter's cache between the passes must show."""
+    noise in the drafter's cache between the passes must show. (The three engines share one process.)"""
     path, _ = drafter
     spec = {"method": "ddtree", "model": str(path), "prompt_lookup_tokens": 0}
-    spec |= {"tree_budget": 8} if variant == "trees" else {"tree_budget": "auto", "min_tree_budget": 0}
-    options = {"trees": [], "gate closed": ["--gate-closed"], "corrupted (negative control)": ["--gate-closed", "--corrupt"]}
+    gated = spec | {"tree_budget": "auto", "min_tree_budget": 0}
+    variants = {"trees": {"spec": spec | {"tree_budget": 8}},
+                "gate closed": {"spec": gated, "gate_closed": True},
+                "corrupted (negative control)": {"spec": gated, "gate_closed": True, "corrupt": True}}
     env = vllm_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")
     out = tmp_path / "out.json"
-    proc = subprocess.run([sys.executable, str(PREFIX_CACHE_HELPER), str(out), json.dumps(spec), *options[variant]],
+    proc = subprocess.run([sys.executable, str(PREFIX_CACHE_HELPER), str(out), *map(json.dumps, variants.values())],
                           env=env, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    res = json.loads(out.read_text())
-    bs = res["block_size"]
-    assert not res["block_drop"]
-    # pass 2 read every full block of the turn (up to its last token, which is recomputed); pass 3
-    # at most the chat template's first block, shared by all its prompts
-    assert res["cached"][1] == [(n - 1) // bs * bs for n in res["turn_tokens"]]
-    assert res["cached"][2][0] == 0 and all(c <= bs for c in res["cached"][2])
-    assert res["outputs"][1] == res["outputs"][2]
-    if variant != "trees":
-        assert res["undrafted"] > 40
-    # each request's first draft reads only the turn's blocks and comes at the same position in both
-    # passes; later positions coincide only while the two passes accept alike (not under the noise)
-    firsts = [min(r2, key=int) for r2 in res["draft_logp"][0]]
-    assert all(first in r3 for first, r3 in zip(firsts, res["draft_logp"][1]))
-    diffs = [max(abs(a - b) for a, b in zip(r2[p], r3[p])) for r2, r3 in zip(*res["draft_logp"]) for p in set(r2) & set(r3)]
-    if variant.startswith("corrupted"):
-        assert max(diffs) > 1e-2, diffs
-    else:
-        assert max(diffs) < 1e-3, diffs
+    for variant, res in zip(variants, json.loads(out.read_text())):
+        bs = res["block_size"]
+        assert not res["block_drop"], variant
+        # pass 2 read every full block of the turn (up to its last token, which is recomputed); pass 3
+        # at most the chat template's first block, shared by all its prompts
+        assert res["cached"][1] == [(n - 1) // bs * bs for n in res["turn_tokens"]], variant
+        assert res["cached"][2][0] == 0 and all(c <= bs for c in res["cached"][2]), variant
+        assert res["outputs"][1] == res["outputs"][2], variant
+        if variant != "trees":
+            assert res["undrafted"] > 40, variant
+        # each request's first draft reads only the turn's blocks and comes at the same position in both
+        # passes; later positions coincide only while the two passes accept alike (not under the noise)
+        firsts = [min(r2, key=int) for r2 in res["draft_logp"][0]]
+        assert all(first in r3 for first, r3 in zip(firsts, res["draft_logp"][1])), variant
+        diffs = [max(abs(a - b) for a, b in zip(r2[p], r3[p]))
+                 for r2, r3 in zip(*res["draft_logp"]) for p in set(r2) & set(r3)]
+        if variant.startswith("corrupted"):
+            assert max(diffs) > 1e-2, (variant, diffs)
+        else:
+            assert max(diffs) < 1e-3, (variant, diffs)
 
 
 def _lora_adapter(out: Path, seed: int) -> Path:
