@@ -6,9 +6,8 @@ budget's acceptance fit, and an optional deliberately wrong tree sampler (a nega
                                     [--prefix TEXT] [--distort I:T] [--arrivals JSON] SPEC_JSON [SPEC_JSON ...]
 
 SPEC_JSON "none" runs without speculation. --engine adds LLM(...) keyword arguments (--engine-per-spec:
-one object more per spec), --sampling
-SamplingParams keyword arguments (default greedy, 40 tokens), --repeat N sends `generate_spec.PROMPTS[0]`
-N times, --prompts JSON sends these strings instead of `generate_spec.PROMPTS`, --prefix TEXT puts
+one object more per spec), --sampling SamplingParams keyword arguments (default greedy, 40 tokens),
+--repeat N sends `generate_spec.PROMPTS[0]` N times, --prompts JSON sends these strings instead of `generate_spec.PROMPTS`, --prefix TEXT puts
 TEXT before every prompt. --distort I:T makes spec I's tree walk draw each verify row from its
 distribution sharpened as by temperature T (p ** (1 / T), renormalised) where a correct sampler
 draws from p itself. --arrivals JSON ([[engine step, priority] per prompt]) adds each prompt at that

@@ -3,7 +3,8 @@
     python prefix_cache_drafter.py OUT.json VARIANT_JSON [VARIANT_JSON ...]
 
 A variant is {"spec": SPEC, "corrupt": bool, "gate_closed": bool}; each runs one ddtree engine (prefix
-caching on, 32-token blocks, one request at a time), one after another in this process, greedy, three passes:
+caching on, 32-token blocks, one request at a time), one after another in this process (each process
+spends seconds importing vLLM), greedy, three passes:
 
 1. long prompts (two HumanEval prompts each) generate 48 tokens;
 2. each prompt followed by its answer (a conversation's next turn) generates 24 more: its blocks,
@@ -21,10 +22,11 @@ from the same state for every request: most of the answer's tokens reach the dra
 undrafted steps' context pass, and passes 2 and 3 draft at the same steps while they accept alike
 (a draft depends on which earlier steps drafted, not only on the committed context).
 
-Writes a list, per variant: {"cached": [prompt tokens read from the cache per request, per pass], "outputs": [per pass],
-"draft_logp": [pass 2, pass 3: per request {position: [log-probability per depth]}], "undrafted":
-steps of pass 1 the gate kept from drafting, "turn_tokens": pass 2's prompt lengths, "block_size",
-"block_drop": whether vLLM drops the trailing cached block (`use_eagle_block_drop()`)}.
+Writes a list, per variant: {"cached": [prompt tokens read from the cache per request, per pass],
+"outputs": [per pass], "draft_logp": [pass 2, pass 3: per request {position: [log-probability per
+depth]}], "undrafted": steps of pass 1 the gate kept from drafting, "turn_tokens": pass 2's prompt
+lengths, "block_size", "block_drop": whether vLLM drops the trailing cached block
+(`use_eagle_block_drop()`)}.
 """
 
 import argparse
