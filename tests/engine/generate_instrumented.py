@@ -7,23 +7,24 @@ budget's acceptance fit, and an optional deliberately wrong tree sampler (a nega
 
 SPEC_JSON "none" runs without speculation. --engine adds LLM(...) keyword arguments (--engine-per-spec:
 one object more per spec), --sampling SamplingParams keyword arguments (default greedy, 40 tokens),
---repeat N sends `generate_spec.PROMPTS[0]` N times, --prompts JSON sends these strings instead of `generate_spec.PROMPTS`, --prefix TEXT puts
-TEXT before every prompt. --distort I:T makes spec I's tree walk draw each verify row from its
-distribution sharpened as by temperature T (p ** (1 / T), renormalised) where a correct sampler
-draws from p itself. --arrivals JSON ([[engine step, priority] per prompt]) adds each prompt at that
-step of the engine's own loop with that priority (for `"scheduling_policy": "priority"` in --engine)
-instead of all at once through `LLM.generate`. Writes {"outputs": [[token ids per prompt] per spec],
-"prompt_tokens": [per spec: prompt length per prompt], "cached_tokens": [per spec: prompt tokens read from the prefix
-cache per prompt], "metrics": [per spec: {name: value} of every engine counter and gauge, labelled
-series summed, histograms as {"count", "sum"}], "split_steps": [per spec: CPU verify steps whose requests
-without a tree ran CPU_ATTN's kernel], "target_layer_stacks": [per spec: [target layers, strided stacks
-KV compaction moves them as] once a compaction ran, else null], "ddtree": [per spec: the tree proposer's summary
-(with the automatic budget: its acceptance fit, "acceptance_fit"), or null], "config": [per spec:
-the scheduler and cache settings the engine resolved], "dflash_input_writes": [per spec: calls of DFlash's
-input kernel and the most query and context rows one wrote, against its buffers' rows; a call that
-would write past them fails the run], "taken_back": [per spec: how often vLLM's scheduler took a
-request it had already scheduled in a step back out of it, to preempt it for a higher priority (with
---arrivals; else null: the tracing slows the scheduler)]}.
+--repeat N sends `generate_spec.PROMPTS[0]` N times, --prompts JSON sends these strings instead of
+`generate_spec.PROMPTS`, --prefix TEXT puts TEXT before every prompt. --distort I:T makes spec I's tree
+walk draw each verify row from its distribution sharpened as by temperature T (p ** (1 / T),
+renormalised) where a correct sampler draws from p itself. --arrivals JSON ([[engine step, priority] per
+prompt]) adds each prompt at that step of the engine's own loop with that priority (for
+`"scheduling_policy": "priority"` in --engine) instead of all at once through `LLM.generate`. Writes
+{"outputs": [[token ids per prompt] per spec], "prompt_tokens": [per spec: prompt length per prompt],
+"cached_tokens": [per spec: prompt tokens read from the prefix cache per prompt], "metrics": [per spec:
+{name: value} of every engine counter and gauge, labelled series summed, histograms as {"count",
+"sum"}], "split_steps": [per spec: CPU verify steps whose requests without a tree ran CPU_ATTN's
+kernel], "target_layer_stacks": [per spec: [target layers, strided stacks KV compaction moves them as]
+once a compaction ran, else null], "ddtree": [per spec: the tree proposer's summary (with the automatic
+budget: its acceptance fit, "acceptance_fit"), or null], "config": [per spec: the scheduler and cache
+settings the engine resolved], "dflash_input_writes": [per spec: calls of DFlash's input kernel and the
+most query and context rows one wrote, against its buffers' rows; a call that would write past them
+fails the run], "taken_back": [per spec: how often vLLM's scheduler took a request it had already
+scheduled in a step back out of it, to preempt it for a higher priority (with --arrivals; else null: the
+tracing slows the scheduler)]}.
 """
 
 import gc
