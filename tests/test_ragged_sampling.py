@@ -171,16 +171,17 @@ def metadata(r: int, vocab: int, *, temperature: list[float] | None = None, top_
              bad_words: dict[int, list[list[int]]] | None = None, min_tokens: dict | None = None,
              logit_bias: dict[int, dict[int, float]] | None = None, min_p: list[float] | None = None,
              generators: dict[int, torch.Generator] | None = None, device: str = "cpu",
-             seed: int = 0) -> SamplingMetadata:
+             seed: int = 0, structured: set[int] = frozenset()) -> SamplingMetadata:
     """vLLM's SamplingMetadata for r requests; min_tokens: req -> (min_tokens, stop ids) (vLLM's processor
-    state); logit_bias (req -> {token: bias}) and min_p (per request) through vLLM's processors."""
+    state; `structured`: the requests it marks as having structured outputs); logit_bias (req -> {token:
+    bias}) and min_p (per request) through vLLM's processors."""
     gen = torch.Generator().manual_seed(seed)
     outputs = outputs or [[] for _ in range(r)]
     procs = []
     if min_tokens:
         proc = MinTokensLogitsProcessor(None, torch.device("cpu"), False)
         for i, (m, stops) in min_tokens.items():
-            proc.min_toks[i] = (m, outputs[i], set(stops), False)
+            proc.min_toks[i] = (m, outputs[i], set(stops), i in structured)
         procs.append(proc)
     procs += per_request_processors(r, logit_bias, min_p, torch.device(device))
     prompt = None
@@ -358,6 +359,66 @@ def test_greedy_rows_with_logit_bias_are_vllm_s_biased_rows_then_penalties_and_c
                     assert want[i][j] != tok_a, (seed, i, j)
                     decided += 1
         assert decided >= 8, decided  # most raced rows (B on a row's path is penalised too)
+
+
+def vllm_min_tokens_row(row: Tensor, min_tokens: int, output: list[int], stops: list[int], structured: bool) -> Tensor:
+    """vLLM's min_tokens processor on one row (a copy), its state made by vLLM's batch update adding a
+    request with that output so far (structured outputs or not)."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    params = SamplingParams(min_tokens=min_tokens, stop_token_ids=stops,
+                            structured_outputs=StructuredOutputsParams(choice=["a"]) if structured else None)
+    proc = MinTokensLogitsProcessor(None, torch.device("cpu"), False)
+    proc.update_state(BatchUpdate(batch_size=1, removed=[], added=[(0, params, [], output)], moved=[]))
+    return proc.apply(row.clone().unsqueeze(0))[0]
+
+
+def test_min_tokens_leaves_a_structured_row_its_stop_tokens_where_nothing_else_is_left():
+    # vLLM's min_tokens processor masks a short request's stop tokens, except on a row of a request
+    # with structured outputs that the masking would leave all -inf (its grammar allows only a stop
+    # token there): that row keeps its stop tokens. Each verify row, processed with bad words and
+    # allowed tokens before min_tokens as vLLM orders them, must equal vLLM's processor on that row,
+    # its request's output extended by the row's depth. The rows are of every kind: structured or
+    # not, short or long enough, with only stop tokens left (as a grammar leaves them) or more.
+    gen = torch.Generator().manual_seed(3)
+    r, counts = len(DRAFTS), [d + 1 for d in DRAFTS]
+    batch = random_trees(gen, DRAFTS, VOCAB)
+    total, stops = sum(counts), [7, 8]
+    logits = torch.randn(total, VOCAB, generator=gen)
+    logits[:, stops] += 6.0  # the stop tokens win wherever they are not masked
+    only_stops = torch.rand(total, generator=gen) < 0.6
+    grammar = torch.full((VOCAB,), float("-inf"))
+    grammar[stops] = 0.0
+    logits[only_stops] += grammar
+    # request 1's rows leave token 20 beside the stops, which a bad word then masks: nothing else is left
+    start = [sum(counts[:i]) for i in range(r)]
+    logits[start[1] : start[1] + counts[1]] = grammar
+    logits[start[1] : start[1] + counts[1], 20] = 1.0
+    bad_words = {1: [[20]]}
+    outputs = [torch.randint(0, VOCAB, (i % 4,), generator=gen).tolist() for i in range(r)]
+    min_tokens = {i: (len(outputs[i]) + 2, stops) for i in range(r)}  # depth 0 and 1 are short
+    structured = {i for i in range(r) if i % 3 != 2}
+    md = metadata(r, VOCAB, outputs=outputs, bad_words=bad_words, min_tokens=min_tokens, structured=structured)
+    ragged = sampling.RaggedRows.build(counts, torch.device("cpu"))
+    got = sampling.tree_constraints(logits.clone(), md, batch, ragged, (0, r, 0, total))
+    kinds = set()
+    for i in range(r):
+        for j in range(counts[i]):
+            k, depth = start[i] + j, int(batch.depths[i, j])
+            row = logits[k].clone()
+            row[20] = float("-inf") if i == 1 else row[20]
+            want = vllm_min_tokens_row(row, min_tokens[i][0], outputs[i] + [0] * depth, stops, i in structured)
+            assert torch.equal(got[k], want), (i, j)
+            short, bare = depth < 2, bool(torch.isneginf(row).sum() == VOCAB - len(stops))
+            kinds.add((i in structured, short, bare))
+            if i in structured and short and bare:
+                assert int(got[k].argmax()) in stops  # kept: the row has something to sample
+            elif short:
+                assert not torch.isfinite(got[k][stops]).any()
+    assert kinds == {(s, short, bare) for s in (True, False) for short in (True, False) for bare in (True, False)}
+    # the greedy tokens of the whole sampler are those rows' argmax
+    tokens = sample_rows(logits, verify_rows(DRAFTS, max(counts)), md, batch, counts)
+    assert valid_tokens(tokens, batch) == [got[start[i] : start[i] + counts[i]].argmax(-1).tolist() for i in range(r)]
 
 
 @pytest.mark.parametrize("vocab", [97, 40])  # 16 columns: gathered; too many for a vocabulary of 40 (whole rows)

@@ -513,8 +513,15 @@ def test_min_tokens_bad_words_and_allowed_token_ids_apply_per_tree_path(tmp_path
 def test_structured_outputs_mask_each_tree_row_by_its_own_path(tmp_path, drafter):
     # json, regex and choice constraints through vLLM's own grammar manager (xgrammar), beside an
     # unconstrained request: greedy outputs token-identical to the target alone under the same
-    # grammar, sampled ones inside it, and drafted trees really verified and accepted.
+    # grammar, sampled ones inside it, and drafted trees really verified and accepted. One choice
+    # asks for more tokens (min_tokens) than the grammar gives, without stopping at EOS: where the
+    # grammar allows only EOS, vLLM's min_tokens leaves it (nothing else is left), then generation
+    # goes on unconstrained.
     import re
+
+    from transformers import AutoTokenizer
+
+    from vllm_ddtree.models.target import prepare_target
 
     path, trained = drafter
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16}, "year": {"type": "integer"}},
@@ -528,6 +535,7 @@ def test_structured_outputs_mask_each_tree_row_by_its_own_path(tmp_path, drafter
         [8, greedy | {"structured_outputs": {"regex": numbers}}],
         [6, greedy | {"structured_outputs": {"choice": ["4", "four", "2 + 2 = 4"]}}],
         [5, greedy],
+        [6, greedy | {"min_tokens": 12, "ignore_eos": True, "structured_outputs": {"choice": ["4", "four"]}}],
         [2, {"temperature": 1.0, "seed": 7, "max_tokens": 32, "structured_outputs": {"regex": words}}],
         [7, {"temperature": 1.0, "seed": 8, "max_tokens": 32, "structured_outputs": {"regex": words}}],
     ]
@@ -538,9 +546,12 @@ def test_structured_outputs_mask_each_tree_row_by_its_own_path(tmp_path, drafter
     assert re.fullmatch(numbers, finish[2][2]) and finish[4][2] in ("4", "four", "2 + 2 = 4")  # the grammar applies
     for reason, _, text in finish[:2]:  # the schema's object, or its start where the token limit cut it
         assert set(json.loads(text)) == {"name", "year"} if reason == "stop" else text.lstrip().startswith("{"), text
+    eos = AutoTokenizer.from_pretrained(prepare_target()).eos_token_id
+    assert finish[6][0] == "length" and eos in base[6][1:12], (finish[6], base[6])  # EOS inside min_tokens
     for spec, outs, fin, metrics in zip(specs[1:], res["outputs"][1:], res["finish"][1:], res["metrics"][1:]):
-        assert outs[:6] == base[:6], spec  # greedy: token-identical to the target alone with the grammar
-        for reason, _, text in fin[6:]:  # sampled: every output inside the grammar
+        assert outs[:7] == base[:7], spec  # greedy: token-identical to the target alone with the grammar
+        assert fin[6][0] == "length", (spec, fin[6])  # not an error: the grammar never saw a token it forbids
+        for reason, _, text in fin[7:]:  # sampled: every output inside the grammar
             assert reason == "stop" and re.fullmatch(words, text), (spec, text)
         assert metrics.get("vllm:spec_decode_num_drafts", 0) > 0, spec
         if trained:

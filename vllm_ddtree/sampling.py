@@ -435,28 +435,38 @@ def tree_constraints(x: Tensor, md, batch: TreeBatch, ragged: RaggedRows, chunk:
 
     Replaces the constraint part of ``RejectionSampler.apply_logits_processors`` (rejection_sampler.py:307),
     which covers exactly these three (plus penalties, see :func:`tree_penalties`; logit_bias and
-    min_p, which vLLM applies without speculation only: :func:`tree_logit_bias`, :func:`apply_min_p`).
-    Each row is treated as the
+    min_p, which vLLM applies without speculation only: :func:`tree_logit_bias`, :func:`apply_min_p`),
+    in vLLM's order. Each row is treated as the
     next position after its root-to-node path: min_tokens masks the stop tokens while
     ``len(output) + depth < min_tokens``; a bad word's last token is masked where the output so far
     plus the row's path ends with the word's other tokens. x [C, V], the chunk's flat rows (whole
     requests) -> [C, V] (in place).
+
+    A request with structured outputs keeps vLLM's exception to min_tokens
+    (``MinTokensLogitsProcessor``): where masking the stop tokens would leave a row nothing to sample
+    (its grammar allows only a stop token, and the other masks left nothing else), the stop tokens
+    keep their logits. The masks before it (the grammar's, allowed_token_ids, bad_words) decide that,
+    as in vLLM's order; the masks' -inf commute with the penalties and biases already applied.
     """
     req_lo, req_hi, lo, hi = chunk
     dev = x.device
     if md.allowed_token_ids_mask is not None:  # True = not allowed; the same for every row of a request
         x.masked_fill_(md.allowed_token_ids_mask.index_select(0, ragged.request[lo:hi]), float("-inf"))
-    for i, (min_toks, out_ids, stop_ids, _) in _min_tokens_state(md).items():
+    for i, words in (md.bad_words_token_ids or {}).items():
+        if req_lo <= i < req_hi:
+            a, c = ragged.starts[i] - lo, ragged.counts[i]
+            _bad_words(x[a : a + c], words, md.output_token_ids[i], batch, i)
+    for i, (min_toks, out_ids, stop_ids, structured) in _min_tokens_state(md).items():
         if not req_lo <= i < req_hi or not stop_ids:
             continue
         a, c = ragged.starts[i] - lo, ragged.counts[i]
         too_short = (len(out_ids) + batch.depths[i, :c]) < min_toks  # [c]
         stops = to_device(torch.tensor(sorted(stop_ids), dtype=torch.int64), dev)
-        x[a : a + c, stops] = x[a : a + c, stops].masked_fill(too_short.unsqueeze(1), float("-inf"))
-    for i, words in (md.bad_words_token_ids or {}).items():
-        if req_lo <= i < req_hi:
-            a, c = ragged.starts[i] - lo, ragged.counts[i]
-            _bad_words(x[a : a + c], words, md.output_token_ids[i], batch, i)
+        kept = x[a : a + c, stops]  # a copy
+        x[a : a + c, stops] = kept.masked_fill(too_short.unsqueeze(1), float("-inf"))
+        if structured:  # rows left all -inf get their stop tokens back (vLLM: where those were finite)
+            empty = too_short & torch.isneginf(x[a : a + c]).all(dim=1)
+            x[a : a + c, stops] = torch.where(empty.unsqueeze(1), kept, x[a : a + c, stops])
     return x
 
 
