@@ -789,11 +789,12 @@ def test_lora_adapters_keep_outputs_and_the_drafter_embeds_without_them(tmp_path
 # ---- random combinations of request options --------------------------------------------------------
 
 def random_requests(seed: int, count: int, prompts: int, vocab: int) -> list:
-    """`count` requests for generate_spec.py's --requests: one of `prompts` prompts and SamplingParams keyword arguments
-    drawn at random (Python's `random`, seeded) from what a user sets: greedy or sampled (top-p, top-k,
-    min_p), the three penalties, logit_bias, min_tokens, stop strings (kept in the text or not) and stop
-    token ids, bad words, ignore_eos, n, logprobs, allowed_token_ids or structured outputs (json, regex,
-    choice), 1 to 60 tokens. Every request is seeded, so each token is a function of the request alone."""
+    """`count` requests for generate_spec.py's --requests: one of `prompts` prompts and SamplingParams
+    keyword arguments drawn at random (Python's `random`, seeded) from what a user sets: greedy or
+    sampled (top-p, top-k, min_p), the three penalties, logit_bias, min_tokens, stop strings (kept in
+    the text or not) and stop token ids, bad words, ignore_eos, n, logprobs, allowed_token_ids or
+    structured outputs (json, regex, choice), 1 to 60 tokens. Every request is seeded, so each token is
+    a function of the request alone. Token ids lie below `vocab`."""
     import random
 
     rng = random.Random(seed)
@@ -853,7 +854,7 @@ def test_random_combinations_of_request_options_give_the_target_alone_s_tokens(t
     sys.path.insert(0, str(HELPER.parent))
     from generate_spec import PROMPTS
 
-    requests = random_requests(seed=139, count=24, prompts=len(PROMPTS), vocab=49152)
+    requests = random_requests(seed=139, count=24, prompts=len(PROMPTS), vocab=49152)  # SmolLM2's vocabulary
     tight = {"num_gpu_blocks_override": 10, "block_size": 32, "max_num_batched_tokens": 128, "max_num_seqs": 8,
              "max_model_len": 160}
     spec = {"method": "ddtree", "model": str(path), "tree_budget": 16}
