@@ -793,11 +793,12 @@ def random_requests(seed: int, count: int, prompts: int, vocab: int) -> list:
     keyword arguments drawn at random (Python's `random`, seeded) from what a user sets: greedy or
     sampled (top-p, top-k, min_p), the three penalties, logit_bias, min_tokens, stop strings (kept in
     the text or not) and stop token ids, bad words, ignore_eos, n, logprobs, allowed_token_ids or
-    structured outputs (json, regex, choice), 1 to 60 tokens. Every request is seeded, so each token is
-    a function of the request alone. Token ids lie below `vocab`."""
+    structured outputs (json, regex, choice), 1 to 60 tokens, and prompt logprobs (from a second stream,
+    so that adding them left the other draws of a seed as they were). Every request is seeded, so each
+    token is a function of the request alone. Token ids lie below `vocab`."""
     import random
 
-    rng = random.Random(seed)
+    rng, later = random.Random(seed), random.Random(-seed)
     requests = []
     for _ in range(count):
         p = {"max_tokens": rng.choice([1, 2, 3]) if rng.random() < 0.1 else rng.randint(4, 60),
@@ -838,6 +839,8 @@ def random_requests(seed: int, count: int, prompts: int, vocab: int) -> list:
             p["structured_outputs"] = rng.choice([
                 {"regex": "[0-9]{2,8}( [a-z]+)?"}, {"choice": ["yes", "no", "maybe not"]},
                 {"json": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}])
+        if later.random() < 0.25:
+            p["prompt_logprobs"] = later.choice([0, 2])
         requests.append([rng.randrange(prompts), p])
     return requests
 
@@ -865,6 +868,21 @@ def test_random_combinations_of_request_options_give_the_target_alone_s_tokens(t
     assert all(f[0] in ("stop", "length") for f in base_finish), base_finish
     for k, request in enumerate(requests):
         assert completions[k] == base[k] and finish[k] == base_finish[k], (k, request)
+    # logprobs and prompt logprobs, where asked for: the target alone's (within float32 noise; a near-tie
+    # at the edge of the top-n may swap one token)
+    for kind in ("logprobs", "prompt_logprobs"):
+        asked = [k for k, (_, p) in enumerate(requests) if kind in p]
+        assert asked and all(res[kind][1][k] is not None for k in asked), kind
+        for k in asked:
+            want_positions, got_positions = res[kind][0][k], res[kind][1][k]
+            assert len(got_positions) == len(want_positions), (kind, k)
+            for want, got in zip(want_positions, got_positions):
+                if want is None:  # a prompt's first token
+                    assert got is None, (kind, k)
+                    continue
+                common = want.keys() & got.keys()
+                assert len(common) >= max(1, len(want) - 1), (kind, k, want, got)
+                assert all(abs(want[t] - got[t]) < 1e-3 for t in common), (kind, k, want, got)
     metrics = res["metrics"][1]
     assert metrics["vllm:spec_decode_num_drafts"] > 0 and metrics["vllm:num_preemptions"] > 0, metrics
     if trained:

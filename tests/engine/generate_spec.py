@@ -214,9 +214,10 @@ if __name__ == "__main__":
         result["logprobs"].append([None if o.outputs[0].logprobs is None else  # per request: some ask, some not
                                    [logprob_entry(pos) for pos in o.outputs[0].logprobs]
                                    for o in outs] if any(o.outputs[0].logprobs is not None for o in outs) else None)
-        result["prompt_logprobs"].append([[None if pos is None else {str(t): lp.logprob for t, lp in pos.items()}
+        result["prompt_logprobs"].append([None if o.prompt_logprobs is None else  # per request, as logprobs
+                                          [None if pos is None else {str(t): lp.logprob for t, lp in pos.items()}
                                            for pos in o.prompt_logprobs] for o in outs]
-                                         if outs[0].prompt_logprobs is not None else None)
+                                         if any(o.prompt_logprobs is not None for o in outs) else None)
         del llm
         gc.collect()
         for name, value in env_before.items():  # as it was before this spec
