@@ -64,6 +64,15 @@ def drafter(tmp_path_factory) -> tuple[Path, bool]:
     return out, False
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _vllm_ipc_sockets_in_the_session_s_tmp(tmp_path_factory):
+    """vLLM's engines talk over ZeroMQ IPC sockets it creates in $VLLM_RPC_BASE_PATH (the system's temp
+    directory by default) and leaves behind: the suite's go to pytest's own temporary directory, which
+    pytest prunes."""
+    os.environ["VLLM_RPC_BASE_PATH"] = str(tmp_path_factory.mktemp("vllm-ipc"))
+    yield
+
+
 @pytest.fixture(autouse=True)
 def _a_share_of_the_cores_per_worker():
     """Each test runs torch in the test process on its worker's share of the cores (`threads_per_worker`);
