@@ -788,63 +788,6 @@ def test_lora_adapters_keep_outputs_and_the_drafter_embeds_without_them(tmp_path
 
 # ---- random combinations of request options --------------------------------------------------------
 
-def random_requests(seed: int, count: int, prompts: int, vocab: int) -> list:
-    """`count` requests for generate_spec.py's --requests: one of `prompts` prompts and SamplingParams
-    keyword arguments drawn at random (Python's `random`, seeded) from what a user sets: greedy or
-    sampled (top-p, top-k, min_p), the three penalties, logit_bias, min_tokens, stop strings (kept in
-    the text or not) and stop token ids, bad words, ignore_eos, n, logprobs, allowed_token_ids or
-    structured outputs (json, regex, choice), 1 to 60 tokens, and prompt logprobs (from a second stream,
-    so that adding them left the other draws of a seed as they were). Every request is seeded, so each
-    token is a function of the request alone. Token ids lie below `vocab`."""
-    import random
-
-    rng, later = random.Random(seed), random.Random(-seed)
-    requests = []
-    for _ in range(count):
-        p = {"max_tokens": rng.choice([1, 2, 3]) if rng.random() < 0.1 else rng.randint(4, 60),
-             "seed": rng.randint(0, 10**6)}
-        greedy = rng.random() < 0.35
-        p["temperature"] = 0 if greedy else rng.choice([0.3, 0.7, 1.0, 1.5])
-        if not greedy:
-            if rng.random() < 0.4:
-                p["top_p"] = rng.choice([0.5, 0.9, 0.99])
-            if rng.random() < 0.4:
-                p["top_k"] = rng.choice([1, 5, 20, 100])
-            if rng.random() < 0.25:
-                p["min_p"] = rng.choice([0.02, 0.1, 0.3])
-            if rng.random() < 0.2:
-                p["n"] = 2
-        for name, values in (("presence_penalty", [-0.5, 0.4, 1.5]), ("frequency_penalty", [-0.3, 0.5, 1.0]),
-                             ("repetition_penalty", [0.8, 1.1, 1.5])):
-            if rng.random() < 0.3:
-                p[name] = rng.choice(values)
-        if rng.random() < 0.2:
-            p["logit_bias"] = {str(rng.randrange(vocab)): rng.choice([-100.0, 5.0, 2.0]) for _ in range(3)}
-        if rng.random() < 0.2:
-            p["min_tokens"] = rng.randint(1, p["max_tokens"])
-        if rng.random() < 0.2:
-            p["stop"] = rng.sample([" the", "\n", ",", "()", " a", ":"], 2)
-            p["include_stop_str_in_output"] = rng.random() < 0.5
-        if rng.random() < 0.15:
-            p["stop_token_ids"] = rng.sample([13, 28, 30, 198, 216], 2)
-        if rng.random() < 0.15:
-            p["bad_words"] = rng.sample(["the", " is", " def", " return", "()"], 2)
-        if rng.random() < 0.2:
-            p["ignore_eos"] = True
-        if rng.random() < 0.2:
-            p["logprobs"] = rng.choice([0, 1, 3])
-        if rng.random() < 0.1:
-            p["allowed_token_ids"] = sorted(set(rng.sample(range(vocab), 50)) | {216, 33, 34, 35, 253})
-        elif rng.random() < 0.12:
-            p["structured_outputs"] = rng.choice([
-                {"regex": "[0-9]{2,8}( [a-z]+)?"}, {"choice": ["yes", "no", "maybe not"]},
-                {"json": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}])
-        if later.random() < 0.25:
-            p["prompt_logprobs"] = later.choice([0, 2])
-        requests.append([rng.randrange(prompts), p])
-    return requests
-
-
 def test_random_combinations_of_request_options_give_the_target_alone_s_tokens(tmp_path, drafter):
     # One batch of 24 requests, each with options drawn at random (`random_requests`), every one seeded:
     # ddtree must give each the target alone's tokens, finish reason and text, whatever the mix. The
@@ -856,6 +799,7 @@ def test_random_combinations_of_request_options_give_the_target_alone_s_tokens(t
     path, trained = drafter
     sys.path.insert(0, str(HELPER.parent))
     from generate_spec import PROMPTS
+    from random_options import random_requests
 
     requests = random_requests(seed=139, count=24, prompts=len(PROMPTS), vocab=49152)  # SmolLM2's vocabulary
     tight = {"num_gpu_blocks_override": 10, "block_size": 32, "max_num_batched_tokens": 128, "max_num_seqs": 8,

@@ -5,7 +5,7 @@
 SPEC_JSON "none" runs without speculation. --engine adds LLM(...) keyword arguments (--engine-per-spec
 JSON: a list of more, one object per spec, over --engine's), --sampling
 SamplingParams keyword arguments (default greedy, 40 tokens), --repeat N sends only the first prompt, N
-times, --requests JSON sends [[prompt index, SamplingParams keyword arguments], ...] instead (one batch,
+times, --requests JSON sends [[prompt index or text, SamplingParams keyword arguments], ...] instead (one batch,
 per-request parameters; "structured_outputs" as StructuredOutputsParams keyword arguments),
 --lora JSON (a list of LoRA adapter directories; --engine enables LoRA) runs prompt j with adapter
 j % (n + 1), 0 meaning none, and the first spec also without any ("outputs_without_lora"),
@@ -167,7 +167,7 @@ if __name__ == "__main__":
     sampling = sampling_params(json.loads(args.sampling))
     if args.requests:
         reqs = json.loads(args.requests)
-        prompts = [PROMPTS[i] for i, _ in reqs]
+        prompts = [PROMPTS[i] if isinstance(i, int) else i for i, _ in reqs]  # an index or the prompt itself
         sampling = [sampling_params(kw) for _, kw in reqs]
     engines = engine_kwargs(args)
     result = {"outputs": [], "completions": [], "metrics": [], "logprobs": [], "prompt_logprobs": [], "ddtree": [],
