@@ -5,8 +5,8 @@
 SPEC_JSON "none" runs without speculation. --engine adds LLM(...) keyword arguments (--engine-per-spec
 JSON: a list of more, one object per spec, over --engine's), --sampling
 SamplingParams keyword arguments (default greedy, 40 tokens), --repeat N sends only the first prompt, N
-times, --requests JSON sends [[prompt index or text, SamplingParams keyword arguments], ...] instead (one batch,
-per-request parameters; "structured_outputs" as StructuredOutputsParams keyword arguments),
+times, --requests JSON sends [[prompt index or text, SamplingParams keyword arguments], ...] instead (one
+batch, per-request parameters; "structured_outputs" as StructuredOutputsParams keyword arguments),
 --lora JSON (a list of LoRA adapter directories; --engine enables LoRA) runs prompt j with adapter
 j % (n + 1), 0 meaning none, and the first spec also without any ("outputs_without_lora"),
 --env-per-spec JSON (a list of {name: value}, one per spec) sets those environment variables while that

@@ -137,7 +137,8 @@ def long_prompts() -> list[str]:
 
 
 def differences(res: dict, requests: list) -> list:
-    """Every way each ddtree engine's results differ from the target alone's (engine 0)."""
+    """Every way each ddtree engine's results differ from the target alone's (engine 0), and logprobs
+    a request asked for that the target alone did not return."""
     found = []
     for e in range(1, len(res["completions"])):
         for k in range(len(requests)):
@@ -147,6 +148,9 @@ def differences(res: dict, requests: list) -> list:
             for kind in ("logprobs", "prompt_logprobs"):
                 want = (res[kind][0] or [None] * len(requests))[k]
                 got = (res[kind][e] or [None] * len(requests))[k]
+                if kind in requests[k][1] and want is None:
+                    found.append({"engine": e, "request": k, "what": f"{kind} asked for, the target alone returned none"})
+                    continue
                 if (want is None) != (got is None) or (want is not None and len(want) != len(got)):
                     found.append({"engine": e, "request": k, "what": f"{kind} missing or of another length"})
                     continue
