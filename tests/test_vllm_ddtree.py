@@ -115,12 +115,14 @@ def test_bfloat16_trees_leave_the_target_alone_s_greedy_output_only_at_near_ties
     # magnitude 16-32): a divergence must be at a position where the target alone ranks ddtree's
     # token within 4 grid steps of its own; a wrong mask, move or cast parts far from any tie (checked
     # ad hoc: the target alone's output for another prompt, compared with each prompt's, fails there).
+    # Four of the helper's prompts (code, a haiku, a list, a question): bfloat16 is emulated, and slow, on CPUs
+    # without AVX-512 bf16.
     path, trained = drafter
     sampling = {"temperature": 0, "max_tokens": 40, "ignore_eos": True, "logprobs": 5}
     specs = [None, {"method": "ddtree", "model": str(path), "tree_budget": 8},
              {"method": "ddtree", "model": str(path), "tree_budget": 64}]
-    res = run(tmp_path / "out.json", specs, "--engine", json.dumps({"dtype": "bfloat16"}),
-              "--sampling", json.dumps(sampling))
+    requests = json.dumps([[p, sampling] for p in (0, 2, 3, 6)])
+    res = run(tmp_path / "out.json", specs, "--engine", json.dumps({"dtype": "bfloat16"}), "--requests", requests)
     base, base_logprobs = res["outputs"][0], res["logprobs"][0]
     near_tie = 4 * 0.125
     for spec, outs, metrics in zip(specs[1:], res["outputs"][1:], res["metrics"][1:]):
@@ -255,14 +257,15 @@ def test_the_tree_step_replayed_from_captures_drafts_the_same_trees(tmp_path, dr
     # so with and without the captures the engine drafts the same trees and accepts the same tokens;
     # the automatic budget (calibrated at start-up) is captured once its batch size has a rate.
     path, _ = drafter
-    sampling = json.dumps({"temperature": 0, "max_tokens": 48, "ignore_eos": True})
+    sampling = {"temperature": 0, "max_tokens": 48, "ignore_eos": True}
+    requests = json.dumps([[p, sampling] for p in (0, 3, 4, 8)])  # code and lists: lookups find repeats there
     fixed = {"method": "ddtree", "model": str(path), "tree_budget": 8, "prompt_lookup_tokens": 8, "ngram_weight": 0}
     # n-gram rescoring: its tables, counted every step, read in place by the captured build (a capture
     # that read a step's tables as they were when captured would rescore, and draft, differently)
     ngram = fixed | {"ngram_weight": 0.2}
     auto = fixed | {"tree_budget": "auto", "min_tree_budget": 1}  # (min 1: every step drafts, no gate)
     trace = {"VLLM_DDTREE_STEP_GRAPHS": "trace"}
-    res = run(tmp_path / "out.json", [None, fixed, ngram, fixed, auto, ngram], "--sampling", sampling,
+    res = run(tmp_path / "out.json", [None, fixed, ngram, fixed, auto, ngram], "--requests", requests,
               "--env-per-spec", json.dumps([{}] * 3 + [trace] * 3))  # one process
     eager = {key: value[:3] for key, value in res.items() if isinstance(value, list)}
     traced = {key: value[3:] for key, value in res.items() if isinstance(value, list)}
