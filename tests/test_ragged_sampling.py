@@ -522,7 +522,6 @@ def test_vllm_s_kernels_load_through_vllm_s_isa_dispatch():
                 names = [node.module] + [f"vllm.{a.name}" for a in node.names if node.module == "vllm"]
             direct += [f"{path.relative_to(root)}:{node.lineno}" for n in names if n.startswith("vllm._C")]
     assert not direct, direct
-    assert sampling.fused_gumbel_argmax(torch.device("cpu")) is not None
 
 
 DRAWS = ["cpu-op", "race-fp32", "race-fp64"]  # vLLM's CPU op; the exponential race (GPU path), float32 / float64 noise
