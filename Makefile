@@ -7,9 +7,10 @@ STAMP  := $(VENV)/.installed-cpu-test
 # against vLLM's real FlashInfer backend; kept out of site-packages so vLLM-cpu never sees it.
 FLASHINFER_VERSION := 0.7.0.post1
 FLASHINFER := $(VENV)/flashinfer/.installed-$(FLASHINFER_VERSION)
-# vLLM-cpu wants Intel's OpenMP preloaded (docs/design.md §14); harmless for everything else.
+# vLLM-cpu wants Intel's OpenMP preloaded (docs/design.md §14); harmless for everything else. Looked up as
+# each target's recipe starts (`=`, not `:=`): on a fresh machine the venv that has it is made by `install`.
 IOMP   := $(abspath $(VENV))/lib/libiomp5.so
-export LD_PRELOAD := $(if $(wildcard $(IOMP)),$(IOMP),)
+export LD_PRELOAD = $(shell test -f $(IOMP) && echo $(IOMP))
 export VLLM_CPU_KVCACHE_SPACE ?= 2
 
 .PHONY: install test test-fast demo bench clean gpu-wheels gpu-check
