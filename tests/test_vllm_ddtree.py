@@ -8,12 +8,11 @@ released format (then only the plumbing is exercised: nothing is accepted).
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import vllm_env
+from conftest import run_helper, vllm_env
 
 from vllm_ddtree.tree.cost import CostCoefficients
 
@@ -28,8 +27,7 @@ def run(out: Path, specs: list, *options: str, helper: Path = HELPER, env: dict 
         timeout: float = 1500) -> dict:
     env = vllm_env(VLLM_ENABLE_V1_MULTIPROCESSING="0", **(env or {}))
     args = ["none" if s is None else json.dumps(s) for s in specs]
-    proc = subprocess.run([sys.executable, str(helper), str(out), *options, *args], env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = run_helper(helper, out, *options, *args, env=env, timeout=timeout)
     # The exit status (-9: killed, e.g. out of memory) and the log without its progress bars.
     log = "\n".join(line for line in proc.stderr.replace("\r", "\n").splitlines() if "Processed prompts" not in line)
     assert proc.returncode == 0, (proc.returncode, log[-4000:])
@@ -639,8 +637,7 @@ def test_aborted_requests_free_their_blocks(tmp_path, drafter):
     env = vllm_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")
     out = tmp_path / "abort.json"
     spec = json.dumps({"method": "ddtree", "model": str(path), "tree_budget": 8})
-    proc = subprocess.run([sys.executable, str(HELPER.parent / "abort_requests.py"), str(out), spec], env=env,
-                          capture_output=True, text=True, timeout=900)
+    proc = run_helper(HELPER.parent / "abort_requests.py", out, spec, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(out.read_text())
     assert res["mid"] < res["start"]  # the requests held blocks mid-generation
@@ -718,8 +715,7 @@ def test_prefix_cache_hits_hand_the_drafter_the_kv_it_wrote(tmp_path, drafter):
                 "corrupted (negative control)": {"spec": gated, "gate_closed": True, "corrupt": True}}
     env = vllm_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")
     out = tmp_path / "out.json"
-    proc = subprocess.run([sys.executable, str(PREFIX_CACHE_HELPER), str(out), *map(json.dumps, variants.values())],
-                          env=env, capture_output=True, text=True, timeout=1500)
+    proc = run_helper(PREFIX_CACHE_HELPER, out, *map(json.dumps, variants.values()), env=env, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-4000:]
     for variant, res in zip(variants, json.loads(out.read_text())):
         bs = res["block_size"]

@@ -28,7 +28,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import free_port, vllm_env
+from conftest import free_port, run_helper, vllm_env
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ENGINE = Path(__file__).parent / "engine"
@@ -59,10 +59,9 @@ def _spec(drafter: Path, **options) -> dict:
 def generated(models, tmp_path_factory) -> dict:
     target, drafter = models
     out = tmp_path_factory.mktemp("qwen3_gen") / "out.json"
-    proc = subprocess.run(
-        [sys.executable, str(ENGINE / "generate_qwen3_shape.py"), str(out), str(target), "none",
-         json.dumps(_spec(drafter, tree_budget=16)), json.dumps(_spec(drafter, tree_budget="auto"))],
-        env=vllm_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"), capture_output=True, text=True, timeout=600)
+    proc = run_helper(ENGINE / "generate_qwen3_shape.py", out, target, "none", json.dumps(_spec(drafter, tree_budget=16)),
+                      json.dumps(_spec(drafter, tree_budget="auto")), env=vllm_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"),
+                      timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 
