@@ -65,8 +65,12 @@ class _WarmStart:
     def _start(self) -> subprocess.Popen:
         if self.proc is None or self.proc.poll() is not None:
             log = tempfile.NamedTemporaryFile(prefix="warm-start-", suffix=".log", delete=False)
-            self.proc = subprocess.Popen([sys.executable, str(self.SCRIPT)], env=vllm_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"),
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, bufsize=0)
+            env = vllm_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")
+            # Intel OpenMP, as it loads here, binds a forked child's threads to the first core unless told
+            # not to bind (a fresh process binds nothing): two test workers' engines then share one core.
+            env.setdefault("KMP_AFFINITY", "none")
+            self.proc = subprocess.Popen([sys.executable, str(self.SCRIPT)], env=env, stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=log, bufsize=0)
             self.log_path, self.buffer = log.name, b""
             atexit.register(self._stop, self.proc, self.log_path)
         return self.proc

@@ -13,8 +13,12 @@ pytestmark = [pytest.mark.vllm]
 
 SCRIPT = """
 import json, os, sys
+import torch
 import vllm  # already imported in the warm process
-print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "path0": sys.path[0], "main": __name__,
+a = torch.randn(512, 512)
+a @ a  # Intel OpenMP sets its threads' affinity as it starts them
+print(json.dumps({"cores": sorted(os.sched_getaffinity(0)),
+                  "argv": sys.argv[1:], "cwd": os.getcwd(), "path0": sys.path[0], "main": __name__,
                   "job": os.environ.get("WARM_START_JOB"), "parent_only": os.environ.get("WARM_START_PARENT_ONLY"),
                   "inductor_threads": os.environ.get("TORCHINDUCTOR_COMPILE_THREADS")}))
 print("to stderr", file=sys.stderr)
@@ -50,6 +54,7 @@ def test_a_warm_run_sees_what_a_fresh_process_sees(script, tmp_path, monkeypatch
     fresh = run_helper(script, "3", "a b", env=warm_env(WARM_START_JOB="x"), timeout=300)
     assert warm.returncode == fresh.returncode == 3, (warm.stderr[-2000:], fresh.stderr[-2000:])
     assert json.loads(warm.stdout) == json.loads(fresh.stdout) == {
+        "cores": sorted(os.sched_getaffinity(0)),  # (forked, Intel OpenMP once bound them to the first core)
         "argv": ["3", "a b"], "cwd": str(tmp_path), "path0": str(script.parent), "main": "__main__", "job": "x",
         "parent_only": None, "inductor_threads": "1"}  # (vLLM's env_override sets the last on import)
     assert warm.stderr.splitlines()[-1] == "to stderr"
