@@ -11,7 +11,9 @@ exactly as in a fresh process. For each job it writes {"pid": child pid} when th
 {"returncode": ...} when it ends (negative: the signal that ended it, as subprocess reports it).
 
 Importing vLLM starts no thread (checked at start-up: forking a process with threads can deadlock the
-child), and what the imports set in the environment (vllm/env_override.py) stays set in the child, as in
+child). Intel OpenMP, preloaded here, binds a forked child's threads to the first core unless this process
+starts with KMP_AFFINITY set ("none": no binding, what a fresh process does), so it refuses to start
+without it. What the imports set in the environment (vllm/env_override.py) stays set in the child, as in
 a fresh process; the variables the parent started with are replaced by the job's.
 """
 
@@ -70,6 +72,9 @@ def run_child(job: dict, started_with: dict) -> None:
 
 
 def main() -> None:
+    if "libiomp" in os.environ.get("LD_PRELOAD", "") and "KMP_AFFINITY" not in os.environ:
+        raise SystemExit("start warm_start.py with KMP_AFFINITY=none: otherwise Intel OpenMP binds every "
+                         "forked engine's threads to the first core")
     started_with = dict(os.environ)
     preload()
     if threading.active_count() != 1:
