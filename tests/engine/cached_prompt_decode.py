@@ -10,8 +10,9 @@ it enters its first step with one token to compute. Writes {"outputs": [per spec
 """
 
 import argparse
-import gc
 import json
+
+from generate_spec import collect_and_freeze  # same folder: the script's directory is on sys.path
 
 if __name__ == "__main__":
     from vllm import LLM, SamplingParams
@@ -24,6 +25,7 @@ if __name__ == "__main__":
     ap.add_argument("specs", nargs="+")
     args = ap.parse_args()
     result = {"outputs": [], "cached": []}
+    collect_and_freeze()
     for arg in args.specs:
         llm = LLM(model=str(prepare_target()), speculative_config=None if arg == "none" else json.loads(arg),
                   dtype="float32", max_model_len=256, enforce_eager=True, seed=0, block_size=32,
@@ -36,6 +38,6 @@ if __name__ == "__main__":
         result["outputs"].append([list(first.outputs[0].token_ids), list(again.outputs[0].token_ids)])
         result["cached"].append(again.num_cached_tokens)
         del llm
-        gc.collect()
+        collect_and_freeze()
     with open(args.out, "w") as f:
         json.dump(result, f)

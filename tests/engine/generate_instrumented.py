@@ -27,7 +27,6 @@ scheduled in a step back out of it, to preempt it for a higher priority (with --
 tracing slows the scheduler)]}.
 """
 
-import gc
 import json
 
 import generate_spec
@@ -175,6 +174,7 @@ if __name__ == "__main__":
     ap.add_argument("--arrivals", default=None)
     args = ap.parse_args()
     target = str(prepare_target())
+    generate_spec.collect_and_freeze()
     prompts = generate_spec.PROMPTS
     if args.prompts:
         prompts = json.loads(args.prompts)
@@ -239,6 +239,6 @@ if __name__ == "__main__":
                                  "block_size": cfg.cache_config.block_size,
                                  "enable_prefix_caching": cfg.cache_config.enable_prefix_caching})
         del llm, drafter, auto, cfg, outs, spec_counts  # nothing may keep this engine (its KV cache) alive into the next
-        gc.collect()
+        generate_spec.collect_and_freeze()
     with open(args.out, "w") as f:
         json.dump(result, f)

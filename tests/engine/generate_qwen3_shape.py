@@ -6,9 +6,10 @@ Writes {"prompts": [...], "outputs": [[token ids per prompt] per spec], "metrics
 counters per spec]}. One prompt goes through the tokenizer's chat template.
 """
 
-import gc
 import json
 import sys
+
+from generate_spec import collect_and_freeze  # same folder: the script's directory is on sys.path
 
 PROMPTS = [
     "def fibonacci(n):",
@@ -37,6 +38,7 @@ if __name__ == "__main__":
         [{"role": "user", "content": "Write a haiku about the sea."}], tokenize=False, add_generation_prompt=True)
     prompts = PROMPTS + [chat]
     result = {"prompts": prompts, "outputs": [], "metrics": []}
+    collect_and_freeze()
     for arg in sys.argv[3:]:
         spec = None if arg == "none" else json.loads(arg)
         llm = LLM(model=target, dtype="float32", max_model_len=512, enforce_eager=True, seed=0,
@@ -45,6 +47,6 @@ if __name__ == "__main__":
         result["outputs"].append([list(o.outputs[0].token_ids) for o in outs])
         result["metrics"].append(counters(llm))
         del llm
-        gc.collect()
+        collect_and_freeze()
     with open(out_path, "w") as f:
         json.dump(result, f)

@@ -30,8 +30,9 @@ lengths, "block_size", "block_drop": whether vLLM drops the trailing cached bloc
 """
 
 import argparse
-import gc
 import json
+
+from generate_spec import collect_and_freeze  # same folder: the script's directory is on sys.path
 
 
 def run_variant(spec: dict, corrupt: bool, gate_closed: bool) -> dict:
@@ -86,7 +87,7 @@ def run_variant(spec: dict, corrupt: bool, gate_closed: bool) -> dict:
               "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
               "block_drop": llm.llm_engine.vllm_config.speculative_config.use_eagle_block_drop()}
     del llm, drafter, gate  # nothing may keep this engine (its KV cache) alive into the next
-    gc.collect()
+    collect_and_freeze()
     return result
 
 

@@ -7,8 +7,11 @@ its first engine, about a quarter of a three-engine helper run on 2 vCPUs. This 
 test worker: for each job {"argv": [script, args...], "env": {...}, "cwd": ..., "stdout": path, "stderr":
 path} it forks a child that takes the job's environment, working directory and output files and runs the
 script as ``__main__``, as ``python script args...`` would; the engine itself is built and run in the child,
-exactly as in a fresh process. For each job it writes {"pid": child pid} when the child starts, then
-{"returncode": ...} when it ends (negative: the signal that ended it, as subprocess reports it).
+exactly as in a fresh process. The objects the imports made are frozen (`gc.freeze`) before the first fork,
+so the child's garbage collections (about nine full ones per engine it starts) skip them, as
+`generate_spec.collect_and_freeze` does between engines. For each job it writes {"pid": child pid} when the
+child starts, then {"returncode": ...} when it ends (negative: the signal that ended it, as subprocess
+reports it).
 
 Importing vLLM starts no thread (checked at start-up: forking a process with threads can deadlock the
 child). Intel OpenMP, preloaded here, binds a forked child's threads to the first core unless this process
@@ -18,6 +21,7 @@ a fresh process; the variables the parent started with are replaced by the job's
 """
 
 import atexit
+import gc
 import json
 import os
 import runpy
@@ -77,6 +81,7 @@ def main() -> None:
                          "forked engine's threads to the first core")
     started_with = dict(os.environ)
     preload()
+    gc.freeze()  # what the imports made: a child's collections skip it
     if threading.active_count() != 1:
         raise SystemExit(f"importing vLLM started threads ({threading.enumerate()}): forking is not safe")
     for line in sys.stdin:
