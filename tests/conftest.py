@@ -41,11 +41,31 @@ def threads_per_worker() -> int:
     return max(1, cores // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 
 
+def worker_cores() -> str | None:
+    """The cores of this pytest-xdist worker's share, as VLLM_CPU_OMP_THREADS_BIND lists them ("1", "0,1"):
+    worker i takes the i-th `threads_per_worker` of the cores (wrapping round); None without xdist.
+
+    vLLM-cpu binds the worker process of a multiprocessing engine (`vllm serve`, `vllm bench`, any LLM
+    without VLLM_ENABLE_V1_MULTIPROCESSING=0) to the cores this variable names, by default ("auto") to
+    the last core of each physical core but one, which it reserves: the first core, on 2 vCPUs. Two test
+    workers' servers then share it while the other idles: `vllm bench throughput` beside `vllm serve`
+    took 100 s against 67 s beside an in-process engine."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw") or not hasattr(os, "sched_getaffinity"):
+        return None
+    cores, share = sorted(os.sched_getaffinity(0)), threads_per_worker()
+    first = int(worker[2:]) * share
+    return ",".join(str(cores[(first + k) % len(cores)]) for k in range(share))
+
+
 def vllm_env(**extra: str) -> dict:
     """os.environ plus what a vLLM-cpu subprocess needs: Intel OpenMP preloaded, a 1 GiB KV cache, and
-    this worker's share of the cores (`threads_per_worker`)."""
+    this worker's share of the cores (`threads_per_worker`, and `worker_cores` for multiprocessing
+    engines' workers)."""
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", **extra)
     env.setdefault("OMP_NUM_THREADS", str(threads_per_worker()))
+    if (cores := worker_cores()) is not None:
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cores)
     lib = Path(sys.prefix) / "lib" / "libiomp5.so"
     if lib.exists():
         env["LD_PRELOAD"] = str(lib)
