@@ -2,13 +2,10 @@
 users' requests; the speculation gate's baseline for any request count comes from those timings."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import vllm_env
+from conftest import run_helper, vllm_env
 
 from vllm_ddtree.tree import AutoBudget, CostModel, ModelShape, SpeculationGate, get_profile
 
@@ -60,7 +57,6 @@ def test_a_ddtree_engine_starts_calibrated(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(
         "import json, os, sys\n"
-        "os.environ['VLLM_ENABLE_V1_MULTIPROCESSING'] = '0'\n"
         "from vllm import LLM, SamplingParams\n"
         "from vllm_ddtree.models.target import prepare_target\n"
         "target = str(prepare_target())\n"
@@ -77,8 +73,7 @@ def test_a_ddtree_engine_starts_calibrated(tmp_path):
         "    out[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]\n"
         "    del llm\n"
         "print('RESULT ' + json.dumps(out, default=str))\n")
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900,
-                          env=vllm_env(), cwd=Path(__file__).resolve().parents[1])
+    proc = run_helper(script, env=vllm_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"), timeout=900)
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     assert proc.returncode == 0 and line, proc.stderr[-3000:]
     res = json.loads(line[0][len("RESULT "):])
