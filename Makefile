@@ -38,7 +38,7 @@ TEST_WORKERS ?= 2
 
 test: export KMP_BLOCKTIME = 1
 test: $(STAMP) $(FLASHINFER)
-	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS)
 
 test-fast: $(STAMP) $(FLASHINFER)
 	$(PY) -m pytest -q -m "not slow and not vllm"

@@ -216,12 +216,3 @@ def stop(proc: subprocess.Popen) -> None:
         except ProcessLookupError:
             pass
         proc.wait()
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    """Modules that start vLLM engines (`vllm` or `slow` tests: a minute or several each) run before the
-    rest, each module's tests kept together and in order: the suite's last minutes are then its quick
-    tests, which `make test`'s work-stealing scheduler (`--dist worksteal`) shares among the workers,
-    instead of one worker's last engine test while the other idles."""
-    heavy = {item.path for item in items if item.get_closest_marker("vllm") or item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in heavy)  # stable: the collection's order otherwise
