@@ -67,11 +67,11 @@ def collect_and_freeze() -> None:
     run's inputs), before the next engine.
 
     An engine's start-up and shutdown run about nine full garbage collections (model loading, the KV
-    cache's profiling, `freeze_gc_heap`, the distributed clean-up), each over every object not frozen:
-    some 0.4-0.5 s apiece over the ~700,000 that importing vLLM makes, on 2 vCPUs, about a fifth of a
-    helper's time. Frozen, the collections skip them, as vLLM skips its start-up heap once serving.
-    Each engine's shutdown unfreezes everything (`EngineCore.shutdown`), so nothing stays frozen that
-    a later collection ought to free."""
+    cache's profiling, `freeze_gc_heap`, the distributed clean-up), each over every object not frozen,
+    which after importing vLLM is a great many (in one profiled helper, a fifth of its time). Frozen,
+    the collections skip them, as vLLM skips its start-up heap once serving. Each engine's shutdown
+    unfreezes everything (`EngineCore.shutdown`), so nothing stays frozen that a later collection ought
+    to free."""
     gc.collect()
     gc.freeze()
 
