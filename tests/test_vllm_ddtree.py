@@ -208,7 +208,10 @@ def test_prompt_lookup_branch_keeps_outputs_and_finds_the_request_s_repetitions(
     engine = {"max_num_batched_tokens": 48, "max_num_seqs": 3, "per_request_spec_decode_metrics": "summary"}
     sampling = {"temperature": 0, "max_tokens": 96, "ignore_eos": True}  # past EOS this small model repeats
     plain = {"method": "ddtree", "model": str(path), "tree_budget": 1, "ngram_weight": 0, "prompt_lookup_tokens": 0}
-    auto = {"method": "ddtree", "model": str(path), "tree_budget": "auto", "prompt_lookup_tokens": 8}
+    # min 1: no gate, so every step drafts and scores its lookup path, whatever start-up timed (a gate
+    # closed under a loaded machine's timings left the calibration at its prior)
+    auto = {"method": "ddtree", "model": str(path), "tree_budget": "auto", "min_tree_budget": 1,
+            "prompt_lookup_tokens": 8}
     specs = [None, plain, {**plain, "prompt_lookup_tokens": 8}, auto]
     res = run(tmp_path / "out.json", specs, "--engine", json.dumps(engine), "--sampling", json.dumps(sampling))
     assert all(outs == res["outputs"][0] for outs in res["outputs"][1:])
