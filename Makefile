@@ -78,7 +78,7 @@ gpu-wheels: $(STAMP)
 		build/gpu-wheels-check/wheels/*.whl
 	$(PY) benchmarks/gpu_image.py --site build/gpu-wheels-check/site -- \
 		python benchmarks/gpu_check.py --device cpu --quick --json build/gpu-wheels-check/check.json
-	du -sh $(GPU_WHEELS)
+	$(PY) benchmarks/gpu_transfer.py --carry $(GPU_WHEELS)  # within what one device call carries
 
 gpu-check: SHELL := /bin/bash
 gpu-check:
