@@ -114,6 +114,7 @@ def plot_bars(rows: list[dict], path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from plotting import save_png
 
     labels = [r["method"] + (f" B={r['budget']}" if r["budget"] else "") for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(12, 0.45 * len(rows) + 1.5), sharey=True)
@@ -126,7 +127,7 @@ def plot_bars(rows: list[dict], path: str) -> None:
     axes[0].set_yticks(range(len(rows)), labels)
     axes[0].invert_yaxis()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path)
 
 
 if __name__ == "__main__":

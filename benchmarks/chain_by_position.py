@@ -103,6 +103,7 @@ def plot(rows: list[dict], drafters: list[str], edges: list[int], path: str) -> 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from plotting import save_png
 
     subsets = ("all", "looping", "not looping")
     fig, axes = plt.subplots(1, 3, figsize=(15, 3.8), sharey=True)
@@ -118,7 +119,7 @@ def plot(rows: list[dict], drafters: list[str], edges: list[int], path: str) -> 
     axes[0].set_ylabel("DFlash chain tau (exact replay)")
     axes[0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path)
 
 
 if __name__ == "__main__":

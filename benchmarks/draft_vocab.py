@@ -93,6 +93,7 @@ def plot(rows: list[dict], vocab: int, path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from plotting import save_png
 
     sizes = [r["size"] or vocab for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
@@ -107,7 +108,7 @@ def plot(rows: list[dict], vocab: int, path: str) -> None:
     b.set(xlabel="draft vocabulary (ids)", ylabel="ms", ylim=(0, None),
           title=f"drafter LM head, {rows[0]['rows']} rows, fp32, {rows[0]['threads']} threads")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path)
 
 
 if __name__ == "__main__":

@@ -2347,10 +2347,10 @@ def plot_report(report: dict, png: str) -> None:
     fig.savefig(png, dpi=80)
     plt.close(fig)
     try:  # a 64-colour palette keeps the committed image small
-        from PIL import Image
+        from plotting import compact_png
 
-        Image.open(png).convert("RGB").quantize(64).save(png, optimize=True)
-    except ImportError:
+        compact_png(png, colors=64)
+    except ImportError:  # (no Pillow)
         pass
 
 

@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from plotting import save_results  # noqa: E402
+from plotting import save_png, save_results  # noqa: E402
 from ports import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -811,7 +811,7 @@ def plot(out: dict, path: str) -> None:
     b.legend(fontsize=8)
     fig.suptitle(out["meta"]["device"] + ", " + out["meta"]["vllm"], fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path)
 
 
 if __name__ == "__main__":

@@ -808,6 +808,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from plotting import save_png
 
     # the lookup branch on, rescoring off: the GPU's defaults (with the automatic budget)
     pipe = [r for r in rows if r["engine"] == "pipeline" and not r["ngram"] and r["lookup"]
@@ -857,7 +858,7 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.suptitle("ddtree step overhead, lookup branch on, n-gram rescoring off: every request's first step "
                  "(dashed: the earlier code) and the step after it (steady)")
     fig.tight_layout(rect=(0, 0, 0.82, 1))  # the legend to the right of the panels
-    fig.savefig(path, dpi=120)
+    save_png(fig, path, dpi=120)
 
 
 def main() -> None:

@@ -70,6 +70,7 @@ def plot(by_rows: dict[int, list[float]], ctx: int, path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from plotting import save_png
 
     fig, ax = plt.subplots(figsize=(6, 4))
     rows = list(by_rows)
@@ -81,7 +82,7 @@ def plot(by_rows: dict[int, list[float]], ctx: int, path: str) -> None:
     ax.set_title(f"toy target verify, {ctx} tokens of context")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path)
 
 
 if __name__ == "__main__":
