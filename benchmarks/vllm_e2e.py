@@ -2,9 +2,9 @@
 
     python benchmarks/vllm_e2e.py [--quick] --json PATH [--plot PNG]
 
-float32, HumanEval prompts (chat-templated), greedy (`--temperature T`: sampled, a seed per request;
-`--sampling JSON`: further SamplingParams, e.g. penalties), max_tokens 256, batch 1 (requests one at a
-time) and batch 8 (eight at once). Methods: no speculation, "dflash" (the chain, 15 tokens),
+float32 (`--dtype`: another), HumanEval prompts (chat-templated), greedy (`--temperature T`: sampled,
+a seed per request; `--sampling JSON`: further SamplingParams, e.g. penalties), max_tokens 256, batch 1
+(requests one at a time) and batch 8 (eight at once). Methods: no speculation, "dflash" (the chain, 15 tokens),
 "ddtree" with tree_budget 8/16/32/64 and "auto", each at every --ngram-weights value, and (`--methods
 defaults`) `{"method": "ddtree"}` with every option at its default. The other engines name every option
 they vary (lookup branch off, min_tree_budget 1 unless asked for), so a changed default does not change
@@ -94,6 +94,9 @@ def main() -> None:
     ap.add_argument("--sampling", default=None, metavar="JSON",
                     help="further SamplingParams keyword arguments for every measured request, e.g. "
                          "'{\"repetition_penalty\": 1.05}' (a model's generation config may set one)")
+    ap.add_argument("--dtype", default="float32",
+                    help="the engines' dtype; outputs equal the target alone's only where the arithmetic does "
+                         "(float32; in bfloat16 tree rows and decode rows round differently)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
@@ -173,7 +176,7 @@ def main() -> None:
     bar = tqdm(total=repeats * len(methods), desc="engines", unit="engine")
     for rep in range(repeats):
         for name, budget, spec in methods:
-            llm = LLM(model=target, dtype="float32", enforce_eager=True, max_model_len=2048, seed=0,
+            llm = LLM(model=target, dtype=args.dtype, enforce_eager=True, max_model_len=2048, seed=0,
                       speculative_config=spec, max_num_seqs=max(batches), disable_log_stats=False)
             llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
             for batch in batches:
@@ -219,7 +222,7 @@ def main() -> None:
     for row in rows:
         del row["outputs"]
 
-    print(f"\n{n_prompts} HumanEval prompts from problem {args.first_prompt}, max_tokens {max_tokens}, float32, "
+    print(f"\n{n_prompts} HumanEval prompts from problem {args.first_prompt}, max_tokens {max_tokens}, {args.dtype}, "
           f"{'greedy' if args.temperature == 0 else f'T = {args.temperature:g}'}"
           f"{''.join(f', {k} {v}' for k, v in extra.items())}, median of {repeats}")
     print(f"{'method':<24}{'B':>6}{'batch':>6}{'tau':>7}{'tok/s':>9}{'vs AR':>7}{'same':>6}{'nodes':>7}{'depth':>7}"
