@@ -9,17 +9,36 @@ from vllm_ddtree.tree import build_tree, compaction_plan, compile_tree, topk_per
 HEADS = 2
 
 
-def kv_views(cache: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of a layer cache as [blocks, heads, block_size, head_dim] views (K through a
-    transpose for "cpu_attn", vLLM CPU_ATTN's storage)."""
+def pack(k: torch.Tensor, v: torch.Tensor, layout: str) -> torch.Tensor:
+    """A layer cache [blocks, heads, block_size, 2 * head_dim] in `layout` holding K and V, each given
+    as [blocks, heads, block_size, head_dim]: per (block, head) K then V, token-major ("rows"), K
+    transposed ("cpu_attn", CPU_ATTN's vec ISAs), or both packed as CPU_ATTN's AMX tiles load them
+    ("cpu_attn_amx": K [t // 16, d // 2, t % 16, d % 2], V [d // 16, t // 2, d % 16, t % 2])."""
+    nb, h, bs, hd = k.shape
+    if layout == "cpu_attn":
+        k = k.transpose(2, 3)
+    elif layout == "cpu_attn_amx":
+        k = k.view(nb, h, bs // 16, 16, hd // 2, 2).permute(0, 1, 2, 4, 3, 5)
+        v = v.view(nb, h, bs // 2, 2, hd // 16, 16).permute(0, 1, 4, 2, 5, 3)
+    return torch.stack([k.reshape(nb, h, bs * hd), v.reshape(nb, h, bs * hd)], dim=2).view(nb, h, bs, 2 * hd)
+
+
+def unpack(cache: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of `pack`: K and V [blocks, heads, block_size, head_dim] of a layer cache."""
     nb, h, bs, two_hd = cache.shape
-    kv = cache.view(nb, h, 2, bs, two_hd // 2)
-    if layout == "rows":
-        return kv[:, :, 0], kv[:, :, 1]
-    return cache.view(nb, h, 2, two_hd // 2, bs)[:, :, 0].transpose(2, 3), kv[:, :, 1]
+    hd = two_hd // 2
+    k, v = cache.view(nb, h, 2, bs * hd).unbind(2)
+    if layout == "cpu_attn":
+        return k.view(nb, h, hd, bs).transpose(2, 3), v.view(nb, h, bs, hd)
+    if layout == "cpu_attn_amx":
+        k = k.view(nb, h, bs // 16, hd // 2, 16, 2).permute(0, 1, 2, 4, 3, 5)
+        v = v.view(nb, h, hd // 16, bs // 2, 16, 2).permute(0, 1, 3, 5, 2, 4)
+        return k.reshape(nb, h, bs, hd), v.reshape(nb, h, bs, hd)
+    return k.view(nb, h, bs, hd), v.view(nb, h, bs, hd)
 
 
-@pytest.mark.parametrize("layout, BS, HD", [("rows", 4, 3), ("cpu_attn", 4, 3), ("cpu_attn", 16, 32)])
+@pytest.mark.parametrize("layout, BS, HD", [("rows", 4, 3), ("cpu_attn", 4, 3), ("cpu_attn", 16, 32),
+                                            ("cpu_attn_amx", 32, 32), ("cpu_attn_amx", 16, 48)])
 def test_compaction_moves_accepted_rows_in_every_layer(layout, BS, HD):
     g = torch.Generator().manual_seed(0)
     r = 3
@@ -38,13 +57,13 @@ def test_compaction_moves_accepted_rows_in_every_layer(layout, BS, HD):
     table = torch.randperm(r * blocks_per_req, generator=g).view(r, blocks_per_req)
     caches = []
     for layer in range(2):
-        cache = torch.zeros(r * blocks_per_req, HEADS, BS, 2 * HD)
+        kv = [torch.zeros(r * blocks_per_req, HEADS, BS, HD) for _ in range(2)]
         for req in range(r):
             pos = torch.arange(int(ctx[req]) + batch.max_rows)
             slots = positions_to_slots(table[req : req + 1], pos[None], BS)[0]
-            for kvi, view in enumerate(kv_views(cache, layout)):
+            for kvi, view in enumerate(kv):
                 view[slots // BS, :, slots % BS] = value(layer, req, pos, kvi, HD)
-        caches.append(cache)
+        caches.append(pack(*kv, layout))
     compact_paged_kv_(caches, table, plan, BS, layout)
     for layer, cache in enumerate(caches):
         for req in range(r):
@@ -53,7 +72,7 @@ def test_compaction_moves_accepted_rows_in_every_layer(layout, BS, HD):
                 if row < 0:
                     break
                 slot = positions_to_slots(table[req : req + 1], torch.tensor([[c + depth]]), BS)[0, 0]
-                for kvi, view in enumerate(kv_views(cache, layout)):
+                for kvi, view in enumerate(unpack(cache, layout)):
                     expect = value(layer, req, torch.tensor([c + row]), kvi, HD)[0]
                     assert torch.equal(view[slot // BS, :, slot % BS], expect)
 

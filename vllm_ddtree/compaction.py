@@ -45,19 +45,31 @@ def cache_rows(blocks: Tensor, offsets: Tensor, num_kv_heads: int, block_size: i
     return ((blocks[..., None, None] * num_kv_heads + heads) * 2 + k_or_v) * block_size + offsets[..., None, None]
 
 
-def cpu_attn_elements(blocks: Tensor, offsets: Tensor, num_kv_heads: int, block_size: int, head_dim: int) -> Tensor:
-    """Elements of a "cpu_attn"-layout layer cache (vLLM's CPU_ATTN storage, flattened) that hold K
-    (index 0 of dim -2) and V (1) of each (block, offset): [*blocks.shape, kv_heads, 2, head_dim].
-    Per (block, head): K as [head_dim, block_size] (transposed), then V as [block_size, head_dim]."""
+def cpu_attn_elements(blocks: Tensor, offsets: Tensor, num_kv_heads: int, block_size: int, head_dim: int,
+                      layout: str = "cpu_attn") -> Tensor:
+    """Elements of a CPU_ATTN-written layer cache (vLLM's storage, flattened) that hold K (index 0 of
+    dim -2) and V (1) of each (block, offset): [*blocks.shape, kv_heads, 2, head_dim]. Per (block,
+    head) K then V, each block_size * head_dim values; inside them, by the ISA that wrote them:
+
+    - "cpu_attn" (vec, vec16): K as [head_dim, block_size] (transposed), V as [block_size, head_dim];
+    - "cpu_attn_amx" (AMX tiles, 16 rows of bf16 pairs): K as [block_size / 16, head_dim / 2, 16, 2]
+      (token t, dim d at [t // 16, d // 2, t % 16, d % 2]), V as [head_dim / 16, block_size / 2, 16, 2]
+      (at [d // 16, t // 2, d % 16, t % 2]).
+    """
     heads = torch.arange(num_kv_heads, device=blocks.device).view(-1, 1, 1)
     k_or_v = torch.arange(2, device=blocks.device).view(-1, 1)
     d = torch.arange(head_dim, device=blocks.device)
     base = ((blocks[..., None, None, None] * num_kv_heads + heads) * 2 + k_or_v) * (block_size * head_dim)
-    o = offsets[..., None, None, None]
-    return base + torch.where(k_or_v == 0, d * block_size + o, o * head_dim + d)
+    t = offsets[..., None, None, None]
+    if layout == "cpu_attn_amx":
+        k = ((t // 16) * (head_dim // 2) + d // 2) * 32 + (t % 16) * 2 + d % 2
+        v = ((d // 16) * (block_size // 2) + t // 2) * 32 + (d % 16) * 2 + t % 2
+    else:
+        k, v = d * block_size + t, t * head_dim + d
+    return base + torch.where(k_or_v == 0, k, v)
 
 
-LAYOUTS = ("rows", "cpu_attn", "flashinfer")
+LAYOUTS = ("rows", "cpu_attn", "cpu_attn_amx", "flashinfer")
 
 
 #: Bytes of K/V one gather of `move_slots_` may hold at once (the layers of a stack are moved in
@@ -107,8 +119,9 @@ class CacheStacks:
     per layer: with 36 layers, half of what a captured steady step runs).
 
     The backends' layer caches are all [blocks, kv_heads, block_size, 2 * head_dim]; they differ inside
-    (:mod:`vllm_ddtree.attention.cpu_tree` on the CPU): "cpu_attn" (vLLM's CPU_ATTN storage) holds per
-    (block, head) K transposed then V, "rows" per (block, head) K rows then V rows, "flashinfer"
+    (:mod:`vllm_ddtree.attention.cpu_tree` on the CPU): "cpu_attn" and "cpu_attn_amx" (vLLM's CPU_ATTN
+    storage, `cpu_attn_elements`) hold per (block, head) K then V, each permuted within the block, "rows"
+    per (block, head) K rows then V rows, "flashinfer"
     (vLLM's FlashInfer backend, ``do_kv_cache_update``) K then V in the last dimension of each token.
     The logical view is indexed, so FlashInfer's physical layouts (NHD, HND) need nothing. The indices
     are computed once for all layers (layers of one model share the cache's shape), and the layers
@@ -149,9 +162,9 @@ class CacheStacks:
         db, do = torch.div(dst_slots, bs, rounding_mode="floor"), dst_slots % bs
         if self.layout == "rows":  # whole K and V rows of the cache read as a [rows, head_dim] matrix
             src_idx, dst_idx = cache_rows(sb, so, h, bs).reshape(-1), cache_rows(db, do, h, bs).reshape(-1)
-        elif self.layout == "cpu_attn":  # K is transposed in a block: single elements of the flat cache
-            src_idx = cpu_attn_elements(sb, so, h, bs, two_hd // 2).reshape(-1)
-            dst_idx = cpu_attn_elements(db, do, h, bs, two_hd // 2).reshape(-1)
+        elif self.layout != "flashinfer":  # CPU_ATTN's: permuted within a block, single elements of the flat cache
+            src_idx = cpu_attn_elements(sb, so, h, bs, two_hd // 2, self.layout).reshape(-1)
+            dst_idx = cpu_attn_elements(db, do, h, bs, two_hd // 2, self.layout).reshape(-1)
         per_layer = src_slots.numel() * h * two_hd * self.stacks[0].element_size()  # gathered bytes per layer
         chunk = max(1, MOVE_CHUNK_BYTES // max(per_layer, 1))
         for stack in self.stacks:

@@ -16,13 +16,16 @@ cache back; the step's other requests (no tree, or a tree that is one path, whos
 `tree_mask.chain_trees`) go to the kernel as a batch of their own.
 
 Cache layouts (a layer's cache is [num_blocks, kv_heads, block_size, 2 * head_dim], LBHNC; per
-(block, KV head) the storage is 2 * block_size * head_dim values):
-- "cpu_attn": CPU_ATTN's own, written by its `cpu_attn_reshape_and_cache`: K as [head_dim,
-  block_size] (transposed), then V as [block_size, head_dim]. The kernel does not document it, so
-  it is probed (:func:`kv_layout`): written by the kernel and read back, once per dtype, block size,
-  head size and ISA. Used where the probe reads back what was written.
-- "rows": ours, where the probe fails (an ISA storing K otherwise): K rows then V rows, both
-  token-major, every step through SDPA.
+(block, KV head) the storage is 2 * block_size * head_dim values, K then V):
+- "cpu_attn": CPU_ATTN's own with its vec/vec16 ISAs, written by its `cpu_attn_reshape_and_cache`:
+  K as [head_dim, block_size] (transposed), V as [block_size, head_dim].
+- "cpu_attn_amx": CPU_ATTN's own with its AMX ISA (bfloat16 on CPUs with AMX tiles): K and V packed
+  as the tiles load them, pairs of bf16 values in rows of 16 (`compaction.cpu_attn_elements`).
+- "rows": ours, where the probe reads back neither: K rows then V rows, both token-major, every step
+  through SDPA.
+The kernel does not document its storage, so it is probed (:func:`kv_layout`): written by the kernel
+and read back, once per dtype, block size, head size and ISA; a CPU_ATTN layout is used only where
+the probe reads back what was written.
 
 Per verify step the builder does everything that is the same for all layers once: which cache
 blocks ("cpu_attn") or rows ("rows", :func:`cache_rows`) hold each request's K and V, the padded
@@ -57,7 +60,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from vllm_ddtree.attention.tree_mask import TreeStepMasks, build_attention_mask, chain_trees, step_tree_masks_for
-from vllm_ddtree.compaction import cache_rows
+from vllm_ddtree.compaction import cache_rows, cpu_attn_elements
 
 __all__ = ["TreeAttentionBackend", "TreeStepMasks", "build_attention_mask", "cache_layout", "kv_layout", "register"]
 
@@ -65,19 +68,32 @@ __all__ = ["TreeAttentionBackend", "TreeStepMasks", "build_attention_mask", "cac
 logger = init_logger("vllm.ddtree.attention")
 
 KV_LAYOUT_CPU_ATTN = "cpu_attn"  # CPU_ATTN's: per (block, KV head) K as [head_dim, block_size], then V token-major
+KV_LAYOUT_CPU_ATTN_AMX = "cpu_attn_amx"  # CPU_ATTN's AMX ISA: per (block, KV head) K, then V, packed for its tiles
 KV_LAYOUT_ROWS = "rows"  # ours: per (block, KV head) K rows, then V rows, token-major
+#: The layouts CPU_ATTN's kernel reads and writes, in the order the probe tries them.
+KERNEL_LAYOUTS = (KV_LAYOUT_CPU_ATTN, KV_LAYOUT_CPU_ATTN_AMX)
 
 #: Steps without tree masks run CPU_ATTN's kernel where the cache is in its layout. False sends every
 #: step through SDPA (a check of that path on plain steps; it is what the "rows" layout always does).
 STOCK_KERNEL_FOR_PLAIN_STEPS = True
 
 
-def cpu_attn_kv(kv_cache: Tensor) -> tuple[Tensor, Tensor]:
-    """Views of a "cpu_attn"-layout cache [blocks, kv_heads, block_size, 2 * head_dim]:
-    K [blocks, kv_heads, head_dim, block_size] (transposed) and V [blocks, kv_heads, block_size, head_dim]."""
-    nb, kvh, bs, two_hd = kv_cache.shape
-    hd = two_hd // 2
-    return kv_cache.view(nb, kvh, 2, hd, bs)[:, :, 0], kv_cache.view(nb, kvh, 2, bs, hd)[:, :, 1]
+def unpack_blocks(blocks: Tensor, layout: str, block_size: int, head_dim: int) -> tuple[Tensor, Tensor]:
+    """Whole cache blocks gathered per request, [R, n, kv_heads, 2, block_size * head_dim] in a CPU_ATTN
+    layout, as SDPA's K and V [R, kv_heads, n * block_size, head_dim] (a permute and one copy each)."""
+    r, n, kvh = blocks.shape[:3]
+    k, v = blocks[:, :, :, 0], blocks[:, :, :, 1]
+    if layout == KV_LAYOUT_CPU_ATTN_AMX:  # K [t // 16, d // 2, t % 16, d % 2], V [d // 16, t // 2, d % 16, t % 2]
+        if k.element_size() == 2:  # bfloat16: K's (d, d + 1) pairs moved as single 4-byte values, a quarter faster
+            k = k.view(torch.int32).unflatten(-1, (block_size // 16, head_dim // 2, 16)).permute(0, 2, 1, 3, 5, 4)
+            k = k.reshape(r, kvh, n * block_size, head_dim // 2).view(blocks.dtype)
+        else:
+            k = k.unflatten(-1, (block_size // 16, head_dim // 2, 16, 2)).permute(0, 2, 1, 3, 5, 4, 6)
+        v = v.unflatten(-1, (head_dim // 16, block_size // 2, 16, 2)).permute(0, 2, 1, 4, 6, 3, 5)
+    else:  # K [d, t] (transposed), V [t, d]
+        k = k.unflatten(-1, (head_dim, block_size)).permute(0, 2, 1, 4, 3)
+        v = v.unflatten(-1, (block_size, head_dim)).permute(0, 2, 1, 3, 4)
+    return k.reshape(r, kvh, n * block_size, head_dim), v.reshape(r, kvh, n * block_size, head_dim)
 
 
 def write_cpu_attn_kv(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor, isa: str,
@@ -92,12 +108,12 @@ def write_cpu_attn_kv(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping
 
 @functools.lru_cache(maxsize=None)
 def kv_layout(dtype: torch.dtype, block_size: int, head_size: int, isa: str) -> str:
-    """The layout the caches of this dtype, block size, head size and CPU_ATTN ISA get: "cpu_attn"
-    if what CPU_ATTN's kernel writes reads back through :func:`cpu_attn_kv`, else "rows".
+    """The layout the caches of this dtype, block size, head size and CPU_ATTN ISA get: the first of
+    `KERNEL_LAYOUTS` through which what CPU_ATTN's kernel writes reads back, else "rows".
 
-    Probed, not assumed: the kernel's storage depends on the ISA and is not part of vLLM's API (the
-    AMX ISA, for one, was not available to check). A probe writes distinct values into every slot of
-    a small cache in a shuffled order and compares what the views read with what was written.
+    Probed, not assumed: the kernel's storage depends on the ISA and is not part of vLLM's API. A
+    probe writes distinct values into every slot of a small cache in a shuffled order and compares
+    what each layout's element indices (`compaction.cpu_attn_elements`) read with what was written.
     """
     g = torch.Generator().manual_seed(0)
     nb, kvh = 3, 2
@@ -111,11 +127,13 @@ def kv_layout(dtype: torch.dtype, block_size: int, head_size: int, isa: str) -> 
     except (RuntimeError, NotImplementedError) as e:  # an ISA this build of vLLM lacks
         logger.warning("vllm-ddtree: CPU_ATTN's cache write failed for ISA %s (%s); KV kept in vllm-ddtree's layout", isa, e)
         return KV_LAYOUT_ROWS
-    k, v = cpu_attn_kv(cache)
-    blocks, offsets = slots // block_size, slots % block_size
-    read_k, read_v = k[blocks, :, :, offsets], v[blocks, :, offsets]  # [n, kv_heads, head_dim]
-    if torch.equal(read_k, key) and torch.equal(read_v, value):
-        return KV_LAYOUT_CPU_ATTN
+    written = torch.stack([key, value], dim=2)  # [n, kv_heads, 2, head_dim]
+    for layout in KERNEL_LAYOUTS:
+        if layout == KV_LAYOUT_CPU_ATTN_AMX and (block_size % 16 or head_size % 16):
+            continue  # its tiles' packing needs both in multiples of 16
+        elements = cpu_attn_elements(slots // block_size, slots % block_size, kvh, block_size, head_size, layout)
+        if torch.equal(cache.flatten()[elements], written):
+            return layout
     logger.warning("vllm-ddtree: CPU_ATTN's cache layout for ISA %s (%s, block %d, head size %d) is not the one "
                    "its tree steps read back; every step uses SDPA and vllm-ddtree's layout", isa, dtype, block_size,
                    head_size)
@@ -149,8 +167,9 @@ class TreeAttentionMetadata:
     mask: Tensor  # [R, 1, max_q, max_kv] bool, True = may attend
     causal: bool | Tensor = True  # what the caller asked for (the DFlash drafter checks `causal is False`)
     max_query_len: int = 0
-    max_seq_len: int = 0  # the KV length attended: max_kv ("rows"), whole blocks ("cpu_attn")
-    kv_blocks: Tensor | None = None  # "cpu_attn" layout: [R * blocks] the cache blocks of each request, in order
+    max_seq_len: int = 0  # the KV length attended: max_kv ("rows"), whole blocks (CPU_ATTN's layouts)
+    kv_blocks: Tensor | None = None  # a CPU_ATTN layout: [R * blocks] the cache blocks of each request, in order
+    kv_layout: str = KV_LAYOUT_ROWS  # the cache's layout (`kv_layout`)
     _folded: dict = field(default_factory=dict)  # query-heads-per-KV-head G -> [R, 1, G * max_q, max_kv]
     # A step that mixes long query runs (prefill chunks) with short ones (decodes, tree rows) is
     # attended in parts, each padded to its own longest query (see `SEPARATE_QUERY_LEN`); empty: one part.
@@ -198,7 +217,7 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
         cm = common_attn_metadata
         r = cm.num_reqs
         tree = step_tree_masks_for(self.layer_names, r)
-        kernel = self.stock is not None and self.layout == KV_LAYOUT_CPU_ATTN and STOCK_KERNEL_FOR_PLAIN_STEPS
+        kernel = self.stock is not None and self.layout in KERNEL_LAYOUTS and STOCK_KERNEL_FOR_PLAIN_STEPS
         if tree is None and kernel:
             return self.stock.build(common_prefix_len, cm, fast_build)
         qsl = cm.query_start_loc[: r + 1].long()
@@ -266,7 +285,7 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
             max_q, max_kv = max(int(cm.max_query_len), 1), max(int(cm.max_seq_len), 1)
         r = query_lens.shape[0]
         kv_rows = kv_blocks = None
-        if self.layout == KV_LAYOUT_CPU_ATTN:  # whole blocks are gathered: K is stored transposed in each
+        if self.layout in KERNEL_LAYOUTS:  # whole blocks are gathered: K and V are permuted within each
             num_blocks = -(-max_kv // self.block_size)
             max_kv = num_blocks * self.block_size
             kv_blocks = blocks[:, :num_blocks].reshape(-1)
@@ -296,6 +315,7 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
             causal=causal,
             max_query_len=max_q,
             max_seq_len=max_kv,
+            kv_layout=self.layout,
         )
 
 
@@ -360,7 +380,7 @@ class TreeAttentionImpl(AttentionImpl):
         """Write new tokens' K/V [n, kv_heads, hd] at `slot_mapping` (block * block_size + offset)."""
         _, num_kv_heads, bs, two_hd = kv_cache.shape
         n = min(slot_mapping.shape[0], key.shape[0])
-        if cache_layout(kv_cache, layer) == KV_LAYOUT_CPU_ATTN:
+        if cache_layout(kv_cache, layer) in KERNEL_LAYOUTS:
             write_cpu_attn_kv(key[:n], value[:n], kv_cache, slot_mapping[:n], cache_isa(kv_cache.dtype, bs, two_hd // 2, layer),
                               self.kv_cache_dtype, getattr(layer, "_k_scale_float", 1.0), getattr(layer, "_v_scale_float", 1.0))
             return
@@ -423,11 +443,10 @@ class TreeAttentionImpl(AttentionImpl):
         """One part's attention: its queries' outputs written into `output`."""
         r, max_q = md.query_index.shape
         kvh, hd, group = self.num_kv_heads, self.head_size, self.num_heads // self.num_kv_heads
-        if md.kv_blocks is not None:  # "cpu_attn" layout: whole blocks, K and V together, then SDPA's order
+        if md.kv_blocks is not None:  # a CPU_ATTN layout: whole blocks, K and V together, then SDPA's order
             nb, _, bs, _ = kv_cache.shape
             blocks = kv_cache.view(nb, kvh, 2, bs * hd).index_select(0, md.kv_blocks).view(r, -1, kvh, 2, bs * hd)
-            k = blocks[:, :, :, 0].unflatten(-1, (hd, bs)).permute(0, 2, 1, 4, 3).reshape(r, kvh, md.max_seq_len, hd)
-            v = blocks[:, :, :, 1].unflatten(-1, (bs, hd)).permute(0, 2, 1, 3, 4).reshape(r, kvh, md.max_seq_len, hd)
+            k, v = unpack_blocks(blocks, md.kv_layout, bs, hd)
         else:
             kv = kv_cache.view(-1, hd).index_select(0, md.kv_rows).view(r, kvh, 2, md.max_seq_len, hd)
             k, v = kv[:, :, 0], kv[:, :, 1]
