@@ -25,6 +25,20 @@ import statistics
 import time
 
 
+def cpu_name() -> str:
+    """The CPU's model name and cores (results depend on it: CPU_ATTN's ISA, AMX or not), from /proc/cpuinfo."""
+    with open("/proc/cpuinfo") as f:
+        names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    amx = ", AMX" if torch_has_amx() else ""
+    return f"{names[0] if names else 'unknown'} ({len(names)} vCPUs{amx})"
+
+
+def torch_has_amx() -> bool:
+    import torch
+
+    return bool(torch.cpu._is_amx_tile_supported())
+
+
 def close_gate(llm) -> None:
     """Force a ddtree engine's speculation gate closed (in-process engine, ``"min_tree_budget": 0``):
     no budget exploration, no probes, and the target alone's rate looks unbeatable at every batch size,
@@ -127,7 +141,7 @@ def main() -> None:
         out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True), use_tqdm=False)
         secs = time.perf_counter() - t
         tokens = sum(len(o.outputs[0].token_ids) for o in out)
-        row = {"engine": name, "dtype": args.dtype, "batch": args.batch, "tokens_per_s": tokens / secs}
+        row = {"engine": name, "dtype": args.dtype, "batch": args.batch, "cpu": cpu_name(), "tokens_per_s": tokens / secs}
         row |= {f"{k}_ms": 1e3 * statistics.median(v) for k, v in times.items() if v}
         if args.profile:
             row["profile_ms_per_step"] = profile_ops(llm, prompt, args.profile)
