@@ -524,7 +524,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--bf16", action="store_true",
                     help="run the drafter's forward under torch.autocast(bfloat16): weights, Adam state and the "
-                         "loss stay float32. Pays on CPUs with avx512_bf16 or AMX (this one: 86 steps a minute against 47 in "
+                         "loss stay float32. Pays on CPUs with avx512_bf16 or AMX (the toy drafter's run: 86 steps a minute against 47 in "
                          "float32, vllm_ddtree/checkpoints/smollm2-dflash/train_log.jsonl); elsewhere bf16 is emulated and slower")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--export", default=None, help="after training, save the drafter here (bf16)")
