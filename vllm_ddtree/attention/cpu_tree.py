@@ -28,7 +28,7 @@ and read back, once per dtype, block size, head size and ISA; a CPU_ATTN layout 
 the probe reads back what was written.
 
 Per verify step the builder does everything that is the same for all layers once: which cache
-blocks ("cpu_attn") or rows ("rows", :func:`cache_rows`) hold each request's K and V, the padded
+blocks (CPU_ATTN's layouts) or rows ("rows", :func:`cache_rows`) hold each request's K and V, the padded
 query index, and the boolean mask [R, max_q, max_kv]. Each layer's forward is then one gather of K
 and V together, one SDPA with the query heads of a KV head folded into its query rows (no K/V
 repeat for GQA), and one row scatter of the output.
@@ -84,7 +84,7 @@ def unpack_blocks(blocks: Tensor, layout: str, block_size: int, head_dim: int) -
     r, n, kvh = blocks.shape[:3]
     k, v = blocks[:, :, :, 0], blocks[:, :, :, 1]
     if layout == KV_LAYOUT_CPU_ATTN_AMX:  # K [t // 16, d // 2, t % 16, d % 2], V [d // 16, t // 2, d % 16, t % 2]
-        if k.element_size() == 2:  # bfloat16: K's (d, d + 1) pairs moved as single 4-byte values, a quarter faster
+        if k.element_size() == 2:  # bfloat16: K's (d, d + 1) pairs are adjacent, so each moves as one 4-byte value
             k = k.view(torch.int32).unflatten(-1, (block_size // 16, head_dim // 2, 16)).permute(0, 2, 1, 3, 5, 4)
             k = k.reshape(r, kvh, n * block_size, head_dim // 2).view(blocks.dtype)
         else:
@@ -130,7 +130,7 @@ def kv_layout(dtype: torch.dtype, block_size: int, head_size: int, isa: str) -> 
     written = torch.stack([key, value], dim=2)  # [n, kv_heads, 2, head_dim]
     for layout in KERNEL_LAYOUTS:
         if layout == KV_LAYOUT_CPU_ATTN_AMX and (block_size % 16 or head_size % 16):
-            continue  # its tiles' packing needs both in multiples of 16
+            continue  # its index arithmetic needs both in multiples of 16 (the AMX ISA itself asks for 32)
         elements = cpu_attn_elements(slots // block_size, slots % block_size, kvh, block_size, head_size, layout)
         if torch.equal(cache.flatten()[elements], written):
             return layout
