@@ -27,16 +27,12 @@ import time
 
 def cpu_name() -> str:
     """The CPU's model name and cores (results depend on it: CPU_ATTN's ISA, AMX or not), from /proc/cpuinfo."""
-    with open("/proc/cpuinfo") as f:
-        names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    amx = ", AMX" if torch_has_amx() else ""
-    return f"{names[0] if names else 'unknown'} ({len(names)} vCPUs{amx})"
-
-
-def torch_has_amx() -> bool:
     import torch
 
-    return bool(torch.cpu._is_amx_tile_supported())
+    with open("/proc/cpuinfo") as f:
+        names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    amx = ", AMX" if torch.cpu._is_amx_tile_supported() else ""
+    return f"{names[0] if names else 'unknown'} ({len(names)} vCPUs{amx})"
 
 
 def close_gate(llm) -> None:

@@ -95,8 +95,8 @@ def main() -> None:
                     help="further SamplingParams keyword arguments for every measured request, e.g. "
                          "'{\"repetition_penalty\": 1.05}' (a model's generation config may set one)")
     ap.add_argument("--dtype", default="float32",
-                    help="the engines' dtype; outputs equal the target alone's only where the arithmetic does "
-                         "(float32; in bfloat16 tree rows and decode rows round differently)")
+                    help="the engines' dtype; greedy outputs are token-identical to the target alone's in float32 "
+                         "(the `same` column says whether they were in this run)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
