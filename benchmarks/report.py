@@ -57,6 +57,10 @@ def ratio(v: float | None) -> str:
     return "–" if v is None else f"{v:.2f}×"
 
 
+def percent(v: float | None) -> str:
+    return "–" if v is None else f"{100 * v:.0f}%"
+
+
 def unique(values) -> list:
     seen = []
     for v in values:
@@ -83,16 +87,22 @@ def render_vllm_e2e(study: dict, rows: list[dict]) -> list[str]:
     keys = unique((r["method"], r.get("budget")) for r in rows)
     by = {(r["method"], r.get("budget"), r["batch"]): r for r in rows}
     gated = any("gated" in r["method"] for r in rows)
+    # Where greedy outputs differ (another dtype than float32): how far they agree, against the target
+    # alone at the same batch and at the smallest one.
+    agree = any(r.get("identical_to_ar") is False for r in rows)
+    first = min(batches)
     header = ["method", "B"]
     for b in batches:
         header += [f"batch {b}: τ", "tok/s", "vs none", "nodes"] + (["undrafted"] if gated else [])
+        header += ["agrees with none", f"with none at batch {first}"] if agree else []
+    width = 4 + gated + 2 * agree
     body = []
     for m, budget in keys:
         line = [_label(study, m), fmt(budget)]
         for b in batches:
             r = by.get((m, budget, b))
             if r is None:
-                line += ["–"] * (5 if gated else 4)
+                line += ["–"] * width
                 continue
             dd = r.get("ddtree") or {}
             line += [fmt(r["tau"]), fmt(r["tokens_per_s"], 1), ratio(r.get("speedup_vs_ar")),
@@ -101,8 +111,12 @@ def render_vllm_e2e(study: dict, rows: list[dict]) -> list[str]:
                 done = dd.get("gate_drafted_steps", 0) + dd.get("gate_undrafted_steps", 0)
                 share = dd["gate_undrafted_steps"] / done if done else None
                 line.append("–" if share is None else f"{100 * share:.0f}%")
+            if agree:
+                line += [percent(r.get("agreement_vs_ar")), percent(r.get("agreement_vs_ar_smallest_batch"))]
         body.append(line)
-    return table(header, body)
+    notes = ["", "Agreement: the mean share of the target alone's greedy tokens an output repeats before its "
+             "first difference."] if agree else []
+    return table(header, body) + notes
 
 
 def render_acceptance(study: dict, rows: list[dict]) -> list[str]:
@@ -435,7 +449,7 @@ def row_settings(data) -> list[str]:
     same = [r.get("identical_to_ar", r.get("mismatches_vs_ar")) for r in rows if "identical_to_ar" in r or "mismatches_vs_ar" in r]
     checked = [s for s in same if s is not None]
     if checked:
-        ok = all(s is True or s == 0 for s in checked)
+        ok = all(s is True or (not isinstance(s, bool) and s == 0) for s in checked)  # False == 0 in Python
         out.append("greedy outputs identical to no speculation in every row" if ok else
                    "some greedy outputs differ from no speculation (see the table)")
     return out

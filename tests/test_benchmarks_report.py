@@ -17,3 +17,29 @@ def test_every_result_file_is_described():
     """A result file with neither a meta block nor a studies.json entry lands under 'Other results'."""
     text = (ROOT / "docs" / "benchmarks.md").read_text()
     assert "## Other results" not in text and "## Described but absent" not in text
+
+
+def _benchmarks_module(name: str):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.pop(0)
+
+
+def test_prefix_agreement_is_the_share_before_the_first_difference():
+    prefix_agreement = _benchmarks_module("vllm_e2e").prefix_agreement
+    reference = [[1, 2, 3, 4], [5, 6]]
+    assert prefix_agreement([reference], reference) == 1.0
+    # prompt 0 differs at its third token (2 of 4 agree), prompt 1 at its first (0 of 2)
+    assert prefix_agreement([[[1, 2, 9, 4], [7, 6]]], reference) == 0.25
+    # an output that stops early agrees up to where it stops; repeats are averaged
+    assert prefix_agreement([[[1, 2], [5, 6]], reference], reference) == (0.5 + 1 + 1 + 1) / 4
+
+
+def test_row_settings_say_when_greedy_outputs_differ():
+    row_settings = _benchmarks_module("report").row_settings
+    differ = "some greedy outputs differ from no speculation (see the table)"
+    assert differ in row_settings([{"identical_to_ar": True}, {"identical_to_ar": False}])  # False is not 0 mismatches
+    assert differ in row_settings([{"mismatches_vs_ar": 0}, {"mismatches_vs_ar": 2}])
+    assert differ not in row_settings([{"identical_to_ar": True}, {"mismatches_vs_ar": 0}])
