@@ -748,7 +748,7 @@ def _drafted(gate: SpeculationGate, tokens_per_second: float, num_requests: int 
 
 
 def test_speculation_gate_measures_the_target_alone_then_drafts_only_while_trees_beat_it():
-    gate = SpeculationGate(probe_every=4, max_probe_every=64, alpha=0.5)
+    gate = SpeculationGate(probe_every=4, max_probe_every=64, alpha=0.5, probe_loss_share=1.0)  # doubling alone
     # A request count never decoded without drafting is measured first; until a measurement comes
     # (a step with prefills in it measures nothing), every 4th step tries again and the rest draft.
     assert [gate.speculate(1) for _ in range(6)] == [False, True, True, True, False, True]
@@ -789,7 +789,7 @@ def test_speculation_gate_measures_the_target_alone_then_drafts_only_while_trees
 
 
 def test_speculation_gate_backs_off_its_probes_while_trees_stay_behind_and_resets_when_they_pay():
-    gate = SpeculationGate(probe_every=2, max_probe_every=8, alpha=1.0)
+    gate = SpeculationGate(probe_every=2, max_probe_every=8, alpha=1.0, probe_loss_share=1.0)  # doubling alone
     gate.observe_ar_step(32, 0.050)  # 640 tokens/s
     gaps, since = [], 0
     for _ in range(40):
@@ -810,9 +810,73 @@ def test_speculation_gate_backs_off_its_probes_while_trees_stay_behind_and_reset
     assert [gate.speculate(32) for _ in range(2)] == [False, True]
 
 
+def _probe(gate: SpeculationGate, num_requests: int, tokens: int, seconds: float) -> None:
+    """A drafted step of `num_requests` requests that committed `tokens` in `seconds`."""
+    gate.observe_plan(BudgetPlan(torch.tensor([4]), torch.tensor(2.0), torch.tensor(0.01), torch.tensor(200.0)),
+                      num_requests)
+    gate.observe_tokens(torch.tensor(tokens))
+    gate.observe_drafted_step(seconds)
+
+
+def _probe_gaps(gate: SpeculationGate, steps: int, tokens: int, seconds: float) -> list[int]:
+    """Undrafted steps between the drafted ones of a 32-request class over `steps` decisions, each
+    drafted step committing `tokens` in `seconds`."""
+    gaps, since = [], 0
+    for _ in range(steps):
+        if gate.speculate(32):
+            gaps.append(since)
+            since = 0
+            _probe(gate, 32, tokens, seconds)
+        else:
+            since += 1
+    return gaps
+
+
+def test_probes_far_from_paying_wait_until_their_loss_is_a_small_share_of_the_class_s_time():
+    # The target alone: 60 ms a step of 32 requests (533 tokens/s). A probe that commits 64 tokens in
+    # 240 ms runs at half that and loses 120 ms: 2% of 100 undrafted steps.
+    gate = SpeculationGate(probe_every=8, max_probe_every=64)
+    gate.observe_ar_step(32, 0.060)
+    gaps = _probe_gaps(gate, 1000, 64, 0.240)
+    # The open class's first drafted step closes it; every later probe comes 100 steps after the last
+    # (99 undrafted between; doubling alone: 8, 16, 32, 64, 64, ...), and the probes' loss stays
+    # within the share of the class's time.
+    assert gaps[0] == 0 and set(gaps[1:]) == {99}
+    probes = len(gaps) - 1  # the first drafted step was the open class's, not a probe
+    assert 0.120 * probes / (0.060 * sum(gaps) + 0.240 * probes) <= gate.probe_loss_share
+    # A probe that came close to paying (0.95x, three undrafted steps' time: a bound of 8 steps) keeps
+    # the doubling schedule.
+    near = SpeculationGate(probe_every=8, max_probe_every=64)
+    near.observe_ar_step(32, 0.060)
+    assert _probe_gaps(near, 300, round(0.95 * 533.3 * 0.180), 0.180)[:6] == [0, 7, 15, 31, 63, 63]
+    # A probe that commits nothing waits at most max_loss_wait.
+    stuck = SpeculationGate(probe_every=8, max_probe_every=64, max_loss_wait=200)
+    stuck.observe_ar_step(32, 0.060)
+    assert set(_probe_gaps(stuck, 1000, 0, 0.300)[1:]) == {199}
+    # A lone request whose trees pay on the whole (five drafted steps at 1.5x) closes its class after two
+    # bonus-only steps (0.5x) in a row: some of its recent steps paid, its first probe comes after 8.
+    lone = SpeculationGate(probe_every=8, max_probe_every=64)
+    lone.observe_ar_step(1, 0.040)  # 25 tokens/s
+    for rate in [1.5] * 5 + [0.5] * 2:
+        assert lone.speculate(1)
+        _probe(lone, 1, round(rate * 25 * 0.070, 3), 0.070)
+    assert [lone.speculate(1) for _ in range(8)] == [False] * 7 + [True]
+    # Also where their mean lost (one step at 1.1x, then one at 0.25x: a mean loss of 23 ms, 29 steps'
+    # worth): one of them paid.
+    mixed = SpeculationGate(probe_every=8, max_probe_every=64)
+    mixed.observe_ar_step(1, 0.040)
+    for rate in (1.1, 0.25):
+        assert mixed.speculate(1)
+        _probe(mixed, 1, round(rate * 25 * 0.070, 3), 0.070)
+    assert [mixed.speculate(1) for _ in range(8)] == [False] * 7 + [True]
+    with pytest.raises(ValueError, match="probe_loss_share"):
+        SpeculationGate(probe_loss_share=0.0)
+
+
 def test_a_closed_size_class_left_alone_for_stale_s_probes_at_once():
     now = [0.0]
-    gate = SpeculationGate(probe_every=2, max_probe_every=8, alpha=1.0, stale_s=5.0, clock=lambda: now[0])
+    gate = SpeculationGate(probe_every=2, max_probe_every=8, alpha=1.0, stale_s=5.0, clock=lambda: now[0],
+                           probe_loss_share=1.0)  # the doubling alone
     gate.observe_ar_step(1, 0.040)
     gate.observe_ar_step(32, 0.050)
     for r in (1, 32):  # both classes close: trees at half the target alone's rate

