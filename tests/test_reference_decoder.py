@@ -98,7 +98,7 @@ def test_steps_the_gate_keeps_from_drafting_are_exact_and_the_drafter_catches_up
     dec = ReferenceDecoder(target, drafter)
     spec = SpecConfig(method="ddtree", budget=16, adaptive=True, min_budget=0)  # 0: the gate may skip drafting
     auto = dec.auto_budget(spec)
-    auto.gate.probe_every = auto.gate.max_probe_every = 3
+    auto.gate.probe_every = auto.gate.max_probe_every = auto.gate.max_loss_wait = 3
     auto.gate.stale_s = float("inf")
     auto.gate.ar_seconds[1] = [1e-6]  # the target alone looks far faster than any tree: the gate closes
     budgets = []

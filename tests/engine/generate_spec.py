@@ -209,7 +209,8 @@ if __name__ == "__main__":
         llm = LLM(model=target, speculative_config=spec, **kwargs)
         if i == args.gate_closed:
             gate = llm.llm_engine.model_executor.driver_worker.worker.model_runner.drafter.auto.gate
-            gate.probe_every = gate.max_probe_every = 3  # probe often: exactness across drafted and undrafted steps
+            # probe often (no longer waits for costly probes): exactness across drafted and undrafted steps
+            gate.probe_every = gate.max_probe_every = gate.max_loss_wait = 3
             gate.stale_s = float("inf")
             gate.ar_seconds = {r: [1e-6] for r in range(1, engine.get("max_num_seqs", 256) + 1)}
         if i == args.vllm_k0:

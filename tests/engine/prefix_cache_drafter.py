@@ -66,7 +66,7 @@ def run_variant(spec: dict, corrupt: bool, gate_closed: bool) -> dict:
         return outs, cached, logps
 
     if gate_closed:
-        gate.probe_every = gate.max_probe_every = 3
+        gate.probe_every = gate.max_probe_every = gate.max_loss_wait = 3
         gate.stale_s = float("inf")
         gate.ar_seconds = {1: [1e-6]}
     undrafted = gate.undrafted if gate is not None else 0
