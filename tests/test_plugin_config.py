@@ -660,3 +660,41 @@ def test_per_position_acceptance_is_counted_as_deep_as_a_tree_goes(dirs):
     assert per_position({"method": "ddtree", "tree_budget": "auto", "max_tree_budget": 32,
                          "prompt_lookup_tokens": 20}) == (20, 52)
     assert per_position({"method": "dflash", "num_speculative_tokens": 4}) == (4, 4)  # vLLM's own
+
+
+def test_a_step_s_drafts_and_tree_parents_reach_the_engine_core_through_the_worker_s_queue():
+    # A multiprocess worker returns each step's ModelRunnerOutput through vLLM's shared-memory message
+    # queue; ddtree's drafts ride on it (P20) so the engine core need not ask for them in a second round
+    # trip. The queue pickles the output: the drafts, with the trees' parents for structured outputs,
+    # must come out the other side as they went in.
+    import threading
+
+    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+    from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+
+    from vllm_ddtree.structured import DRAFT_PARENTS, TreeParents
+    from vllm_ddtree.vllm_patches import DRAFTS_WITH_OUTPUT, StepDrafts
+
+    writer = MessageQueue(n_reader=1, n_local_reader=1)
+    reader = MessageQueue.create_from_handle(writer.export_handle(), rank=0)
+    ready = threading.Thread(target=reader.wait_until_ready)
+    ready.start()
+    writer.wait_until_ready()
+    ready.join()
+    drafts = DraftTokenIds(["a", "b", "c"], [[5, 6, 7], [], [9]])
+    parents = TreeParents({"a": 0, "c": 1}, torch.tensor([[-1, 0, 0], [-1, -1, -1]]))
+    setattr(drafts, DRAFT_PARENTS, parents)
+    out = ModelRunnerOutput(req_ids=["a", "b", "c"], req_id_to_index={"a": 0, "b": 1, "c": 2},
+                            sampled_token_ids=[[1, 2], [3], [4]])
+    setattr(out, DRAFTS_WITH_OUTPUT, StepDrafts(drafts))
+    writer.enqueue(out)
+    got = reader.dequeue()
+    step = getattr(got, DRAFTS_WITH_OUTPUT)
+    assert step.drafts.req_ids == ["a", "b", "c"] and step.drafts.draft_token_ids == [[5, 6, 7], [], [9]]
+    got_parents = getattr(step.drafts, DRAFT_PARENTS)
+    assert got_parents.row_of == parents.row_of and torch.equal(got_parents.parents, parents.parents)
+    # A step that left no drafts says so (the engine core then leaves the scheduler's drafts empty).
+    none = ModelRunnerOutput(req_ids=["a"], req_id_to_index={"a": 0}, sampled_token_ids=[[1]])
+    setattr(none, DRAFTS_WITH_OUTPUT, StepDrafts(None))
+    writer.enqueue(none)
+    assert getattr(reader.dequeue(), DRAFTS_WITH_OUTPUT) == StepDrafts(None)
