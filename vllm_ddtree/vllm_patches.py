@@ -153,17 +153,6 @@ P19 ``Scheduler.make_spec_decoding_stats`` (v1/core/sched/scheduler.py:2961) and
     lookup branch (15): for ddtree both are sized by ``DDTreeConfig.max_depth``. So is the opt-in
     per-request histogram (``--per-request-spec-decode-metrics``), through ``Scheduler.add_request``
     (scheduler.py:2616), which makes it.
-P20 The step's drafts ride with its output. After every step, vLLM's engine core asks the worker for
-    the drafts in a second call, ``take_draft_token_ids`` (``EngineCore.post_step``,
-    v1/engine/core.py:689); with the multiprocess executor (every CPU engine, tensor parallelism)
-    that is one more round trip through the workers' message queues per step, 2-3 ms on a 2-vCPU
-    CPU server, on steps that drafted nothing too. For ddtree, ``GPUModelRunner.sample_tokens``
-    (v1/worker/gpu_model_runner.py:4304) is wrapped to take the drafts at its end and attach them to
-    the ``ModelRunnerOutput`` it returns (pickled to the engine core with it);
-    ``Scheduler.update_from_output`` (v1/core/sched/scheduler.py:2026) keeps what came with the
-    output, and ``EngineCore.post_step`` hands it to ``Scheduler.update_draft_token_ids`` without
-    the call. An output that arrives without them (an executor that rebuilt it) falls back to the
-    call, which then returns the same drafts (P13's ``take_draft_token_ids`` keeps them per step).
 """
 
 from __future__ import annotations
@@ -355,7 +344,6 @@ def apply() -> None:
             _patch_engine_args()
             _patch_scheduler_padding()
             _patch_spec_decode_metrics()
-            _patch_drafts_with_output()
             _set(SpeculativeConfig, _MARK, True)
         except BaseException:
             _rollback()
@@ -967,9 +955,6 @@ def _patch_model_runner() -> None:
 
     @functools.wraps(take)
     def take_draft_token_ids(self):
-        taken = getattr(self, "_ddtree_taken", None)
-        if taken is not None:  # P20 took this step's drafts already (cut once, as vLLM takes them once)
-            return taken.drafts
         out = take(self)
         if out is None or not _is_ddtree(self.vllm_config):
             return out
@@ -1316,64 +1301,3 @@ def _patch_spec_decode_metrics() -> None:
             metrics.histogram = [0] * (metrics.num_spec_tokens + 1)
 
     _set(Scheduler, "add_request", add_request)
-
-
-# ---- P20: the step's drafts ride with its output ------------------------------------------------
-
-#: The attribute of vLLM's ``ModelRunnerOutput`` that carries a ddtree step's drafts to the engine core.
-DRAFTS_WITH_OUTPUT = "ddtree_step_drafts"
-
-
-@dataclasses.dataclass(frozen=True)
-class StepDrafts:
-    """The drafts a worker took for the scheduler at the end of one step: vLLM's ``DraftTokenIds``,
-    or None where the step left none (what ``take_draft_token_ids`` returns then)."""
-
-    drafts: Any
-
-
-def _patch_drafts_with_output() -> None:
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.engine.core import EngineCore
-    from vllm.v1.outputs import ModelRunnerOutput
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    sample_tokens = GPUModelRunner.sample_tokens
-
-    @functools.wraps(sample_tokens)
-    def sample_tokens_with_drafts(self, grammar_output):
-        self._ddtree_taken = None  # the previous step's drafts are the scheduler's now
-        stepped = self.execute_model_state is not None
-        out = sample_tokens(self, grammar_output)
-        if stepped and type(out) is ModelRunnerOutput and _is_ddtree(self.vllm_config):
-            # (async scheduling, refused for ddtree, returns an AsyncGPUModelRunnerOutput: untouched)
-            self._ddtree_taken = StepDrafts(self.take_draft_token_ids())
-            setattr(out, DRAFTS_WITH_OUTPUT, self._ddtree_taken)
-        return out
-
-    _set(GPUModelRunner, "sample_tokens", sample_tokens_with_drafts)
-
-    update_from_output = Scheduler.update_from_output
-
-    @functools.wraps(update_from_output)
-    def update_from_output_keeping_drafts(self, scheduler_output, model_runner_output):
-        self._ddtree_step_drafts = getattr(model_runner_output, DRAFTS_WITH_OUTPUT, None)
-        return update_from_output(self, scheduler_output, model_runner_output)
-
-    _set(Scheduler, "update_from_output", update_from_output_keeping_drafts)
-
-    post_step = EngineCore.post_step
-
-    @functools.wraps(post_step)
-    def post_step_with_drafts(self, model_executed: bool) -> None:
-        step_drafts = getattr(self.scheduler, "_ddtree_step_drafts", None)
-        if step_drafts is None:  # not a ddtree step's output: vLLM's call
-            return post_step(self, model_executed)
-        self.scheduler._ddtree_step_drafts = None
-        if not (model_executed and self.check_for_draft_tokens and not self.async_scheduling
-                and self.batch_queue is None):
-            return post_step(self, model_executed)
-        if step_drafts.drafts is not None:
-            self.scheduler.update_draft_token_ids(step_drafts.drafts)
-
-    _set(EngineCore, "post_step", post_step_with_drafts)

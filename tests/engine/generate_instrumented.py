@@ -24,8 +24,7 @@ settings the engine resolved], "dflash_input_writes": [per spec: calls of DFlash
 most query and context rows one wrote, against its buffers' rows; a call that would write past them
 fails the run], "taken_back": [per spec: how often vLLM's scheduler took a request it had already
 scheduled in a step back out of it, to preempt it for a higher priority (with --arrivals; else null: the
-tracing slows the scheduler)], "draft_calls": [per spec: the engine core's `take_draft_token_ids` calls of its
-executor]}. --strip-step-drafts I takes the drafts off spec I's step outputs before its scheduler sees them.
+tracing slows the scheduler)]}.
 """
 
 import json
@@ -135,34 +134,6 @@ def count_taken_back() -> dict:
     return counts
 
 
-def count_draft_calls(core) -> dict:
-    """Counts the engine core's calls of its executor's `take_draft_token_ids` (the worker round trip
-    that ddtree's drafts, carried with each step's output, make unnecessary). Returns the running count."""
-    counts = {"calls": 0}
-    take = core.model_executor.take_draft_token_ids
-
-    def counted():
-        counts["calls"] += 1
-        return take()
-
-    core.model_executor.take_draft_token_ids = counted
-    return counts
-
-
-def strip_step_drafts(scheduler) -> None:
-    """Takes the drafts a ddtree step's output carries off it before the scheduler sees them, as an
-    executor that rebuilt the output would: the engine core must then ask the worker for them."""
-    from vllm_ddtree.vllm_patches import DRAFTS_WITH_OUTPUT
-
-    update = scheduler.update_from_output
-
-    def stripped(scheduler_output, model_runner_output):
-        model_runner_output.__dict__.pop(DRAFTS_WITH_OUTPUT, None)
-        return update(scheduler_output, model_runner_output)
-
-    scheduler.update_from_output = stripped
-
-
 def generate_arriving(llm, prompts: list[str], sampling, arrivals: list) -> list:
     """Runs the engine's loop, adding prompt j at step arrivals[j][0] with priority arrivals[j][1];
     returns the finished RequestOutputs in prompt order, as `LLM.generate` would."""
@@ -201,7 +172,6 @@ if __name__ == "__main__":
     ap.add_argument("--prefix", default="")
     ap.add_argument("--distort", default=None)
     ap.add_argument("--arrivals", default=None)
-    ap.add_argument("--strip-step-drafts", type=int, default=None)
     args = ap.parse_args()
     target = str(prepare_target())
     generate_spec.collect_and_freeze()
@@ -222,8 +192,7 @@ if __name__ == "__main__":
     from vllm_ddtree.demo import SpecCounts
 
     result = {k: [] for k in ("outputs", "prompt_tokens", "cached_tokens", "metrics", "ddtree", "config", "split_steps",
-                              "target_layer_stacks", "dflash_input_writes", "spec_counts", "taken_back",
-                              "draft_calls")}
+                              "target_layer_stacks", "dflash_input_writes", "spec_counts", "taken_back")}
     writes = record_dflash_input_writes()
     scheduling = count_taken_back() if args.arrivals else None
     for i, arg in enumerate(args.specs):
@@ -234,10 +203,6 @@ if __name__ == "__main__":
         drafter = getattr(llm.llm_engine.model_executor.driver_worker.worker.model_runner, "drafter", None)
         auto = getattr(drafter, "auto", None)
         totals = record_acceptance_fit(drafter) if auto is not None else None
-        core = llm.llm_engine.engine_core.engine_core
-        draft_calls = count_draft_calls(core)
-        if i == args.strip_step_drafts:
-            strip_step_drafts(core.scheduler)
         split_before = TreeAttentionMetadataBuilder.split_steps
         writes.clear()
         writes.update(calls=0, max_query_rows=0, max_context_rows=0)
@@ -247,7 +212,6 @@ if __name__ == "__main__":
         else:
             outs = llm.generate(prompts, sampling)
         result["taken_back"].append(None if scheduling is None else scheduling["taken_back"])
-        result["draft_calls"].append(draft_calls["calls"])
         result["split_steps"].append(TreeAttentionMetadataBuilder.split_steps - split_before)
         result["dflash_input_writes"].append(dict(writes))
         runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
@@ -274,7 +238,7 @@ if __name__ == "__main__":
                                  "enable_chunked_prefill": cfg.scheduler_config.enable_chunked_prefill,
                                  "block_size": cfg.cache_config.block_size,
                                  "enable_prefix_caching": cfg.cache_config.enable_prefix_caching})
-        del llm, drafter, auto, cfg, outs, spec_counts, core  # nothing may keep this engine (its KV cache) alive into the next
+        del llm, drafter, auto, cfg, outs, spec_counts  # nothing may keep this engine (its KV cache) alive into the next
         generate_spec.collect_and_freeze()
     with open(args.out, "w") as f:
         json.dump(result, f)
