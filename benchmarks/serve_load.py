@@ -40,7 +40,8 @@ token) and inter-token latency p50/p99, and the requests running and waiting in 
 /metrics, sampled once a second: mean and max). A streamed chunk may carry several tokens (speculation
 accepts several per step): its gap since the previous chunk is shared evenly among its tokens, so
 the ITL is per token for both servers. Writes JSON (`servers`, `by_streams`, `meta`) and a PNG next
-to it; prints a table. Timings move with the machine's load: this measures, it does not assert them.
+to it; prints a table (`--replot` only draws the PNG again from an existing JSON). Timings move with
+the machine's load: this measures, it does not assert them.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import json
 import os
 import random
 import signal
@@ -539,6 +541,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true",
                     help="16 mixed requests (max_tokens 16-128) at 8 streams; plain workload at 1 and 8 streams")
     ap.add_argument("--json", required=True, help="write the results here (and the PNG next to it)")
+    ap.add_argument("--replot", action="store_true",
+                    help="only draw the PNG again from the results already in --json (no servers are started)")
     ap.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
     ap.add_argument("--seed", type=int, default=0, help="workload seed (prompts, sampling seeds, cancel points)")
     ap.add_argument("--seeded", action="store_true",
@@ -560,6 +564,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="both servers' dtype. Greedy token ids are compared either way, but are a check only in "
                          "float32: in bfloat16 the batch's shape moves greedy outputs, the base server's own too")
     args = ap.parse_args(argv)
+    if args.replot:
+        with open(args.json) as f:
+            out = json.load(f)
+        png = args.plot or args.json.rsplit(".", 1)[0] + ".png"
+        plot(out, png)
+        print(f"wrote {png}")
+        return 0
     if args.repeats < 1:
         raise ValueError("--repeats must be at least 1")
     if args.max_num_batched_tokens < 32:
@@ -822,7 +833,9 @@ def plot(out: dict, path: str) -> None:
     b.set_title(f"latency, mixed workload at {out['meta']['workload']['streams']} streams")
     b.grid(alpha=0.3, axis="y")
     b.legend(fontsize=8)
-    fig.suptitle(out["meta"]["device"] + ", " + out["meta"]["vllm"], fontsize=9)
+    meta = out["meta"]
+    # the study's title (dtype, step budget) above the hardware it ran on
+    fig.suptitle(f"{meta['title']}\n{meta['device']}, {meta['vllm']}, {meta['model']}", fontsize=9)
     fig.tight_layout()
     save_png(fig, path)
 

@@ -1,5 +1,6 @@
 """docs/benchmarks.md is generated from benchmarks/results/: it must match what the generator writes."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -43,3 +44,19 @@ def test_row_settings_say_when_greedy_outputs_differ():
     assert differ in row_settings([{"identical_to_ar": True}, {"identical_to_ar": False}])  # False is not 0 mismatches
     assert differ in row_settings([{"mismatches_vs_ar": 0}, {"mismatches_vs_ar": 2}])
     assert differ not in row_settings([{"identical_to_ar": True}, {"mismatches_vs_ar": 0}])
+
+
+def test_serve_load_figures_are_redrawn_from_their_results_with_their_titles(tmp_path):
+    # --replot draws a committed study's PNG again from its JSON alone (no server starts); the figure
+    # carries the study's own title (dtype, step budget), which two studies on one machine differ by.
+    serve_load = _benchmarks_module("serve_load")
+    studies = sorted((ROOT / "benchmarks" / "results").glob("serve_load*.json"))
+    assert len(studies) >= 2
+    titled = []
+    for study in studies:
+        png = tmp_path / (study.stem + ".png")
+        before = study.read_bytes()
+        assert serve_load.main(["--json", str(study), "--plot", str(png), "--replot"]) == 0
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and study.read_bytes() == before
+        titled.append(json.loads(before)["meta"]["title"])
+    assert len(set(titled)) == len(titled), titled
