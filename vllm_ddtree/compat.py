@@ -1,6 +1,6 @@
 """Static compatibility check of a vLLM release against every runtime patch vllm-ddtree applies.
 
-vllm-ddtree wraps and subclasses private vLLM code (:mod:`vllm_ddtree.vllm_patches`, P0–P19, and the
+vllm-ddtree wraps and subclasses private vLLM code (:mod:`vllm_ddtree.vllm_patches`, P0–P20, and the
 classes and helpers the tree proposer, sampler and attention backends build on). A vLLM release is
 safe to patch only where that code is what the patches were written against: vLLM 0.32.0.
 
@@ -53,7 +53,7 @@ def _t(patch: str, file: str, names: str, why: str) -> list[Target]:
     return [Target(patch, file, n.strip(), why) for n in names.split(",")]
 
 
-#: Every target, grouped by the patch that needs it (see vllm_patches' docstring for P0–P19).
+#: Every target, grouped by the patch that needs it (see vllm_patches' docstring for P0–P20).
 TARGETS: tuple[Target, ...] = tuple(
     _t("P1", "config/speculative.py", "SpeculativeMethod, SpeculativeConfig:fields",
        "the method Literal widened with 'ddtree'; the dataclass a 'ddtree' field is added to")
@@ -149,6 +149,8 @@ TARGETS: tuple[Target, ...] = tuple(
          "the opt-in per-request acceptance histogram sized by the deepest tree node")
     + _t("P19", "v1/metrics/stats.py", "RequestSpecDecodeMetrics",
          "the opt-in per-request acceptance histogram sized by the deepest tree node")
+    + _t("P20", "v1/worker/gpu_model_runner.py", "GPUModelRunner._dummy_sampler_run",
+         "ddtree's largest verify and drafting step run after vLLM's dummy sampler, inside its memory profile")
     + _t("engine", "v1/sample/thinking_budget_state.py",
          "ThinkingBudgetStateHolder.__init__, ThinkingBudgetStateHolder._init_state_entry, "
          "ThinkingBudgetStateHolder._update_think_state, ThinkingBudgetStateHolder._apply_forcing_to_logits",

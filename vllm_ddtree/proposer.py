@@ -509,7 +509,6 @@ class DDTreeProposer(DFlashProposer):
         vocabulary (-inf elsewhere); the tree only needs the top-K, so take the draft-vocabulary
         logits and map the chosen ids through d2t instead (smaller top-k, no scatter).
         """
-        model = self.model
         # A tree of `build` nodes is at most `build` deep: the LM head (the drafter's largest matmul,
         # 49152 x H with a shared target head) only runs on the depths the tree can use. The block's
         # hidden states still come from all W mask rows (its attention is bidirectional).
@@ -524,6 +523,13 @@ class DDTreeProposer(DFlashProposer):
         # The head itself runs in `_tree_drafts`, on chunks of rows each followed by its top-k
         # (`head_topk`): the whole [rows, V] logits never exist at once.
         self._draft_hidden = hidden_states
+        self._select_draft_head()
+        return torch.zeros(rows, dtype=torch.int64, device=hidden_states.device), None  # vLLM views it [R, W]
+
+    def _select_draft_head(self) -> None:
+        """The drafter's LM head for `head_topk`: its function ([n, H] -> [n, vocab] logits), vocabulary
+        size, and the map of its ids to the target's (None: the same ids)."""
+        model = self.model
         d2t = getattr(model, "draft_id_to_target_id", None)
         if self._vocab_ids is not None and d2t is None:
             if self._vocab_head is None:
@@ -539,7 +545,24 @@ class DDTreeProposer(DFlashProposer):
             self._draft_head = model.compute_logits
             self._draft_vocab = _head_vocab(model, self.vllm_config)
             self._draft_to_target = None
-        return torch.zeros(rows, dtype=torch.int64, device=hidden_states.device), None  # vLLM views it [R, W]
+
+    def largest_draft_head_step(self) -> tuple[int, int]:
+        """(rows, k) of the largest LM-head top-k a drafting step runs: the depths the largest tree can
+        reach (at most W) for each of the most requests whose 1 + W query rows fit the drafter's
+        forward (`_drafter_fits`), and that tree's top-k (`_sample_draft_tokens`, `_tree_drafts`)."""
+        self._select_draft_head()
+        requests = min(self.vllm_config.scheduler_config.max_num_seqs, self.max_num_tokens // (1 + self.width))
+        build = self.options.max_budget
+        return requests * min(self.width, build), min(build, self._draft_vocab)
+
+    def profile_draft_head(self) -> tuple[int, int]:
+        """Run the largest LM-head top-k (:meth:`largest_draft_head_step`) on random hidden states, so
+        that vLLM's memory profiling sees its chunked logits (`head_topk`). Returns (rows, k)."""
+        rows, k = self.largest_draft_head_step()
+        if rows:
+            hidden = torch.rand(rows, self.hidden_size, dtype=self.dtype, device=self.device)
+            head_topk(hidden, self._draft_head, self._draft_vocab, k)
+        return rows, k
 
     def load_model(self, target_model) -> None:
         """vLLM's DFlash load (the drafter then shares the target's head), then the draft-vocabulary

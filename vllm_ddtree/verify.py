@@ -209,6 +209,70 @@ def sample_tree_step(runner, step: TreeStep, logits: Tensor, spec_decode_metadat
     return SamplerOutput(sampled_token_ids=out, logprobs_tensors=logprobs)
 
 
+@dataclass
+class ProfiledTreeStep:
+    """The transient work of ddtree's largest step, as run inside vLLM's memory profile."""
+
+    verify_rows: int  # the target's logits rows of the largest verify step, sampled (top-k, top-p)
+    verify_requests: int  # the requests those rows belong to (1 + verify width rows each)
+    draft_rows: int  # the drafter head's rows of the largest drafting step (top-k in chunks)
+    draft_top_k: int  # candidates per row there (the largest tree's)
+
+
+def largest_verify_step(max_num_tokens: int, max_num_seqs: int, verify_width: int) -> tuple[int, int]:
+    """(rows, requests) of the largest verify step: 1 + `verify_width` rows for each of the most
+    requests, within the step's `max_num_tokens` (the scheduler's token budget). The last request
+    has fewer rows where the budget ends inside its tree (the scheduler keeps a prefix of it)."""
+    per_request = 1 + verify_width
+    rows = min(max_num_tokens, max_num_seqs * per_request)
+    return rows, -(-rows // per_request)
+
+
+def profile_tree_step(runner, hidden: Tensor) -> ProfiledTreeStep:
+    """ddtree's largest step run on random data, inside vLLM's memory profile (vllm_patches P20).
+
+    vLLM sizes the KV cache from the peak memory of its profile run, whose sampler sees one logits
+    row per request (`_dummy_sampler_run`). A tree step's transients outgrow that: the target's
+    logits over every verify row ([rows, V], up to max_num_batched_tokens rows) and the tree
+    sampler's float32 chunk beside them, then the drafter head's chunked top-k. Running them here,
+    at their largest, puts them in the peak, so the KV cache leaves room for them. hidden [n, H]:
+    the profile's target hidden states (their width and dtype).
+    """
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+
+    from vllm_ddtree.tree import DraftTree, compile_tree
+
+    proposer: DDTreeProposer = runner.drafter
+    width = proposer.max_budget  # the verify width
+    rows, r = largest_verify_step(runner.max_num_tokens, runner.max_num_reqs, width)
+    n, dev = 1 + width, hidden.device
+    counts = [n] * (rows // n) + ([rows % n] if rows % n else [])
+    logits = runner.model.compute_logits(torch.rand(rows, hidden.shape[-1], dtype=hidden.dtype, device=dev))
+    # R chains of N rows (the last one's rows past its count are padding: index 0, as a step pads)
+    depths = torch.arange(1, n, device=dev).repeat(r, 1)
+    zeros = torch.zeros(r, n - 1, device=dev)
+    valid = depths > 0
+    chains = DraftTree(torch.zeros(r, n - 1, dtype=torch.int64, device=dev), depths - 2, depths, zeros, zeros, valid,
+                       valid.sum(1), max(n - 1, 1))
+    batch = compile_tree(chains, torch.zeros(r, dtype=torch.int64, device=dev), torch.zeros(r, dtype=torch.int64,
+                                                                                             device=dev))
+    starts = torch.arange(r, device=dev) * n
+    cols = torch.arange(n, device=dev)
+    row_index = torch.where(starts[:, None] + cols < rows, starts[:, None] + cols, 0)
+    full = lambda x: torch.full((r,), x, device=dev)  # noqa: E731
+    # vLLM's own dummy sampling parameters (`_dummy_sampler_run`): every request sampled, top-k and top-p
+    md = SamplingMetadata(temperature=full(0.5), all_greedy=False, all_random=False, top_p=full(0.9),
+                          top_k=full(logits.shape[1] - 1), generators={}, max_num_logprobs=None, no_penalties=True,
+                          prompt_token_ids=None, frequency_penalties=full(0.1), presence_penalties=full(0.1),
+                          repetition_penalties=full(0.1), output_token_ids=[[] for _ in range(r)],
+                          allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors())
+    sample_rows(logits, row_index, md, batch, counts, **draw_options(runner.sampler))
+    del logits
+    draft_rows, k = proposer.profile_draft_head()
+    return ProfiledTreeStep(verify_rows=rows, verify_requests=r, draft_rows=draft_rows, draft_top_k=k)
+
+
 def _compact_target_caches(runner, src_slots: Tensor, dst_slots: Tensor) -> None:
     """Apply the slot moves to every target attention layer (the drafter rewrites its own context)."""
     found = getattr(runner, "_ddtree_target_caches", None)

@@ -153,6 +153,13 @@ P19 ``Scheduler.make_spec_decoding_stats`` (v1/core/sched/scheduler.py:2961) and
     lookup branch (15): for ddtree both are sized by ``DDTreeConfig.max_depth``. So is the opt-in
     per-request histogram (``--per-request-spec-decode-metrics``), through ``Scheduler.add_request``
     (scheduler.py:2616), which makes it.
+P20 ``GPUModelRunner._dummy_sampler_run`` (:5927) — wrapped: vLLM sizes the KV cache from the peak
+    memory of its profile run (``profile_run``, :6133), whose sampler sees one logits row per request.
+    After it, a ddtree engine runs its largest step's transients on random data
+    (:func:`vllm_ddtree.verify.profile_tree_step`): the target's logits over every verify row the
+    step's tokens allow, the tree sampler at temperature with top-k and top-p on them, and the
+    drafter head's top-k over the most rows a drafting step has. Their peak then leaves room for
+    them in the KV cache (vLLM's profile of its own chain verifies one draft per request).
 """
 
 from __future__ import annotations
@@ -986,6 +993,22 @@ def _patch_model_runner() -> None:
             self.reorder_batch_threshold = max(self.reorder_batch_threshold, width)
 
     _set(GPUModelRunner, "calculate_reorder_batch_threshold", calculate_reorder_batch_threshold)
+
+    dummy_sampler_run = GPUModelRunner._dummy_sampler_run
+
+    @functools.wraps(dummy_sampler_run)
+    def _dummy_sampler_run(self, hidden_states):
+        out = dummy_sampler_run(self, hidden_states)
+        if _is_ddtree(self.vllm_config) and hasattr(getattr(self, "drafter", None), "profile_draft_head"):
+            import torch
+
+            from vllm_ddtree.verify import profile_tree_step
+
+            with torch.inference_mode():
+                self._ddtree_profiled = profile_tree_step(self, hidden_states)  # P20: in the memory profile
+        return out
+
+    _set(GPUModelRunner, "_dummy_sampler_run", _dummy_sampler_run)
 
 
 # ---- P16: structured outputs over draft trees --------------------------------------------------------

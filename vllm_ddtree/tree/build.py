@@ -247,7 +247,7 @@ def tree_to_host(tree: DraftTree, with_scores: bool = False) -> HostTrees:
 
 
 #: At most this many bytes of float32 log-probabilities `topk_per_depth` holds at once. vLLM's memory
-#: profiling never runs the tree step, so its transients must stay small beside what it profiled: at
+#: profile runs the largest head top-k (vllm_patches P20), and the KV cache gives up what it holds: at
 #: Qwen3's vocabulary a row (one request's depth) is 0.6 MB of log-probs, 2.3 GB for 256 requests x 15
 #: depths; in chunks of 512 MiB, 883 rows (rows are independent: the result is the same).
 TOPK_CHUNK_BYTES = 512 << 20
@@ -276,7 +276,7 @@ def head_topk(hidden: Tensor, head: Callable[[Tensor], Tensor] | None, vocab: in
     the logits. The head runs on chunks of rows, each followed by its top-k, so neither the logits
     nor their float32 log-probabilities exist for more than `chunk_bytes` / (4 vocab) rows at once:
     a drafter sharing Qwen3's head would otherwise hold [256 x 15, 151936] logits (1.2 GB in bf16) at
-    256 requests, a transient vLLM's memory profiling never saw.
+    256 requests, memory the KV cache would give up (vLLM's profile runs the largest one, P20).
     """
     if vocab <= 0:
         raise ValueError("logits have an empty vocabulary dimension")
