@@ -26,7 +26,7 @@ from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 from vllm_ddtree.tree import CHAIN, TreeBatch, schedule_rows, verify_trees
 
 from vllm_ddtree.compaction import CacheStacks, context_order
-from vllm_ddtree.proposer import DDTreeProposer
+from vllm_ddtree.proposer import DDTreeProposer, logger
 from vllm_ddtree.sampling import SeededDraws, draw_options, path_logprobs, sample_rows
 
 
@@ -270,6 +270,8 @@ def profile_tree_step(runner, hidden: Tensor) -> ProfiledTreeStep:
     sample_rows(logits, row_index, md, batch, counts, **draw_options(runner.sampler))
     del logits
     draft_rows, k = proposer.profile_draft_head()
+    logger.info("ddtree: the memory profile ran the largest tree step: the target's logits over %d verify rows "
+                "(%d requests) sampled, the drafter head's top-%d over %d rows", rows, r, k, draft_rows)
     return ProfiledTreeStep(verify_rows=rows, verify_requests=r, draft_rows=draft_rows, draft_top_k=k)
 
 
