@@ -249,14 +249,12 @@ def profile_tree_step(runner, hidden: Tensor) -> ProfiledTreeStep:
     n, dev = 1 + width, hidden.device
     counts = [n] * (rows // n) + ([rows % n] if rows % n else [])
     logits = runner.model.compute_logits(torch.rand(rows, hidden.shape[-1], dtype=hidden.dtype, device=dev))
-    # R chains of N rows (the last one's rows past its count are padding: index 0, as a step pads)
+    # R chains of N rows, node j's parent j - 1 (the last chain's rows past its count are padding:
+    # logits row 0, as a step pads)
     depths = torch.arange(1, n, device=dev).repeat(r, 1)
-    zeros = torch.zeros(r, n - 1, device=dev)
-    valid = depths > 0
-    chains = DraftTree(torch.zeros(r, n - 1, dtype=torch.int64, device=dev), depths - 2, depths, zeros, zeros, valid,
-                       valid.sum(1), max(n - 1, 1))
-    batch = compile_tree(chains, torch.zeros(r, dtype=torch.int64, device=dev), torch.zeros(r, dtype=torch.int64,
-                                                                                             device=dev))
+    scores, valid, roots = torch.zeros(r, n - 1, device=dev), depths > 0, torch.zeros(r, dtype=torch.int64, device=dev)
+    chains = DraftTree(torch.zeros_like(depths), depths - 2, depths, scores, scores, valid, valid.sum(1), max(n - 1, 1))
+    batch = compile_tree(chains, roots, roots)
     starts = torch.arange(r, device=dev) * n
     cols = torch.arange(n, device=dev)
     row_index = torch.where(starts[:, None] + cols < rows, starts[:, None] + cols, 0)
