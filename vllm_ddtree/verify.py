@@ -228,6 +228,18 @@ def largest_verify_step(max_num_tokens: int, max_num_seqs: int, verify_width: in
     return rows, -(-rows // per_request)
 
 
+def profiles_tree_step(is_cpu: bool) -> bool:
+    """Whether vLLM's profile run runs ddtree's largest step (`VLLM_DDTREE_PROFILE_STEP`: 1, 0, or auto,
+    the default: where vLLM sizes the KV cache from that run's peak, which a CPU engine does not: its
+    cache is ``VLLM_CPU_KVCACHE_SPACE``, and its profile run only warms up compilation)."""
+    import os
+
+    value = os.environ.get("VLLM_DDTREE_PROFILE_STEP", "auto").strip().lower()
+    if value not in ("auto", "0", "1"):
+        raise ValueError(f"VLLM_DDTREE_PROFILE_STEP must be auto (the default), 0 or 1, got {value!r}")
+    return value == "1" or (value == "auto" and not is_cpu)
+
+
 def profile_tree_step(runner, hidden: Tensor) -> ProfiledTreeStep:
     """ddtree's largest step run on random data, inside vLLM's memory profile (vllm_patches P20).
 

@@ -159,7 +159,8 @@ P20 ``GPUModelRunner._dummy_sampler_run`` (:5927) — wrapped: vLLM sizes the KV
     (:func:`vllm_ddtree.verify.profile_tree_step`): the target's logits over every verify row the
     step's tokens allow, the tree sampler at temperature with top-k and top-p on them, and the
     drafter head's top-k over the most rows a drafting step has. Their peak then leaves room for
-    them in the KV cache (vLLM's profile of its own chain verifies one draft per request).
+    them in the KV cache (vLLM's profile of its own chain verifies one draft per request). Not on a
+    CPU, whose cache size is set, not profiled (``VLLM_DDTREE_PROFILE_STEP``: auto, 1, 0).
 """
 
 from __future__ import annotations
@@ -1001,11 +1002,13 @@ def _patch_model_runner() -> None:
         out = dummy_sampler_run(self, hidden_states)
         if _is_ddtree(self.vllm_config) and hasattr(getattr(self, "drafter", None), "profile_draft_head"):
             import torch
+            from vllm.platforms import current_platform
 
-            from vllm_ddtree.verify import profile_tree_step
+            from vllm_ddtree.verify import profile_tree_step, profiles_tree_step
 
-            with torch.inference_mode():
-                self._ddtree_profiled = profile_tree_step(self, hidden_states)  # P20: in the memory profile
+            if profiles_tree_step(current_platform.is_cpu()):
+                with torch.inference_mode():
+                    self._ddtree_profiled = profile_tree_step(self, hidden_states)  # P20: in the memory profile
         return out
 
     _set(GPUModelRunner, "_dummy_sampler_run", _dummy_sampler_run)
