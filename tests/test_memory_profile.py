@@ -6,7 +6,7 @@ import json
 import pytest
 from conftest import run_helper, vllm_env
 
-from vllm_ddtree.verify import largest_verify_step, profiles_tree_step
+from vllm_ddtree.verify import largest_verify_step, profile_step_enabled
 
 
 def test_the_largest_verify_step_is_bound_by_the_step_tokens_or_the_requests():
@@ -22,14 +22,14 @@ def test_the_largest_verify_step_is_bound_by_the_step_tokens_or_the_requests():
 
 def test_the_profile_step_runs_where_the_kv_cache_is_profiled(monkeypatch):
     monkeypatch.delenv("VLLM_DDTREE_PROFILE_STEP", raising=False)
-    assert profiles_tree_step(is_cpu=False) and not profiles_tree_step(is_cpu=True)
+    assert profile_step_enabled(is_cpu=False) and not profile_step_enabled(is_cpu=True)
     monkeypatch.setenv("VLLM_DDTREE_PROFILE_STEP", "1")
-    assert profiles_tree_step(is_cpu=True)
+    assert profile_step_enabled(is_cpu=True)
     monkeypatch.setenv("VLLM_DDTREE_PROFILE_STEP", "0")
-    assert not profiles_tree_step(is_cpu=False)
+    assert not profile_step_enabled(is_cpu=False)
     monkeypatch.setenv("VLLM_DDTREE_PROFILE_STEP", "yes")
     with pytest.raises(ValueError, match="auto .*, 0 or 1"):
-        profiles_tree_step(is_cpu=False)
+        profile_step_enabled(is_cpu=False)
 
 
 HELPER = r'''

@@ -228,7 +228,7 @@ def largest_verify_step(max_num_tokens: int, max_num_seqs: int, verify_width: in
     return rows, -(-rows // per_request)
 
 
-def profiles_tree_step(is_cpu: bool) -> bool:
+def profile_step_enabled(is_cpu: bool) -> bool:
     """Whether vLLM's profile run runs ddtree's largest step (`VLLM_DDTREE_PROFILE_STEP`: 1, 0, or auto,
     the default: where vLLM sizes the KV cache from that run's peak, which a CPU engine does not: its
     cache is ``VLLM_CPU_KVCACHE_SPACE``, and its profile run only warms up compilation)."""

@@ -1004,9 +1004,9 @@ def _patch_model_runner() -> None:
             import torch
             from vllm.platforms import current_platform
 
-            from vllm_ddtree.verify import profile_tree_step, profiles_tree_step
+            from vllm_ddtree.verify import profile_step_enabled, profile_tree_step
 
-            if profiles_tree_step(current_platform.is_cpu()):
+            if profile_step_enabled(current_platform.is_cpu()):
                 with torch.inference_mode():
                     self._ddtree_profiled = profile_tree_step(self, hidden_states)  # P20: in the memory profile
         return out
