@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -232,8 +233,6 @@ def profile_step_enabled(is_cpu: bool) -> bool:
     """Whether vLLM's profile run runs ddtree's largest step (`VLLM_DDTREE_PROFILE_STEP`: 1, 0, or auto,
     the default: where vLLM sizes the KV cache from that run's peak, which a CPU engine does not: its
     cache is ``VLLM_CPU_KVCACHE_SPACE``, and its profile run only warms up compilation)."""
-    import os
-
     value = os.environ.get("VLLM_DDTREE_PROFILE_STEP", "auto").strip().lower()
     if value not in ("auto", "0", "1"):
         raise ValueError(f"VLLM_DDTREE_PROFILE_STEP must be auto (the default), 0 or 1, got {value!r}")
