@@ -11,6 +11,7 @@ keeps the arguments. Prints "shim ok" when every check passed.
 from __future__ import annotations
 
 import inspect
+from types import SimpleNamespace
 
 import torch
 import flashinfer
@@ -272,7 +273,6 @@ def check_reorder_threshold(cfg) -> None:
     """P15 on vLLM's own GPUModelRunner.calculate_reorder_batch_threshold, over the engine's builders:
     FlashInfer's native decode asks for 1; ddtree orders every request of at most 1 + verify width
     queries before longer ones."""
-    from types import SimpleNamespace
 
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -289,7 +289,6 @@ def check_reorder_threshold(cfg) -> None:
 def check_start_up_build(cfg) -> None:
     """P14's prebuild: one tree step planned with the builder's constants and run (masked, and causal on
     vLLM's own prefill wrapper), for every distinct kernel of the engine's layer groups, once each."""
-    from types import SimpleNamespace
 
     from vllm_ddtree.vllm_patches import prebuild_tree_attention
 
@@ -364,6 +363,66 @@ def check_cudagraph_modes(cfg) -> None:
         assert resolve(stock, 1 + width) == CUDAGraphMode.PIECEWISE
     else:
         assert resolve(stock, 1 + width) == CUDAGraphMode.FULL_AND_PIECEWISE
+    check_runner_cudagraph_dispatch(cfg, spec)
+
+
+def check_runner_cudagraph_dispatch(cfg, spec) -> None:
+    """P21 through the runner's own code: `GPUModelRunner._check_and_update_cudagraph_mode` (unbound, on
+    the fields it reads) resolves the modes and fills vLLM's `CudagraphDispatcher`, which then dispatches
+    steps as the runner's `_determine_batch_execution_and_padding` asks it. With P21 a step without
+    trees (one token per request) replays a FULL decode graph and a tree step runs PIECEWISE; without
+    it (vLLM's 1 + verify width) every step runs PIECEWISE."""
+    import copy
+
+    from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode
+    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_ddtree.proposer import has_full_decode_graphs
+    from vllm_ddtree.vllm_patches import full_decode_graphs_for_undrafted_steps
+
+    width = cfg.speculative_config.num_speculative_tokens
+    sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+
+    def gpu_runner(p21: bool) -> SimpleNamespace:
+        gpu = copy.copy(cfg)  # a GPU engine's compilation: vLLM's default mode and capture sizes
+        gpu.compilation_config = CompilationConfig(
+            mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+            splitting_ops=list(CompilationConfig._attention_ops), cudagraph_capture_sizes=list(sizes),
+            max_cudagraph_capture_size=sizes[-1])
+        runner = SimpleNamespace(vllm_config=gpu, compilation_config=gpu.compilation_config,
+                                 uniform_decode_query_len=1 + width, cudagraph_dispatcher=CudagraphDispatcher(gpu),
+                                 kv_cache_config=None, max_num_reqs=gpu.scheduler_config.max_num_seqs,
+                                 speculative_config=None)  # (the drafter's keys: PIECEWISE either way)
+        assert runner.cudagraph_dispatcher.uniform_decode_query_len == 1 + width  # vLLM's own, as in the runner
+        if p21:
+            full_decode_graphs_for_undrafted_steps(runner)
+        GPUModelRunner._check_and_update_cudagraph_mode(runner, [{TreeFlashInferBackend}],
+                                                        [SimpleNamespace(kv_cache_spec=spec)])
+        return runner
+
+    def dispatch(runner, query_lens: list[int]) -> tuple[CUDAGraphMode, int]:
+        n, r = sum(query_lens), len(query_lens)
+        uniform = GPUModelRunner._is_uniform_decode(max(query_lens), runner.uniform_decode_query_len, n, r)
+        mode, desc = runner.cudagraph_dispatcher.dispatch(n, uniform_decode=uniform)
+        return mode, desc.num_tokens
+
+    undrafted, trees, full_trees = [1] * 5, [9, 4, 1, 6], [1 + width] * 3
+    p21 = gpu_runner(True)
+    assert p21.compilation_config.cudagraph_mode == CUDAGraphMode.FULL_AND_PIECEWISE
+    assert p21.compilation_config.cudagraph_capture_sizes == sizes  # not rounded to multiples of 1 + width
+    assert has_full_decode_graphs(p21)
+    assert dispatch(p21, undrafted) == (CUDAGraphMode.FULL, 8)  # padded to the next captured size
+    seqs = p21.max_num_reqs  # FULL decode graphs up to one token for each of max_num_seqs requests
+    assert dispatch(p21, [1] * (seqs - 1)) == (CUDAGraphMode.FULL, min(x for x in sizes if x >= seqs - 1))
+    assert dispatch(p21, trees) == (CUDAGraphMode.PIECEWISE, 32)
+    # a step whose trees all fill the width: a uniform batch to vLLM's chain, never a FULL graph here
+    assert dispatch(p21, full_trees) == (CUDAGraphMode.PIECEWISE, min(x for x in sizes if x >= sum(full_trees)))
+    stock = gpu_runner(False)  # the negative control: vLLM's length
+    assert stock.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
+    assert not has_full_decode_graphs(stock)
+    assert dispatch(stock, undrafted) == (CUDAGraphMode.PIECEWISE, 8)
+    assert dispatch(stock, trees) == (CUDAGraphMode.PIECEWISE, 32)
 
 
 

@@ -2,6 +2,8 @@
 users' requests; the speculation gate's baseline for any request count comes from those timings."""
 
 import json
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -70,6 +72,9 @@ def test_a_ddtree_engine_starts_calibrated(tmp_path):
         "        drafter = llm.llm_engine.model_executor.driver_worker.worker.model_runner.drafter\n"
         "        out['before'] = drafter.budget_summary()\n"
         "        out['prior'] = {str(k): v for k, v in drafter.auto.gate.ar_prior.items()}\n"
+        "        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner\n"
+        "        out['uniform'] = [runner.uniform_decode_query_len, runner.cudagraph_dispatcher.uniform_decode_query_len,\n"
+        "                          llm.llm_engine.vllm_config.num_speculative_tokens]\n"
         "    out[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]\n"
         "    del llm\n"
         "print('RESULT ' + json.dumps(out, default=str))\n")
@@ -81,4 +86,52 @@ def test_a_ddtree_engine_starts_calibrated(tmp_path):
     assert before["cost_calibrated"] and before["gate_drafted_steps"] == before["gate_undrafted_steps"] == 0
     assert len(before["explored_step_ms"]) >= 3 and all(ms > 0 for ms in before["explored_step_ms"].values())
     assert "1" in res["prior"] and all(s > 0 for s in res["prior"].values())
+    # P21: the runner's uniform decode is one token per request (vLLM's would be 1 + verify width)
+    assert res["uniform"][:2] == [1, 1] and res["uniform"][2] > 1, res["uniform"]
     assert res["ddtree"] == res["none"]
+
+
+class _DummyRunRecorder:
+    """The two things `calibrate_at_startup` asks of vLLM's runner: `_dummy_run` (recorded here; a
+    uniform decode returns at once, any other run takes `mixed_s`) and its CUDA-graph dispatcher's keys."""
+
+    def __init__(self, full_decode: bool, mixed_s: float = 0.005) -> None:
+        from vllm.config import CUDAGraphMode
+        from vllm.forward_context import BatchDescriptor
+
+        keys = {BatchDescriptor(num_tokens=8, num_reqs=8, uniform=True)} if full_decode else set()
+        self.cudagraph_dispatcher = SimpleNamespace(cudagraph_keys={CUDAGraphMode.FULL: keys,
+                                                                    CUDAGraphMode.PIECEWISE: set()})
+        self.mixed_s, self.calls = mixed_s, []
+
+    def _dummy_run(self, num_tokens: int, uniform_decode: bool = False) -> None:
+        self.calls.append((num_tokens, uniform_decode))
+        if not uniform_decode:
+            time.sleep(self.mixed_s)
+
+
+@pytest.mark.parametrize("full_decode", [False, True])
+def test_the_gate_s_baseline_is_timed_as_undrafted_steps_run(full_decode):
+    """Where vLLM holds FULL decode graphs (P21), the gate's baseline comes from uniform-decode dummy
+    runs (what a step without trees replays) and the cost fit from the piecewise ones (what a tree
+    step runs); without them both come from the same runs, and no run is added."""
+    from vllm_ddtree.proposer import DDTreeProposer, has_full_decode_graphs
+
+    auto = AutoBudget(CostModel(SHAPE, get_profile("cpu")), 1, 64, gate=SpeculationGate())
+    sched = SimpleNamespace(max_num_seqs=16, max_num_batched_tokens=256)
+    proposer = SimpleNamespace(auto=auto, ddtree_vllm_config=SimpleNamespace(scheduler_config=sched),
+                               max_budget=64, device=torch.device("cpu"), live_timing=True)
+    runner = _DummyRunRecorder(full_decode)
+    assert has_full_decode_graphs(runner) is full_decode
+    measured = DDTreeProposer.calibrate_at_startup(proposer, runner)
+    mixed = [n for n, uniform in runner.calls if not uniform]
+    uniform = [n for n, uniform in runner.calls if uniform]
+    sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert sorted(set(mixed)) == sizes and mixed.count(1) == 3  # a warm-up and two timed runs each
+    assert sorted(set(uniform)) == ([1, 2, 4, 8, 16] if full_decode else [])  # requests up to max_num_seqs
+    assert sorted(auto.gate.ar_prior) == [1, 2, 4, 8, 16]
+    assert not auto.exploring and all(ms >= 5.0 for ms in measured["step_ms"].values())
+    if full_decode:
+        assert all(s < 0.005 for s in auto.gate.ar_prior.values())
+    else:
+        assert auto.gate.ar_prior == pytest.approx({n: measured["step_ms"][n] / 1e3 for n in auto.gate.ar_prior})

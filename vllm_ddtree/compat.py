@@ -1,6 +1,6 @@
 """Static compatibility check of a vLLM release against every runtime patch vllm-ddtree applies.
 
-vllm-ddtree wraps and subclasses private vLLM code (:mod:`vllm_ddtree.vllm_patches`, P0–P20, and the
+vllm-ddtree wraps and subclasses private vLLM code (:mod:`vllm_ddtree.vllm_patches`, P0–P21, and the
 classes and helpers the tree proposer, sampler and attention backends build on). A vLLM release is
 safe to patch only where that code is what the patches were written against: vLLM 0.32.0.
 
@@ -53,7 +53,7 @@ def _t(patch: str, file: str, names: str, why: str) -> list[Target]:
     return [Target(patch, file, n.strip(), why) for n in names.split(",")]
 
 
-#: Every target, grouped by the patch that needs it (see vllm_patches' docstring for P0–P20).
+#: Every target, grouped by the patch that needs it (see vllm_patches' docstring for P0–P21).
 TARGETS: tuple[Target, ...] = tuple(
     _t("P1", "config/speculative.py", "SpeculativeMethod, SpeculativeConfig:fields",
        "the method Literal widened with 'ddtree'; the dataclass a 'ddtree' field is added to")
@@ -151,6 +151,16 @@ TARGETS: tuple[Target, ...] = tuple(
          "the opt-in per-request acceptance histogram sized by the deepest tree node")
     + _t("P20", "v1/worker/gpu_model_runner.py", "GPUModelRunner._dummy_sampler_run",
          "ddtree's largest verify and drafting step run after vLLM's dummy sampler, inside its memory profile")
+    + _t("P21", "v1/worker/gpu_model_runner.py",
+         "GPUModelRunner._is_uniform_decode, GPUModelRunner._determine_batch_execution_and_padding, "
+         "GPUModelRunner._check_and_update_cudagraph_mode",
+         "a ddtree runner's uniform decode is one token per request: FULL decode graphs for steps without trees")
+    + _t("P21", "v1/cudagraph_dispatcher.py",
+         "CudagraphDispatcher.__init__, CudagraphDispatcher._create_padded_batch_descriptor, "
+         "CudagraphDispatcher.initialize_cudagraph_keys, CudagraphDispatcher.dispatch",
+         "a ddtree runner's uniform decode is one token per request: FULL decode graphs for steps without trees")
+    + _t("P21", "config/compilation.py", "CompilationConfig.resolve_cudagraph_mode_and_sizes",
+         "a ddtree runner's uniform decode is one token per request: FULL decode graphs for steps without trees")
     + _t("engine", "v1/sample/thinking_budget_state.py",
          "ThinkingBudgetStateHolder.__init__, ThinkingBudgetStateHolder._init_state_entry, "
          "ThinkingBudgetStateHolder._update_think_state, ThinkingBudgetStateHolder._apply_forcing_to_logits",

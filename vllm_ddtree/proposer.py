@@ -208,6 +208,16 @@ class DDTreeStats:
                 "mean_tree_depth": depth / s, "mean_acceptance_length": 1 + acc / s}
 
 
+def has_full_decode_graphs(runner) -> bool:
+    """Whether vLLM's dispatcher holds FULL graphs for uniform decodes (P21: a ddtree runner's undrafted
+    steps, one token per request, replay them). Never on a CPU, where vLLM captures no graphs."""
+    from vllm.config import CUDAGraphMode
+
+    dispatcher = getattr(runner, "cudagraph_dispatcher", None)
+    keys = getattr(dispatcher, "cudagraph_keys", {}).get(CUDAGraphMode.FULL, ())
+    return any(key.uniform for key in keys)
+
+
 def _present_as_dflash(vllm_config, width: int):
     """A shallow copy of the config whose speculative config reads as vLLM's DFlash with W tokens.
 
@@ -432,8 +442,11 @@ class DDTreeProposer(DFlashProposer):
         min(n, max_num_seqs) requests, and the drafter's): n = 1, 2, 4, ... are the undrafted steps of
         n requests (the speculation gate's baseline, `SpeculationGate.ar_prior`), and all sizes up to
         `max_tokens` feed the cost fit in place of exploring sizes on live requests
-        (`CostCalibration.seed`). Each size: one warm-up, then the median of `repeats`. Returns what
-        was measured (None without the automatic budget).
+        (`CostCalibration.seed`). Each size: one warm-up, then the median of `repeats`. Where vLLM
+        captured FULL decode graphs (P21: the steps without trees replay them), the undrafted steps
+        are timed again as those steps run, as uniform decodes (`_dummy_run(n, uniform_decode=True)`),
+        for the gate's baseline; the cost fit keeps the piecewise timings, as tree steps run. Returns
+        what was measured (None without the automatic budget).
         """
         if self.auto is None:
             return None
@@ -442,24 +455,30 @@ class DDTreeProposer(DFlashProposer):
         top = min(max_tokens, sched.max_num_batched_tokens, max_seqs * (1 + self.max_budget))
         sizes = sorted({2 ** i for i in range(top.bit_length()) if 2 ** i <= top} | {top})
         sync = (torch.cuda.synchronize if self.device.type == "cuda" else lambda: None)
-        timed = {}
-        for n in sizes:
+
+        def median_seconds(step) -> float:
             seconds = []
             for i in range(repeats + 1):
                 sync()
                 t0 = time.perf_counter()
-                runner._dummy_run(n)
+                step()
                 sync()
                 if i:  # the first is a warm-up
                     seconds.append(time.perf_counter() - t0)
-            timed[n] = statistics.median(seconds)
+            return statistics.median(seconds)
+
+        timed = {n: median_seconds(lambda: runner._dummy_run(n)) for n in sizes}
+        undrafted = {n: sec for n, sec in timed.items() if n <= max_seqs}
+        full_decode = has_full_decode_graphs(runner)
+        if full_decode:
+            undrafted = {n: median_seconds(lambda: runner._dummy_run(n, uniform_decode=True)) for n in undrafted}
         tp = _tensor_parallel_group()
         if tp is not None:
             # Every rank must choose the same trees (the scheduler takes rank 0's drafts, and each
             # rank masks its own heads with its own trees): rank 0's timings for all, and no timing
             # of live steps afterwards, which would differ per rank. Acceptance calibrations see the
             # same tokens on every rank and keep learning.
-            timed = tp.broadcast_object(timed, src=0)
+            timed, undrafted = tp.broadcast_object((timed, undrafted), src=0)
             self.live_timing = False
         points = []
         for n, sec in timed.items():
@@ -468,10 +487,14 @@ class DDTreeProposer(DFlashProposer):
             points.append((float(n), reqs * q * (q + 1) / 2, 0.0, sec))
         self.auto.calibration.seed(points)
         if self.auto.gate is not None:
-            self.auto.gate.ar_prior = {n: sec for n, sec in timed.items() if n <= max_seqs}
+            self.auto.gate.ar_prior = undrafted
         logger.info("ddtree: timed steps of %s tokens at start-up: %s ms; the automatic budget starts calibrated",
                     "/".join(map(str, timed)), "/".join(f"{1e3 * s:.1f}" for s in timed.values()))
-        return {"step_ms": {n: 1e3 * s for n, s in timed.items()}}
+        if full_decode:
+            logger.info("ddtree: undrafted steps of %s requests replay FULL decode graphs: %s ms",
+                        "/".join(map(str, undrafted)), "/".join(f"{1e3 * s:.1f}" for s in undrafted.values()))
+        return {"step_ms": {n: 1e3 * s for n, s in timed.items()},
+                "undrafted_step_ms": {n: 1e3 * s for n, s in undrafted.items()}}
 
     @property
     def draft_vocab_size(self) -> int | None:

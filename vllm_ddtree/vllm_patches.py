@@ -161,6 +161,11 @@ P20 ``GPUModelRunner._dummy_sampler_run`` (:5927) — wrapped: vLLM sizes the KV
     drafter head's top-k over the most rows a drafting step has. Their peak then leaves room for
     them in the KV cache (vLLM's profile of its own chain verifies one draft per request). Not on a
     CPU, whose cache size is set, not profiled (``VLLM_DDTREE_PROFILE_STEP``: auto, 1, 0).
+P21 ``GPUModelRunner.__init__`` (:870, ``uniform_decode_query_len``) and its ``CudagraphDispatcher``
+    (v1/cudagraph_dispatcher.py:36) — for ddtree, set to one token per request instead of
+    1 + verify width (:func:`full_decode_graphs_for_undrafted_steps`): vLLM's mode resolution
+    (``CompilationConfig.resolve_cudagraph_mode_and_sizes``, config/compilation.py:1369) then keeps
+    FULL decode graphs, which the steps without trees replay as the target alone's steps do.
 """
 
 from __future__ import annotations
@@ -831,6 +836,20 @@ def _is_ddtree(vllm_config) -> bool:
     return spec is not None and spec.method == METHOD
 
 
+def full_decode_graphs_for_undrafted_steps(runner) -> None:
+    """P21: a ddtree runner's uniform decode is one token per request, not 1 + verify width.
+
+    vLLM sets ``GPUModelRunner.uniform_decode_query_len`` and its ``CudagraphDispatcher``'s to
+    1 + ``num_speculative_tokens``: a speculative engine's FULL decode graphs are for steps in which
+    every request verifies the whole width. No tree step can replay one (its mask is planned per step),
+    and with that length vLLM's mode resolution turns FULL_AND_PIECEWISE into PIECEWISE for every step.
+    With 1 it keeps FULL_AND_PIECEWISE as without speculation: the steps in which no request has a
+    tree (the gate closed, Dynamic SD's K = 0, more requests than the drafter holds) replay FULL decode
+    graphs as the target alone does; tree steps and the drafter stay PIECEWISE."""
+    runner.uniform_decode_query_len = 1
+    runner.cudagraph_dispatcher.uniform_decode_query_len = 1
+
+
 def _patch_model_runner() -> None:
     from vllm.v1.spec_decode.dflash import DFlashProposer
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -859,6 +878,7 @@ def _patch_model_runner() -> None:
 
             self.drafter = DDTreeProposer(vllm_config, self.device, self)
             self.use_aux_hidden_state_outputs = True
+            full_decode_graphs_for_undrafted_steps(self)  # P21
             # thinking_token_budget: ddtree's stand-in for vLLM's holder (None without a reasoning config)
             self._ddtree_thinking = ThinkingBudgets.for_runner(self)
 

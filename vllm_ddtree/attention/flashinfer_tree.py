@@ -20,11 +20,13 @@ What it replaces, and why (vLLM 0.32, v1/attention/backends/flashinfer.py):
 - ``FlashInferMetadataBuilder.get_cudagraph_support`` (:1036): capped at single-token decode. A
   step whose trees all fill the budget is a uniform batch of 1 + budget tokens, which the stock
   backend would replay from a FULL CUDA graph captured without the mask; ``plan()`` with a custom
-  mask cannot be captured either. vLLM's mode resolution then turns FULL_AND_PIECEWISE into
-  PIECEWISE for the whole engine, the drafter included (a uniform decode of 1 + verify width tokens
-  with single-token support; ``tests/flashinfer_shim_check.py`` runs it): attention runs eagerly
-  between piecewise graphs on every step. Where the stock backend itself reports single-token support
-  (its native decode: what vLLM 0.32 reports for this config), vLLM's DFlash chain resolves the same.
+  mask cannot be captured either. A ddtree runner's uniform decode is one token per request (P21,
+  ``vllm_patches.full_decode_graphs_for_undrafted_steps``), so vLLM's mode resolution keeps
+  FULL_AND_PIECEWISE: steps without trees replay FULL decode graphs through the stock build, and
+  tree steps (never uniform at that length) and the drafter run PIECEWISE, attention eagerly
+  between the graphs (``tests/flashinfer_shim_check.py`` runs the resolution and the dispatch).
+  Where the stock backend reports single-token support (its native decode: what vLLM 0.32 reports
+  for this config), vLLM's DFlash chain resolves PIECEWISE for every step.
 - Start-up (``prebuild_tree_kernels``, called after vLLM's warm-up by P14): one dummy verify step is
   planned and run, masked and causal, so FlashInfer's JIT builds of both kernels happen before serving.
 - Opt-in, ``VLLM_DDTREE_XQA=1`` where vLLM's builder runs its spec decodes through FlashInfer's XQA
