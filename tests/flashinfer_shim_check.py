@@ -330,6 +330,25 @@ def check_start_up_build(cfg) -> None:
     drafter_runner = SimpleNamespace(_attn_group_iterator=lambda: iter([drafter_group]),
                                      drafter=SimpleNamespace(_draft_attn_layer_names={name}))
     assert prebuild_tree_attention(drafter_runner) == 0
+    # A machine where FlashInfer cannot build the kernel (its error without nvcc): the engine stops at
+    # start-up with what ddtree needs and FlashInfer's message, not at the first verify step.
+    nvcc = "Could not find nvcc and default cuda_home='/usr/local/cuda' doesn't exist"
+
+    class NoCompiler(PlanRecorder):
+        def plan(self, **kwargs) -> None:
+            raise RuntimeError(nvcc)
+
+    failing = TreeFlashInferMetadataBuilder(spec, [name], cfg, torch.device("cpu"))
+    failing._ddtree_wrapper, failing._prefill_wrapper = NoCompiler(), PlanRecorder()
+    failing_runner = SimpleNamespace(_attn_group_iterator=lambda: iter([SimpleNamespace(metadata_builders=[failing])]))
+    try:
+        prebuild_tree_attention(failing_runner)
+    except RuntimeError as e:
+        said = str(e)
+        assert "'ddtree'" in said and "nvcc on PATH or under CUDA_HOME" in said and nvcc in said, said
+        assert "torch.bfloat16, head dim 64" in said and isinstance(e.__cause__, RuntimeError), said
+    else:
+        raise AssertionError("a kernel FlashInfer could not build was not reported")
 
 
 def check_cudagraph_modes(cfg) -> None:

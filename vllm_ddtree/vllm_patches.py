@@ -1129,11 +1129,31 @@ def prebuild_tree_attention(runner) -> int:
                 _logger().info("ddtree: loading FlashInfer's tree-attention kernel (%s); a first start "
                                "compiles it, which can take a minute", constants["q_data_type"])
                 start = time.perf_counter()
-                builder.prebuild_tree_kernels()
+                try:
+                    builder.prebuild_tree_kernels()
+                except NotImplementedError:
+                    raise  # a refusal that names the setting to change
+                except Exception as e:  # noqa: BLE001 - FlashInfer's build failed: say what ddtree needs
+                    raise RuntimeError(tree_kernel_build_error(constants, e)) from e
                 built.add(key)
                 _logger().info("ddtree: FlashInfer tree-attention kernel ready (%s) in %.1f s", constants["q_data_type"],
                                time.perf_counter() - start)
     return len(built)
+
+
+def tree_kernel_build_error(constants: dict, error: BaseException) -> str:
+    """The start-up error when FlashInfer cannot build or load ddtree's custom-mask kernel: what ddtree
+    needs it for, what FlashInfer needs to build it, and FlashInfer's own message (its end: a failed
+    build's log can be long; the whole error is chained)."""
+    import torch
+
+    said = " ".join(str(error).split())
+    said = said if len(said) <= 600 else "..." + said[-600:]
+    return (f"speculative method 'ddtree' verifies draft trees with FlashInfer's custom-mask prefill kernel "
+            f"({constants['q_data_type']}, head dim {constants['head_dim']}), which could not be built or loaded. "
+            f"FlashInfer compiles it on an engine's first start with the CUDA toolkit: nvcc on PATH or under "
+            f"CUDA_HOME (CUDA {torch.version.cuda}, as PyTorch was built with) and ninja; install them, or use "
+            f"another speculative method. FlashInfer: {type(error).__name__}: {said}")
 
 
 # ---- P17: the engine arguments' rules (LoRA step, KV-cache dtype) ---------------------------------
