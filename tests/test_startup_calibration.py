@@ -93,7 +93,9 @@ def test_a_ddtree_engine_starts_calibrated(tmp_path):
 
 class _DummyRunRecorder:
     """The two things `calibrate_at_startup` asks of vLLM's runner: `_dummy_run` (recorded here; a
-    uniform decode returns at once, any other run takes `mixed_s`) and its CUDA-graph dispatcher's keys."""
+    uniform decode returns at once, any other run takes `mixed_s`) and its CUDA-graph dispatcher's keys.
+    A stand-in because vLLM captures no CUDA graphs on a CPU: the real engine (the slow test above)
+    only ever takes the branch without FULL decode graphs."""
 
     def __init__(self, full_decode: bool, mixed_s: float = 0.005) -> None:
         from vllm.config import CUDAGraphMode

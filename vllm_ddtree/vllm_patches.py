@@ -1152,8 +1152,9 @@ def tree_kernel_build_error(constants: dict, error: BaseException) -> str:
     return (f"speculative method 'ddtree' verifies draft trees with FlashInfer's custom-mask prefill kernel "
             f"({constants['q_data_type']}, head dim {constants['head_dim']}), which could not be built or loaded. "
             f"FlashInfer compiles it on an engine's first start with the CUDA toolkit: nvcc on PATH or under "
-            f"CUDA_HOME (CUDA {torch.version.cuda}, as PyTorch was built with) and ninja; install them, or use "
-            f"another speculative method. FlashInfer: {type(error).__name__}: {said}")
+            f"CUDA_HOME (CUDA {torch.version.cuda}, as PyTorch was built with) and ninja. Install them if they "
+            f"are missing; otherwise FlashInfer's message says what failed. Or use another speculative method. "
+            f"FlashInfer: {type(error).__name__}: {said}")
 
 
 # ---- P17: the engine arguments' rules (LoRA step, KV-cache dtype) ---------------------------------
