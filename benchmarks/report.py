@@ -186,8 +186,11 @@ def render_step_profile(study: dict, rows: list[dict]) -> list[str]:
 def render_undrafted(study: dict, rows: list[dict]) -> list[str]:
     cols = [(k, k.removesuffix("_ms").replace("_", " ") + " (ms)") for k in
             unique(k for r in rows for k in r if k.endswith("_ms"))]
-    header = ["engine", "tok/s"] + [h for _, h in cols]
-    body = [[r["engine"], fmt(r.get("tokens_per_s"), 1)] + [fmt(r.get(k), 1) for k, _ in cols] for r in rows]
+    ops = any("ddtree_ops_per_step" in r for r in rows)  # ddtree's ops on an undrafted step, where counted
+    header = ["engine", "tok/s"] + [h for _, h in cols] + (["ddtree ops (views)"] if ops else [])
+    body = [[r["engine"], fmt(r.get("tokens_per_s"), 1)] + [fmt(r.get(k), 1) for k, _ in cols]
+            + ([f"{fmt(r['ddtree_ops_per_step'])} ({fmt(r['ddtree_views_per_step'])})" if "ddtree_ops_per_step" in r
+                else "–"] if ops else []) for r in rows]
     return table(header, body)
 
 

@@ -12,7 +12,10 @@ discarded) instead of the context pass alone; and the first again with the CPU t
 SDPA path on every step (`cpu_tree.STOCK_KERNEL_FOR_PLAIN_STEPS = False`) instead of CPU_ATTN's
 kernel on the steps without trees. Medians per step of `GPUModelRunner.execute_model`
 (the forward), `sample_tokens` (sampling, and the drafter's K = 0 pass, timed alone as `drafter_k0`)
-and tokens/s of the whole generate(). `--profile N`: afterwards, N more tokens per request under
+and tokens/s of the whole generate(); for the ddtree engines, the aten ops its proposer dispatches
+on an undrafted decode step (`ddtree_ops_per_step`, views among them `ddtree_views_per_step`: what a
+GPU launches beside the target's step, which there replays a FULL decode graph; the drafter's context
+pass included). `--profile N`: afterwards, N more tokens per request under
 torch.profiler; each engine's six costliest ops by self CPU time, in milliseconds per decode step
 (`profile_ms_per_step`: where an undrafted step's extra time goes).
 """
@@ -44,6 +47,31 @@ def close_gate(llm) -> None:
     drafter.auto.gate.probe_every = drafter.auto.gate.max_probe_every = 10**6
     drafter.auto.gate.stale_s = float("inf")
     drafter.auto.gate.ar_seconds = {r: [1e-6] for r in range(1, 257)}
+
+
+class OpCount:
+    """Counts the aten ops dispatched while it is entered (views apart: no kernel, host time only)."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                counter.ops += 1
+                counter.views += func.is_view
+                return func(*args, **(kwargs or {}))
+
+        self.ops = self.views = 0
+        self.mode = Mode()
+
+    def __enter__(self) -> "OpCount":
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.mode.__exit__(*exc)
 
 
 def profile_ops(llm, prompts: list[str], tokens: int, top: int = 6) -> dict[str, float]:
@@ -105,6 +133,23 @@ def main() -> None:
             return out
         return wrapper
 
+    # (ops, views) of each undrafted decode step's propose, counted in a short run after the timed one
+    # (the counting mode costs host time per op, which the timings must not include)
+    undrafted_ops: list[tuple[int, int]] = []
+    counting = [False]
+    ddtree_propose = DDTreeProposer.propose
+
+    def counted_propose(self, num_speculative_tokens, **kw):
+        if not counting[0]:
+            return ddtree_propose(self, num_speculative_tokens, **kw)
+        with OpCount() as count:
+            out = ddtree_propose(self, num_speculative_tokens, **kw)
+        cad = kw["common_attn_metadata"]
+        if self.undrafted and cad.num_actual_tokens == cad.batch_size():  # one token per request
+            undrafted_ops.append((count.ops, count.views))
+        return out
+
+    DDTreeProposer.propose = counted_propose
     DFlashProposer.propose = timed(DFlashProposer.propose, "drafter_k0", only_k0=True)
     DDTreeProposer._take_in_context = timed(DDTreeProposer._take_in_context, "drafter_k0")
     GPUModelRunner.execute_model = timed(GPUModelRunner.execute_model, "execute_model")
@@ -139,6 +184,14 @@ def main() -> None:
         tokens = sum(len(o.outputs[0].token_ids) for o in out)
         row = {"engine": name, "dtype": args.dtype, "batch": args.batch, "cpu": cpu_name(), "tokens_per_s": tokens / secs}
         row |= {f"{k}_ms": 1e3 * statistics.median(v) for k, v in times.items() if v}
+        undrafted_ops.clear()
+        counting[0] = spec is not None
+        if counting[0]:
+            llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        counting[0] = False
+        if undrafted_ops:
+            row["ddtree_ops_per_step"] = statistics.median(n for n, _ in undrafted_ops)
+            row["ddtree_views_per_step"] = statistics.median(v for _, v in undrafted_ops)
         if args.profile:
             row["profile_ms_per_step"] = profile_ops(llm, prompt, args.profile)
         rows.append(row)
