@@ -66,6 +66,7 @@ def main() -> None:
     assert TreeFlashInferBackend.get_builder_cls() is TreeFlashInferMetadataBuilder
     assert issubclass(TreeFlashInferMetadataBuilder, FlashInferMetadataBuilder)
     assert gpu_tree_attention_backend(None) == AttentionBackendEnum.FLASHINFER
+    check_toolkit_warning()
 
     cfg = EngineArgs(model=str(prepare_target()), dtype="bfloat16", max_model_len=512,
                      speculative_config={"method": "ddtree", "model": str(drafter_dir()), "tree_budget": 8}
@@ -81,6 +82,51 @@ def main() -> None:
     with set_current_vllm_config(cfg):
         check_xqa_verify_step(cfg)
     print("shim ok", flashinfer.__version__)
+
+
+def check_toolkit_warning() -> None:
+    """Without a CUDA toolkit where FlashInfer looks, choosing ddtree's attention (while the model is
+    built, before its weights load) warns once that the kernel build after loading will fail."""
+    import logging
+    import os
+    import tempfile
+
+    import vllm_ddtree.vllm_patches as patches
+
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    saved = {k: os.environ.get(k) for k in ("CUDA_HOME", "CUDA_PATH", "PATH")}
+    logger = logging.getLogger("vllm.ddtree")
+    handler = Keep()
+    logger.addHandler(handler)
+    try:
+        with tempfile.TemporaryDirectory() as empty:
+            os.environ.pop("CUDA_HOME", None)
+            os.environ.pop("CUDA_PATH", None)
+            os.environ["CUDA_HOME"] = empty  # a toolkit without nvcc, wherever this check runs
+            patches._toolkit_warned = False
+            for _ in range(3):  # once per process, not once per layer
+                assert patches.gpu_tree_attention_backend(None) == AttentionBackendEnum.FLASHINFER
+            toolkit = os.path.join(empty, "cuda")
+            os.makedirs(os.path.join(toolkit, "bin"))
+            open(os.path.join(toolkit, "bin", "nvcc"), "w").close()
+            os.environ["CUDA_HOME"] = toolkit  # a toolkit with nvcc: nothing is said
+            patches._toolkit_warned = False
+            patches.gpu_tree_attention_backend(None)
+    finally:
+        logger.removeHandler(handler)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    warned = [m for m in said if "tree-attention kernel" in m]
+    assert len(warned) == 1, said  # once over three calls, and not with a toolkit
+    assert f"no bin/nvcc under {empty}" in warned[0] and "install the CUDA toolkit" in warned[0], warned
 
 
 def check_verify_step(cfg) -> None:
@@ -290,7 +336,7 @@ def check_start_up_build(cfg) -> None:
     """P14's prebuild: one tree step planned with the builder's constants and run (masked, and causal on
     vLLM's own prefill wrapper), for every distinct kernel of the engine's layer groups, once each."""
 
-    from vllm_ddtree.vllm_patches import prebuild_tree_attention
+    from vllm_ddtree.vllm_patches import cuda_toolkit_missing, prebuild_tree_attention
 
     spec = FullAttentionSpec(block_size=16, num_kv_heads=3, head_size=64, dtype=torch.bfloat16)
     name = "model.layers.0.self_attn.attn"  # the layer check_verify_step made
@@ -347,6 +393,8 @@ def check_start_up_build(cfg) -> None:
         said = str(e)
         assert "'ddtree'" in said and "nvcc on PATH or under CUDA_HOME" in said and nvcc in said, said
         assert "torch.bfloat16, head dim 64" in said and isinstance(e.__cause__, RuntimeError), said
+        missing = cuda_toolkit_missing()  # the advice follows what this machine has
+        assert (f"here it finds none ({missing}): install it" if missing else "FlashInfer's message says") in said
     else:
         raise AssertionError("a kernel FlashInfer could not build was not reported")
 

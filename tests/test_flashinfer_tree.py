@@ -15,6 +15,7 @@ No GPU here, so FlashInfer's kernel cannot run. What can break is checked instea
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -236,6 +237,37 @@ def test_compaction_moves_whole_slots_in_flashinfers_cache_layout():
         assert torch.equal(flat(k_new)[untouched], flat(k_old)[untouched])
     with pytest.raises(ValueError, match="expected one of"):
         move_slots_(caches, src, dst, "NHD")
+
+
+def test_cuda_toolkit_missing_looks_where_flashinfer_looks(tmp_path, monkeypatch):
+    # FlashInfer takes the toolkit from CUDA_HOME / CUDA_PATH, else the nvcc on PATH, else /usr/local/cuda
+    import vllm_ddtree.vllm_patches as patches
+    from vllm_ddtree.vllm_patches import cuda_toolkit_missing
+
+    toolkit, empty = tmp_path / "cuda", tmp_path / "empty"
+    (toolkit / "bin").mkdir(parents=True)
+    empty.mkdir()
+    nvcc = toolkit / "bin" / "nvcc"
+    nvcc.write_text("#!/bin/sh\n")
+    nvcc.chmod(0o755)
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("CUDA_HOME", str(toolkit))
+    assert cuda_toolkit_missing() is None
+    monkeypatch.setenv("CUDA_HOME", str(empty))
+    assert cuda_toolkit_missing() == f"no bin/nvcc under {empty}"  # FlashInfer uses CUDA_HOME as set
+    monkeypatch.delenv("CUDA_HOME")
+    monkeypatch.setenv("CUDA_PATH", str(toolkit))
+    assert cuda_toolkit_missing() is None
+    monkeypatch.delenv("CUDA_PATH")
+    monkeypatch.setenv("PATH", str(toolkit / "bin"))
+    assert cuda_toolkit_missing() is None
+    monkeypatch.setenv("PATH", str(empty))
+    monkeypatch.setattr(patches, "FLASHINFER_DEFAULT_CUDA_HOME", str(toolkit))
+    assert cuda_toolkit_missing() is None  # the last place FlashInfer looks
+    monkeypatch.setattr(patches, "FLASHINFER_DEFAULT_CUDA_HOME", str(empty))
+    assert importlib.util.find_spec("flashinfer_jit_cache") is None  # (its prebuilt kernels would do)
+    assert cuda_toolkit_missing() == f"no CUDA_HOME or CUDA_PATH, no nvcc on PATH, none in {empty}"
 
 
 def test_gpu_attention_choice_refuses_what_cannot_take_a_tree_mask():

@@ -785,7 +785,48 @@ def gpu_tree_attention_backend(requested: Any) -> Any:
             "speculative method 'ddtree' verifies draft trees on GPUs with FlashInfer; install it with "
             "`pip install vllm-ddtree[gpu]` (flashinfer-python)"
         )
+    missing = cuda_toolkit_missing()
+    if missing is not None and not _toolkit_warned:
+        _warn_toolkit_missing(missing)
     return AttentionBackendEnum.FLASHINFER
+
+
+_toolkit_warned = False
+
+
+def _warn_toolkit_missing(missing: str) -> None:
+    """Said once per process, while the model is built (before its weights load): the kernel build
+    that needs the toolkit comes after the model has loaded (`prebuild_tree_attention`)."""
+    global _toolkit_warned
+    _toolkit_warned = True
+    _logger().warning(
+        "ddtree: FlashInfer compiles ddtree's tree-attention kernel on an engine's first start with the CUDA "
+        "toolkit, and none is where FlashInfer looks (%s). Unless an earlier start on this machine built it "
+        "(FlashInfer's cache, ~/.cache/flashinfer), this engine will stop after loading the model; install the "
+        "CUDA toolkit or set CUDA_HOME", missing)
+
+
+#: Where FlashInfer looks for the CUDA toolkit last (after CUDA_HOME / CUDA_PATH and the nvcc on PATH).
+FLASHINFER_DEFAULT_CUDA_HOME = "/usr/local/cuda"
+
+
+def cuda_toolkit_missing() -> str | None:
+    """Why FlashInfer could not compile a kernel on this machine, or None where it can (or needs not).
+
+    FlashInfer (0.7, `jit/cpp_ext.get_cuda_path`) takes the toolkit from CUDA_HOME or CUDA_PATH, else
+    from the `nvcc` on PATH, else /usr/local/cuda; its kernels ship prebuilt in `flashinfer-jit-cache`."""
+    import importlib.util
+    import os
+    import shutil
+
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home is not None:
+        return None if os.path.exists(os.path.join(home, "bin", "nvcc")) else f"no bin/nvcc under {home}"
+    if shutil.which("nvcc") is not None or os.path.exists(os.path.join(FLASHINFER_DEFAULT_CUDA_HOME, "bin", "nvcc")):
+        return None
+    if importlib.util.find_spec("flashinfer_jit_cache") is not None:
+        return None
+    return f"no CUDA_HOME or CUDA_PATH, no nvcc on PATH, none in {FLASHINFER_DEFAULT_CUDA_HOME}"
 
 
 def _patch_cpu_attention_selection() -> None:
@@ -1149,12 +1190,14 @@ def tree_kernel_build_error(constants: dict, error: BaseException) -> str:
 
     said = " ".join(str(error).split())
     said = said if len(said) <= 600 else "..." + said[-600:]
+    missing = cuda_toolkit_missing()
+    toolkit = (f"here it finds none ({missing}): install it" if missing is not None
+               else "FlashInfer's message says what failed")
     return (f"speculative method 'ddtree' verifies draft trees with FlashInfer's custom-mask prefill kernel "
             f"({constants['q_data_type']}, head dim {constants['head_dim']}), which could not be built or loaded. "
             f"FlashInfer compiles it on an engine's first start with the CUDA toolkit: nvcc on PATH or under "
-            f"CUDA_HOME (CUDA {torch.version.cuda}, as PyTorch was built with) and ninja. Install them if they "
-            f"are missing; otherwise FlashInfer's message says what failed. Or use another speculative method. "
-            f"FlashInfer: {type(error).__name__}: {said}")
+            f"CUDA_HOME (CUDA {torch.version.cuda}, as PyTorch was built with) and ninja; {toolkit}. Or use "
+            f"another speculative method. FlashInfer: {type(error).__name__}: {said}")
 
 
 # ---- P17: the engine arguments' rules (LoRA step, KV-cache dtype) ---------------------------------
