@@ -393,7 +393,7 @@ def check_start_up_build(cfg) -> None:
         said = str(e)
         assert "'ddtree'" in said and "nvcc on PATH or under CUDA_HOME" in said and nvcc in said, said
         assert "torch.bfloat16, head dim 64" in said and isinstance(e.__cause__, RuntimeError), said
-        missing = cuda_toolkit_missing()  # the advice follows what this machine has
+        missing = cuda_toolkit_missing()  # the advice follows the toolkit found where the check runs
         assert (f"here it finds none ({missing}): install it" if missing else "FlashInfer's message says") in said
     else:
         raise AssertionError("a kernel FlashInfer could not build was not reported")

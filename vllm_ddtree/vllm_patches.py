@@ -801,7 +801,7 @@ def _warn_toolkit_missing(missing: str) -> None:
     _toolkit_warned = True
     _logger().warning(
         "ddtree: FlashInfer compiles ddtree's tree-attention kernel on an engine's first start with the CUDA "
-        "toolkit, and none is where FlashInfer looks (%s). Unless an earlier start on this machine built it "
+        "toolkit, and none is where FlashInfer looks (%s). Unless an earlier start on the same host built it "
         "(FlashInfer's cache, ~/.cache/flashinfer), this engine will stop after loading the model; install the "
         "CUDA toolkit or set CUDA_HOME", missing)
 
@@ -811,7 +811,7 @@ FLASHINFER_DEFAULT_CUDA_HOME = "/usr/local/cuda"
 
 
 def cuda_toolkit_missing() -> str | None:
-    """Why FlashInfer could not compile a kernel on this machine, or None where it can (or needs not).
+    """Why FlashInfer could not compile a kernel in this process, or None where it can (or needs not).
 
     FlashInfer (0.7, `jit/cpp_ext.get_cuda_path`) takes the toolkit from CUDA_HOME or CUDA_PATH, else
     from the `nvcc` on PATH, else /usr/local/cuda; its kernels ship prebuilt in `flashinfer-jit-cache`."""
