@@ -69,7 +69,8 @@ P9  ``vllm.v1.attention.selector._cached_get_attn_backend`` (v1/attention/select
     On a GPU, ddtree asks for FLASHINFER (:func:`gpu_tree_attention_backend`: another requested
     backend or a missing ``flashinfer-python`` is a clear error — the platform's default, FlashAttention,
     would let tree rows see their siblings) and gets :mod:`vllm_ddtree.attention.flashinfer_tree`'s
-    subclass of it. Platforms other than CPU and CUDA are refused with a clear error.
+    subclass of it; with no CUDA toolkit where FlashInfer looks, a warning (:func:`cuda_toolkit_missing`).
+    Platforms other than CPU and CUDA are refused with a clear error.
 P10 ``DFlashProposer.__init__`` (v1/spec_decode/dflash.py:24) — for ddtree, called with the config
     presented as DFlash of the drafter's width W (it asserts the method and sizes its buffers from
     ``num_speculative_tokens``, which for ddtree is the verify width). ``GPUModelRunner.__init__``
